@@ -1,0 +1,175 @@
+"""The run config: YAML + overrides, one-line errors with file:line and key, the recipe audit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workload.config import (
+    ConfigError,
+    TargetFacts,
+    audit,
+    audit_errors,
+    config_hash,
+    dump,
+    load_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+MINIMAL = "target:\n  path: /models/t\ndata:\n  path: /data/d.jsonl\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path | None, overrides: list[str] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_and_yaml_values(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "loss:\n  gamma: 10\n"))
+    assert cfg.target.path == "/models/t"
+    assert cfg.loss.gamma == 10.0 and isinstance(cfg.loss.gamma, float)
+    assert cfg.drafter.block_size == 16
+    assert cfg.optim.betas == [0.9, 0.95]
+
+
+def test_bad_choice_names_file_line_key_and_choices(tmp_path):
+    path = write(tmp_path, MINIMAL + "loss:\n  gamma: 7\n  type: kll\n")
+    assert error_of(path) == "run.yaml:7: loss.type: 'kll' is not one of ce, kl, blend"
+
+
+def test_unknown_key_suggests_the_close_one(tmp_path):
+    path = write(tmp_path, MINIMAL + "optim:\n  lr: 1e-4\n  warmup_ration: 0.1\n")
+    assert error_of(path) == (
+        "run.yaml:7: optim.warmup_ration: unknown key; did you mean optim.warmup_ratio?"
+    )
+    assert "did you mean drafter?" in error_of(write(tmp_path, MINIMAL + "drafer: {}\n"))
+
+
+def test_wrong_type_names_line_and_expected_type(tmp_path):
+    path = write(tmp_path, MINIMAL + "drafter:\n  num_layers: five\n")
+    assert error_of(path) == "run.yaml:6: drafter.num_layers: expected an integer, got 'five'"
+    path = write(tmp_path, MINIMAL + "data:\n  pack: 1\n")
+    assert "data.pack: expected true or false" in error_of(path)
+
+
+def test_missing_required_path(tmp_path):
+    message = error_of(write(tmp_path, "data:\n  path: /d.jsonl\n"))
+    assert message.startswith("run.yaml: target.path: required")
+
+
+def test_overrides_are_yaml_typed_and_named_in_errors(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    cfg = load_config(path, ["loss.gamma=4", "drafter.target_layer_ids=[1, 3]", "data.pack=true"])
+    assert cfg.loss.gamma == 4.0
+    assert cfg.drafter.target_layer_ids == [1, 3]
+    assert cfg.data.pack is True
+    assert error_of(path, ["optim.lr=fast"]) == (
+        "--set optim.lr=fast: optim.lr: expected a number, got 'fast'"
+    )
+    assert "expected KEY=VALUE" in error_of(path, ["optim.lr"])
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "loss: [unclosed\n"))
+    assert message.startswith("run.yaml:") and "not valid YAML" in message
+
+
+def test_range_and_structure_checks(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    assert "loss.gamma: must be > 0" in error_of(path, ["loss.gamma=0"])
+    assert "duplicate layer ids" in error_of(path, ["drafter.target_layer_ids=[1,1]"])
+    assert "layer ids are >= 0" in error_of(path, ["drafter.target_layer_ids=[-1,3]"])
+    assert "has 2 entries for 5 drafter layers" in error_of(
+        path, ["drafter.layer_types=[full_attention, full_attention]"]
+    )
+    sliding = "drafter.layer_types=[sliding_attention, full_attention]"
+    assert "drafter.sliding_window: required" in error_of(path, ["drafter.num_layers=2", sliding])
+    assert "both null never ends" in error_of(path, ["optim.max_steps=null"])
+
+
+def test_teacher_layer_inside_drafter_input_is_an_error(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    message = error_of(path, ["loss.teacher=last_layer"])
+    assert "teacher layer inside the drafter's input" in message and "v4" in message
+    ok = load_config(path, ["loss.teacher=last_layer", "drafter.fc_layers=all_but_last"])
+    assert ok.loss.teacher == "last_layer"
+
+
+def test_noise_on_the_teacher_is_an_error(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    old = ["loss.teacher=last_layer", "drafter.fc_layers=all_but_last"]
+    message = error_of(path, [*old, "noise.scope=all_layers"])
+    assert "labels see noise" in message
+    # Without noise there is nothing to leak; and with the logits teacher the scope is harmless.
+    load_config(path, [*old, "noise.scope=all_layers", "noise.start=0", "noise.end=0"])
+    load_config(path, ["noise.scope=all_layers"])
+
+
+def test_old_run_options_load(tmp_path):
+    v3 = ["loss.type=blend", "loss.kl_temperature=2", "loss.kl_weight=0.7", "loss.gamma=10",
+          "loss.weighting=dpace", "drafter.fc_layers=all_but_last", "noise.start=0.1"]  # fmt: skip
+    cfg = load_config(write(tmp_path, MINIMAL), v3)
+    keys = {item.key for item in audit(cfg)}
+    assert {"loss.type", "loss.gamma", "loss.weighting", "drafter.fc_layers"} <= keys
+
+
+FACTS = TargetFacts(
+    num_layers=64, embedding_rows=248320, pad_token_id=248044, eos_token_ids=(248046,)
+)
+
+
+def test_template_27b_matches_the_recipe():
+    cfg = load_config(REPO / "templates/runs/qwen36-27b.yaml")
+    assert cfg.drafter.target_layer_ids == [1, 16, 31, 46, 61]
+    assert cfg.drafter.mask_token_id == 248070
+    assert cfg.drafter.layer_types.count("sliding_attention") == 4
+    assert (cfg.drafter.sliding_window, cfg.data.max_length, cfg.data.num_anchors) == (
+        2048,
+        4096,
+        512,
+    )
+    items = audit(cfg, FACTS)
+    assert audit_errors(items) == []
+    assert [i.key for i in items] == [], [i.line() for i in items]
+
+
+def test_mask_token_errors():
+    base = load_config(REPO / "templates/runs/qwen36-27b.yaml")
+    for mask, words in [(248320, "not a row"), (None, "no mask token"), (248044, "pad"),
+                        (248046, "eos")]:  # fmt: skip
+        base.drafter.mask_token_id = mask
+        errors = audit_errors(audit(base, FACTS))
+        assert len(errors) == 1 and errors[0].key == "drafter.mask_token_id"
+        assert words in errors[0].note
+
+
+def test_layer_ids_beyond_the_target_are_an_error():
+    cfg = load_config(REPO / "templates/runs/qwen36-27b.yaml")
+    small = TargetFacts(num_layers=40, embedding_rows=248320)
+    errors = audit_errors(audit(cfg, small))
+    assert [e.key for e in errors] == ["drafter.target_layer_ids"]
+    assert "40 decoder layers" in errors[0].note
+
+
+def test_dump_round_trips_and_hash_ignores_logging(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL), ["loss.gamma=5"])
+    out = tmp_path / "resolved.yaml"
+    dump(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+    assert yaml.safe_load(out.read_text())["loss"]["gamma"] == 5.0
+    again.log.log_every = 99
+    assert config_hash(again) == config_hash(cfg)
+    again.loss.gamma = 6.0
+    assert config_hash(again) != config_hash(cfg)

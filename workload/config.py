@@ -1,0 +1,611 @@
+"""The one typed run config: YAML + `--set section.key=value`, validation, and the recipe audit.
+
+Every option of a training run is a field below. `load_config` reads a YAML file, applies
+overrides, checks types and ranges, and raises `ConfigError` with one line that names the file,
+the line (when known), the key and what to do. `audit` lists every setting that differs from the
+recipe (docs: shared/reference/dflash-recipe.md) and the combinations that are bugs. This module
+imports no torch, so it can be used anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LOSS_TYPES = ("ce", "kl", "blend")
+WEIGHTINGS = ("decay", "dpace", "uniform")
+TEACHERS = ("logits", "last_layer")
+FC_LAYERS = ("all", "all_but_last")
+NOISE_SCOPES = ("fc_inputs", "all_layers")
+ATTENTIONS = ("auto", "flex", "chunked", "dense")
+PRECISIONS = ("auto", "bf16", "fp32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+class ConfigError(ValueError):
+    """A config the trainer refuses; the message is one line naming where and what to do."""
+
+
+@dataclass
+class TargetConfig:
+    path: str | None = None  # a Hugging Face model directory (required)
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # z-lab convention; null = spread over 1..N-3
+    mask_token_id: int | None = None  # null = the tokenizer's mask token, else an error
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    intermediate_size: int | None = None
+    init_from: str | None = None  # a drafter checkpoint directory to start from
+    fc_layers: str = "all"  # all | all_but_last (old runs only)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # chat JSONL (required)
+    max_length: int = 4096
+    pack: bool = False
+    num_anchors: int = 512
+    chat_template: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class LossConfig:
+    type: str = "ce"  # ce | kl | blend (kl and blend reproduce old runs)
+    gamma: float = 7.0
+    weighting: str = "decay"  # decay | dpace | uniform
+    dpace_alpha: float = 0.5
+    kl_temperature: float = 2.0
+    kl_weight: float = 0.7  # blend = kl_weight * KL + (1 - kl_weight) * CE
+    teacher: str = "logits"  # logits | last_layer (old runs: lm_head(norm(last configured layer)))
+
+
+@dataclass
+class NoiseConfig:
+    start: float = 0.05
+    end: float = 0.05
+    steps: int = 0  # linear from start to end over this many steps; 0 = constant start
+    scope: str = "fc_inputs"  # fc_inputs | all_layers (old runs; a bug with teacher last_layer)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6.0e-4
+    min_lr: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    batch_size: int = 1  # rows per rank per micro-step
+    grad_accum: int = 1
+    max_steps: int | None = 1000
+    epochs: float | None = None  # when set too, training stops at whichever comes first
+    precision: str = "auto"  # auto = bf16 autocast on GPU, fp32 on CPU
+
+
+@dataclass
+class WandbConfig:
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None
+    mode: str | None = None  # online | offline | disabled; null = wandb's own default
+
+
+@dataclass
+class LogConfig:
+    log_every: int = 10
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    keep_last: int = 3
+    keep_every: int | None = None
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    attention: str = "auto"
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def get(self, dotted: str) -> Any:
+        obj: Any = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+# ---------------------------------------------------------------- reading YAML with line numbers
+
+
+class _Source:
+    """Where each dotted key came from: `file:line` for YAML keys, `--set k=v` for overrides."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.where: dict[str, str] = {}
+
+    def of(self, dotted: str) -> str:
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            hit = self.where.get(".".join(parts[:n]))
+            if hit:
+                return hit
+        return self.name
+
+
+def _record_lines(node: yaml.Node, prefix: str, name: str, src: _Source) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        src.where[key] = f"{name}:{key_node.start_mark.line + 1}"
+        _record_lines(value_node, f"{key}.", name, src)
+
+
+def _read_yaml(path: Path, src: _Source) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from exc
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path.name}:{mark.line + 1}" if mark else path.name
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.name}: the config must be a mapping of sections, not a list")
+    _record_lines(node, "", path.name, src)
+    return data
+
+
+def _apply_override(data: dict[str, Any], item: str, src: _Source) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set loss.gamma=7")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item}: the value is not valid YAML") from exc
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = value
+    src.where[key] = f"--set {item}"
+
+
+# ---------------------------------------------------------------- typed conversion
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, key: str, src: _Source) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key, src)
+    bad = ConfigError(f"{src.of(key)}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, key, src) for v in value]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{key}.", src)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _build(cls: type, data: Any, prefix: str, src: _Source) -> Any:
+    section = prefix.rstrip(".") or "the config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src.of(section)}: {section}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            dotted = f"{prefix}{key}"
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = (
+                f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(known)}"
+            )
+            raise ConfigError(f"{src.of(dotted)}: {dotted}: unknown key; {hint}")
+    kwargs = {k: _convert(v, hints[k], f"{prefix}{k}", src) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check(cfg: RunConfig, src: _Source) -> None:
+    def fail(key: str, message: str) -> None:
+        raise ConfigError(f"{src.of(key)}: {key}: {message}")
+
+    def one_of(key: str, allowed: tuple[str, ...]) -> None:
+        value = cfg.get(key)
+        if value not in allowed:
+            fail(key, f"{value!r} is not one of {', '.join(allowed)}")
+
+    def at_least(key: str, low: float, *, optional: bool = False) -> None:
+        value = cfg.get(key)
+        if value is None and optional:
+            return
+        if value is None or value < low:
+            fail(key, f"must be >= {low}, got {value!r}")
+
+    def within(key: str, low: float, high: float) -> None:
+        value = cfg.get(key)
+        if not low <= value <= high:
+            fail(key, f"must be between {low} and {high}, got {value!r}")
+
+    for key, allowed in [
+        ("target.dtype", DTYPES),
+        ("drafter.fc_layers", FC_LAYERS),
+        ("loss.type", LOSS_TYPES),
+        ("loss.weighting", WEIGHTINGS),
+        ("loss.teacher", TEACHERS),
+        ("noise.scope", NOISE_SCOPES),
+        ("optim.precision", PRECISIONS),
+        ("attention", ATTENTIONS),
+    ]:
+        one_of(key, allowed)
+    if cfg.log.wandb.mode is not None:
+        one_of("log.wandb.mode", WANDB_MODES)
+    for key in ("target.path", "data.path"):
+        if not cfg.get(key):
+            fail(key, "required: set it to a path (python -m workload.tiny writes a complete one)")
+    at_least("drafter.num_layers", 1)
+    at_least("drafter.block_size", 2)
+    at_least("drafter.mask_token_id", 0, optional=True)
+    at_least("drafter.sliding_window", 1, optional=True)
+    at_least("drafter.intermediate_size", 1, optional=True)
+    _check_layers(cfg, fail)
+    at_least("data.num_anchors", 1)
+    if cfg.data.max_length < cfg.drafter.block_size + 1:
+        fail("data.max_length", f"must be > drafter.block_size ({cfg.drafter.block_size})")
+    if cfg.loss.gamma <= 0:
+        fail("loss.gamma", f"must be > 0, got {cfg.loss.gamma}")
+    within("loss.dpace_alpha", 0.0, 1.0)
+    within("loss.kl_weight", 0.0, 1.0)
+    if cfg.loss.kl_temperature <= 0:
+        fail("loss.kl_temperature", f"must be > 0, got {cfg.loss.kl_temperature}")
+    at_least("noise.start", 0.0)
+    at_least("noise.end", 0.0)
+    at_least("noise.steps", 0)
+    if cfg.optim.lr <= 0:
+        fail("optim.lr", f"must be > 0, got {cfg.optim.lr}")
+    within("optim.min_lr", 0.0, cfg.optim.lr)
+    if not 0.0 <= cfg.optim.warmup_ratio < 1.0:
+        fail("optim.warmup_ratio", f"must be in [0, 1), got {cfg.optim.warmup_ratio}")
+    at_least("optim.weight_decay", 0.0)
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        fail("optim.betas", f"expected two numbers in [0, 1), got {betas}")
+    if cfg.optim.grad_clip <= 0:
+        fail("optim.grad_clip", f"must be > 0, got {cfg.optim.grad_clip}")
+    at_least("optim.batch_size", 1)
+    at_least("optim.grad_accum", 1)
+    at_least("optim.max_steps", 1, optional=True)
+    if cfg.optim.epochs is not None and cfg.optim.epochs <= 0:
+        fail("optim.epochs", f"must be > 0, got {cfg.optim.epochs}")
+    if cfg.optim.max_steps is None and cfg.optim.epochs is None:
+        fail("optim.max_steps", "set optim.max_steps or optim.epochs (both null never ends)")
+    at_least("log.log_every", 1)
+    at_least("checkpoint.every", 1)
+    at_least("checkpoint.keep_last", 1)
+    at_least("checkpoint.keep_every", 1, optional=True)
+    _check_bug_combinations(cfg, fail)
+
+
+def _check_layers(cfg: RunConfig, fail: typing.Callable[[str, str], None]) -> None:
+    d = cfg.drafter
+    ids = d.target_layer_ids
+    if ids is not None:
+        if not ids:
+            fail("drafter.target_layer_ids", "must list at least one layer id (or be null)")
+        if any(i < 0 for i in ids):
+            fail("drafter.target_layer_ids", f"layer ids are >= 0 (z-lab convention), got {ids}")
+        if len(set(ids)) != len(ids):
+            fail("drafter.target_layer_ids", f"duplicate layer ids in {ids}")
+        if d.fc_layers == "all_but_last" and len(ids) < 2:
+            fail("drafter.fc_layers", "all_but_last needs at least two target_layer_ids")
+    if d.layer_types is not None:
+        if len(d.layer_types) != d.num_layers:
+            fail(
+                "drafter.layer_types",
+                f"has {len(d.layer_types)} entries for {d.num_layers} drafter layers",
+            )
+        for t in d.layer_types:
+            if t not in LAYER_TYPES:
+                fail("drafter.layer_types", f"{t!r} is not one of {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in d.layer_types and d.sliding_window is None:
+            fail("drafter.sliding_window", "required when drafter.layer_types has sliding layers")
+
+
+def _check_bug_combinations(cfg: RunConfig, fail: typing.Callable[[str, str], None]) -> None:
+    """Combinations that trained the v3/v4 runs into a plateau: refused, with the reason."""
+    if cfg.loss.teacher == "last_layer" and cfg.drafter.fc_layers == "all":
+        fail(
+            "loss.teacher",
+            "last_layer with drafter.fc_layers: all puts the teacher layer inside the drafter's "
+            "input (the v4 bug); set drafter.fc_layers: all_but_last or loss.teacher: logits",
+        )
+    noisy = max(cfg.noise.start, cfg.noise.end) > 0
+    if cfg.noise.scope == "all_layers" and cfg.loss.teacher == "last_layer" and noisy:
+        fail(
+            "noise.scope",
+            "all_layers with loss.teacher: last_layer puts noise on the teacher's hidden state, "
+            "so the labels see noise (the v3/v4 bug); set noise.scope: fc_inputs",
+        )
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Read `path` (YAML; None = defaults only), apply `--set` overrides, validate."""
+    src = _Source(Path(path).name if path else "defaults")
+    data = _read_yaml(Path(path), src) if path else {}
+    for item in overrides:
+        _apply_override(data, item, src)
+    cfg = _build(RunConfig, data, "", src)
+    _check(cfg, src)
+    return cfg
+
+
+def from_dict(data: dict[str, Any], name: str = "config") -> RunConfig:
+    """Build and validate a config from a plain dict (e.g. one stored in a checkpoint)."""
+    src = _Source(name)
+    cfg = _build(RunConfig, data, "", src)
+    _check(cfg, src)
+    return cfg
+
+
+def dump(cfg: RunConfig, path: str | Path | None = None) -> str:
+    """The resolved config as YAML; written to `path` when given."""
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text
+
+
+# Keys that change what is trained (not where it is logged or how often it is saved).
+_TRAINING_SECTIONS = ("target", "drafter", "data", "loss", "noise", "optim", "attention", "seed")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    d = cfg.to_dict()
+    payload = {k: d[k] for k in _TRAINING_SECTIONS}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def diff(a: RunConfig, b: RunConfig) -> list[tuple[str, Any, Any]]:
+    """Dotted keys whose values differ, as (key, a value, b value)."""
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(x: Any, y: Any, prefix: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in x:
+                walk(x[k], y.get(k), f"{prefix}{k}.")
+        elif x != y:
+            out.append((prefix.rstrip("."), x, y))
+
+    walk(a.to_dict(), b.to_dict(), "")
+    return out
+
+
+# ---------------------------------------------------------------- the recipe audit
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the audit needs to know about the target (read by the trainer after loading it)."""
+
+    num_layers: int
+    embedding_rows: int
+    pad_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuditItem:
+    key: str
+    value: Any
+    recipe: Any
+    note: str
+    level: str = "info"  # info | warn | error
+
+    def line(self) -> str:
+        return f"[{self.level}] {self.key} = {self.value!r} (recipe: {self.recipe!r}): {self.note}"
+
+
+def recipe_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """z-lab's default taps: n ids spread evenly over 1..N-3 (n == 1 -> [N // 2])."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+# (key, recipe value, note when different)
+_RECIPE: list[tuple[str, Any, str]] = [
+    ("drafter.block_size", 16, "published drafters use block 16"),
+    ("drafter.num_layers", 5, "published Qwen3 drafters have 5 layers"),
+    ("drafter.fc_layers", "all", "old-run ablation: the last configured layer is not an fc input"),
+    ("loss.type", "ce", "soft targets reproduce v3/v4; the recipe trains hard CE on greedy tokens"),
+    ("loss.teacher", "logits", "old-run teacher: lm_head(norm(last configured layer)), clean"),
+    ("loss.gamma", 7.0, "decay exp(-(k-1)/gamma); v3/v4 used 10"),
+    ("loss.weighting", "decay", "dpace reproduces v3/v4's streak-aware weights"),
+    ("noise.start", 0.05, "uniform +-std on fc inputs"),
+    ("noise.end", 0.05, "uniform +-std on fc inputs"),
+    ("noise.steps", 0, "noise schedule length"),
+    ("noise.scope", "fc_inputs", "all_layers also noises unused layers"),
+    ("data.num_anchors", 512, "anchors per document per row"),
+    ("data.max_length", 4096, "training context of the published drafters"),
+    ("optim.lr", 6.0e-4, "SpecForge DFlash default"),
+    ("optim.warmup_ratio", 0.04, "SpecForge DFlash default"),
+    ("optim.weight_decay", 0.0, "SpecForge DFlash default"),
+    ("optim.grad_clip", 1.0, "grad-norm clip of every trainer"),
+]
+
+
+def audit(cfg: RunConfig, facts: TargetFacts | None = None) -> list[AuditItem]:
+    """Every setting that differs from the recipe, plus the target-dependent errors."""
+    items: list[AuditItem] = []
+    for key, recipe, note in _RECIPE:
+        value = cfg.get(key)
+        if value != recipe:
+            items.append(AuditItem(key, value, recipe, note))
+    if cfg.loss.type == "ce":
+        for key in ("loss.kl_temperature", "loss.kl_weight"):
+            if cfg.get(key) != dataclasses.asdict(LossConfig())[key.split(".")[1]]:
+                items.append(AuditItem(key, cfg.get(key), "unused", "only used by kl and blend"))
+    if cfg.loss.weighting == "dpace" and cfg.loss.type != "ce":
+        items.append(
+            AuditItem(
+                "loss.weighting",
+                "dpace",
+                "decay",
+                f"D-PACE is defined for CE; here q_i = exp(-CE_i) weights the {cfg.loss.type} loss",
+                "warn",
+            )
+        )
+    if cfg.optim.precision == "fp32":
+        items.append(AuditItem("optim.precision", "fp32", "auto", "fp32 on GPU is slow", "warn"))
+    if facts is not None:
+        items.extend(_audit_target(cfg, facts))
+    return items
+
+
+def _audit_target(cfg: RunConfig, facts: TargetFacts) -> list[AuditItem]:
+    items: list[AuditItem] = []
+    d = cfg.drafter
+    n = facts.num_layers
+    default_ids = recipe_layer_ids(n)
+    ids = d.target_layer_ids
+    if ids is None:
+        items.append(AuditItem("drafter.target_layer_ids", None, default_ids, "null -> default"))
+        ids = default_ids
+    elif ids != default_ids:
+        items.append(AuditItem("drafter.target_layer_ids", ids, default_ids, "configured taps"))
+    if any(i >= n for i in ids):
+        items.append(
+            AuditItem(
+                "drafter.target_layer_ids",
+                ids,
+                default_ids,
+                f"the target has {n} decoder layers (ids 0..{n - 1}); fix the list",
+                "error",
+            )
+        )
+    if cfg.loss.teacher == "last_layer" and ids[-1] != n - 1:
+        items.append(
+            AuditItem(
+                "loss.teacher",
+                "last_layer",
+                "logits",
+                f"teacher = lm_head(norm(layer {ids[-1]})) of a {n}-layer target: labels are not "
+                "the target's greedy tokens",
+                "warn",
+            )
+        )
+    items.extend(_audit_mask(d.mask_token_id, facts))
+    return items
+
+
+def _audit_mask(mask: int | None, facts: TargetFacts) -> list[AuditItem]:
+    rows = facts.embedding_rows
+    key = "drafter.mask_token_id"
+    if mask is None:
+        note = "no mask token: set drafter.mask_token_id to a real embedding row of the target"
+        return [AuditItem(key, None, "a real row", note, "error")]
+    if not 0 <= mask < rows:
+        note = f"not a row of the target embedding (0..{rows - 1}); pick a real, unused token id"
+        return [AuditItem(key, mask, "a real row", note, "error")]
+    special = {"pad": [facts.pad_token_id], "eos": list(facts.eos_token_ids)}
+    for name, ids in special.items():
+        if mask in ids:
+            note = (
+                f"equals the {name} token: the drafter cannot tell a mask slot from a real "
+                f"{name} and acceptance degrades quietly; pick a dedicated mask token"
+            )
+            return [AuditItem(key, mask, "a dedicated token", note, "error")]
+    return []
+
+
+def audit_errors(items: typing.Iterable[AuditItem]) -> list[AuditItem]:
+    return [i for i in items if i.level == "error"]
+
+
+def audit_json(items: typing.Iterable[AuditItem]) -> list[dict[str, Any]]:
+    return [
+        {"key": i.key, "value": i.value, "recipe": i.recipe, "note": i.note, "level": i.level}
+        for i in items
+    ]
