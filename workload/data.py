@@ -1,0 +1,401 @@
+"""Chat JSONL -> token ids + assistant loss mask; padded or packed rows; resumable stream; anchors.
+
+Input format: one JSON object per line, `{"messages": [{"role": ..., "content": ...}, ...]}`
+(ShareGPT's `{"conversations": [{"from": "human"|"gpt", "value": ...}]}` is accepted too).
+
+Error policy of `load_examples`: a line that is not valid JSON, has no message list, or has no
+assistant turn is an error (`DataError`, one line, `file:line: reason`): a broken data set
+should stop a run before it spends GPU hours, not shrink silently. A conversation whose
+supervised tokens all fall beyond `max_length` is skipped, with one warning that counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Tokens that end an assistant turn in the chat templates we know; the tokenizer's eos is added.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
+
+
+class DataError(ValueError):
+    """A data set problem, reported as one line naming the file and line."""
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens only
+    truncated: bool = False
+    source: str = ""  # "file:line" when loaded from a file
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def resolve_chat_template(chat_template: str | None) -> str | None:
+    """A literal Jinja template, or a path to a file holding one (None: the tokenizer's own)."""
+    if chat_template is None or "{" in chat_template:
+        return chat_template
+    path = Path(chat_template)
+    if not path.is_file():
+        raise DataError(
+            f"data.chat_template: {chat_template} is neither a Jinja template nor a file"
+        )
+    return path.read_text()
+
+
+def _render(tokenizer, messages: list[dict], template: str | None, generation: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation, chat_template=template
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    ids = set()
+    for tok in (*_END_OF_TURN, tokenizer.eos_token):
+        if tok is None:
+            continue
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _find(seq: list[int], sub: list[int], start: int) -> int:
+    for i in range(start, len(seq) - len(sub) + 1):
+        if seq[i : i + len(sub)] == sub:
+            return i
+    return -1
+
+
+def _turn_start(tokenizer, messages, i, full, template) -> int:
+    """Index in `full` of the first token the model generates for assistant turn `i`.
+
+    That is where the render of messages[:i] with the generation prompt ends. Templates that
+    rewrite earlier turns (e.g. drop old reasoning) break the prefix property; then we look for
+    the generation-prompt header after the longest common prefix.
+    """
+    prompt = _render(tokenizer, messages[:i], template, generation=True)
+    if full[: len(prompt)] == prompt:
+        return len(prompt)
+    bare = _render(tokenizer, messages[:i], template, generation=False) if i else []
+    header = prompt[len(bare) :] if prompt[: len(bare)] == bare else []
+    at = _find(full, header, max(0, _common_prefix(full, prompt) - len(header))) if header else -1
+    if at < 0:
+        raise DataError(f"chat template: cannot locate assistant turn {i} in the rendered chat")
+    return at + len(header)
+
+
+def render_chat(
+    tokenizer, messages: list[dict], *, max_length: int, chat_template: str | None = None
+) -> Example:
+    """Render with the chat template; loss mask 1 on what the assistant generates, end-of-turn
+    token included, headers and the generation prompt excluded. Works without `{% generation %}`
+    markers: each assistant turn starts where the prompt rendered up to it ends."""
+    template = resolve_chat_template(chat_template)
+    full = _render(tokenizer, messages, template, generation=False)
+    mask = [0] * len(full)
+    eot = end_of_turn_ids(tokenizer)
+    for i, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        start = _turn_start(tokenizer, messages, i, full, template)
+        end = next((j + 1 for j in range(start, len(full)) if full[j] in eot), None)
+        if end is None:
+            raise DataError(f"chat template: no end-of-turn token after assistant turn {i}")
+        mask[start:end] = [1] * (end - start)
+    truncated = len(full) > max_length
+    return Example(full[:max_length], mask[:max_length], truncated=truncated)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _messages_of(record: Any) -> list[dict]:
+    if not isinstance(record, dict):
+        raise ValueError("expected a JSON object with a 'messages' list")
+    if isinstance(record.get("messages"), list):
+        msgs = record["messages"]
+    elif isinstance(record.get("conversations"), list):
+        msgs = [_from_sharegpt(m) for m in record["conversations"]]
+    else:
+        raise ValueError("expected a 'messages' list (or ShareGPT 'conversations')")
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError("every message needs a 'role'")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError("conversation has no assistant turn")
+    return msgs
+
+
+def _from_sharegpt(m: Any) -> dict:
+    if isinstance(m, dict) and "from" in m:
+        role = _SHAREGPT_ROLES.get(m["from"])
+        if role is None:
+            raise ValueError(f"unknown ShareGPT speaker {m['from']!r}")
+        return {"role": role, "content": m.get("value", "")}
+    return m
+
+
+def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[dict]]]:
+    """(line number, messages) for each non-blank line; DataError on the first bad line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, _messages_of(json.loads(line))))
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno})"
+                ) from None
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: {e}") from None
+    return out
+
+
+def load_examples(
+    path: str | os.PathLike, tokenizer, *, max_length: int, chat_template: str | None = None
+) -> list[Example]:
+    template = resolve_chat_template(chat_template)
+    examples, empty = [], 0
+    for lineno, messages in read_conversations(path):
+        try:
+            ex = render_chat(tokenizer, messages, max_length=max_length, chat_template=template)
+        except DataError as e:
+            raise DataError(f"{path}:{lineno}: {e}") from None
+        except Exception as e:  # the template itself rejected the conversation
+            raise DataError(f"{path}:{lineno}: chat template failed: {e}") from None
+        if not any(ex.loss_mask):
+            empty += 1
+            continue
+        ex.source = f"{path}:{lineno}"
+        examples.append(ex)
+    if empty:
+        log.warning(
+            "%s: skipped %d conversations with no supervised token within max_length=%d",
+            path,
+            empty,
+            max_length,
+        )
+    if not examples:
+        raise DataError(f"{path}: no usable conversations")
+    return examples
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] long
+    loss_mask: torch.Tensor  # [B, S] bool
+    doc_ids: torch.Tensor  # [B, S] long, -1 on padding
+    position_ids: torch.Tensor  # [B, S] long, restarting at 0 for each document; padding
+    # continues the last document's count, so a padded (unpacked) row is simply 0..S-1
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return Batch(
+            *(
+                t.to(device, non_blocking=non_blocking)
+                for t in (self.input_ids, self.loss_mask, self.doc_ids, self.position_ids)
+            )
+        )
+
+
+def pack_documents(lengths: np.ndarray, order: np.ndarray, seq_len: int, open_rows: int = 8):
+    """First-fit over a few open rows, in `order`. Returns a list of rows (lists of doc indices)."""
+    rows: list[list[int]] = []
+    open_: list[tuple[int, int]] = []  # (row index, free tokens)
+    for doc in order.tolist():
+        n = min(int(lengths[doc]), seq_len)
+        slot = next((k for k, (_, free) in enumerate(open_) if free >= n), None)
+        if slot is None:
+            rows.append([])
+            open_.append((len(rows) - 1, seq_len))
+            slot = len(open_) - 1
+        row, free = open_[slot]
+        rows[row].append(doc)
+        open_[slot] = (row, free - n)
+        if free - n == 0 or len(open_) > open_rows:
+            open_.pop(0 if free - n else slot)
+    return rows
+
+
+class BatchStream:
+    """Endless stream of batches. Epoch e visits every row once in an order drawn from seed + e;
+    global batch k holds rows [k*B*W, (k+1)*B*W) of the concatenated epochs and rank r takes its
+    B rows. State is a global position, identical on every rank."""
+
+    def __init__(
+        self,
+        examples: list[Example],
+        *,
+        batch_size: int,
+        seq_len: int,
+        pack: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        pad_id: int = 0,
+    ):
+        if not examples:
+            raise ValueError("BatchStream needs at least one example")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.batch_size, self.seq_len, self.pack = batch_size, seq_len, pack
+        self.seed, self.rank, self.world_size, self.pad_id = seed, rank, world_size, pad_id
+        lengths = np.array([min(len(e.input_ids), seq_len) for e in examples], dtype=np.int64)
+        self._lengths = lengths
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self._ids = np.concatenate([np.asarray(e.input_ids[:seq_len], np.int32) for e in examples])
+        self._mask = np.concatenate([np.asarray(e.loss_mask[:seq_len], bool) for e in examples])
+        self._epoch, self._index = 0, 0
+        self._rows = self._epoch_rows(0)
+
+    def _epoch_rows(self, epoch: int) -> list[list[int]]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self._lengths))
+        if self.pack:
+            return pack_documents(self._lengths, order, self.seq_len)
+        return [[d] for d in order.tolist()]
+
+    def _next_row(self) -> list[int]:
+        if self._index >= len(self._rows):
+            self._epoch, self._index = self._epoch + 1, 0
+            self._rows = self._epoch_rows(self._epoch)
+        row = self._rows[self._index]
+        self._index += 1
+        return row
+
+    def next_batch(self) -> Batch:
+        global_rows = [self._next_row() for _ in range(self.batch_size * self.world_size)]
+        mine = global_rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return self._collate(mine)
+
+    def _collate(self, rows: list[list[int]]) -> Batch:
+        shape = (len(rows), self.seq_len)
+        ids = np.full(shape, self.pad_id, np.int64)
+        mask = np.zeros(shape, bool)
+        docs = np.full(shape, -1, np.int64)
+        pos = np.zeros(shape, np.int64)
+        for b, row in enumerate(rows):
+            at = 0
+            for k, d in enumerate(row):
+                n, start = int(self._lengths[d]), int(self._offsets[d])
+                ids[b, at : at + n] = self._ids[start : start + n]
+                mask[b, at : at + n] = self._mask[start : start + n]
+                docs[b, at : at + n] = k
+                pos[b, at : at + n] = np.arange(n)
+                at += n
+            if row and at < self.seq_len:  # padding continues the last document's positions
+                pos[b, at:] = pos[b, at - 1] + 1 + np.arange(self.seq_len - at)
+        return Batch(*(torch.from_numpy(a) for a in (ids, mask, docs, pos)))
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "seed": self.seed,
+            "rows_in_epoch": len(self._rows),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(
+                f"data state was saved with seed {state['seed']}, stream has {self.seed}"
+            )
+        self._epoch, self._index = int(state["epoch"]), int(state["index"])
+        self._rows = self._epoch_rows(self._epoch)
+        if "rows_in_epoch" in state and state["rows_in_epoch"] != len(self._rows):
+            raise ValueError("data state does not match this data set (rows per epoch differ)")
+
+    @property
+    def epoch(self) -> float:
+        return self._epoch + self._index / len(self._rows)
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return len(self._rows)
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def eligible_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S] bool: loss_mask[a] and loss_mask[a+1] and doc_ids[a] == doc_ids[a+1]."""
+    lm = loss_mask.bool()
+    ok = torch.zeros_like(lm)
+    ok[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    if doc_ids is not None:
+        ok[:, :-1] &= (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    return ok
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    *,
+    num_anchors: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` eligible positions per document, uniformly without replacement.
+
+    Returns anchors [B, N] (long, ascending per row, 0 where invalid) and valid [B, N] (bool),
+    N = the largest per-row count of this call.
+    """
+    B, S = loss_mask.shape
+    device = loss_mask.device
+    ok = eligible_anchors(loss_mask, doc_ids)
+    docs = (
+        torch.zeros_like(ok, dtype=torch.long) if doc_ids is None else doc_ids.long().clamp(min=0)
+    )
+    # One group per (row, document); random keys in [0, 0.5) for eligible positions and 0.75 for
+    # the rest, so that sorting by group + key ranks the eligible positions of a group first.
+    keys = torch.rand((B, S), generator=generator, device=generator.device, dtype=torch.float64)
+    keys = torch.where(ok, keys.to(device) * 0.5, torch.full_like(keys, 0.75, device=device))
+    group = torch.arange(B, device=device)[:, None] * (S + 1) + docs
+    order = torch.argsort((group.double() + keys).flatten())
+    sorted_group = group.flatten()[order]
+    idx = torch.arange(B * S, device=device)
+    new_group = torch.ones_like(sorted_group, dtype=torch.bool)
+    new_group[1:] = sorted_group[1:] != sorted_group[:-1]
+    group_start = torch.cummax(torch.where(new_group, idx, 0), 0).values
+    rank_in_group = torch.empty_like(idx)
+    rank_in_group[order] = idx - group_start
+    chosen = ok & (rank_in_group.view(B, S) < num_anchors)
+
+    counts = chosen.sum(1)
+    n = int(counts.max()) if B else 0
+    pos = torch.arange(S, device=device).expand(B, S)
+    ranked = torch.sort(torch.where(chosen, pos, pos + S), dim=1).values[:, :n]
+    valid = torch.arange(n, device=device)[None, :] < counts[:, None]
+    return torch.where(valid, ranked, 0), valid

@@ -1,0 +1,128 @@
+"""Load a frozen Hugging Face target (dense or hybrid) for drafter training and evaluation.
+
+Hybrid Gated DeltaNet models (Qwen3.5/3.6 text, Qwen3-Next, ...) pick fla's triton kernels at
+import time whenever fla imports, without looking at the device. Those kernels crash on CPU, so
+`load_target` installs a per-call dispatcher: CPU tensors go to transformers' torch reference,
+CUDA tensors keep the fla kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Module-level functions that transformers wraps with `use_kernel_func_from_hub_with_fallback`.
+_KERNEL_FUNCS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+_PACKED_KWARGS = ("cu_seqlens", "seq_idx")
+
+
+def text_config(config: Any) -> Any:
+    """The text/decoder part of a config (itself for plain causal LMs)."""
+    sub = getattr(config, "text_config", None)
+    if sub is not None:
+        return sub
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def embedding_rows(model: torch.nn.Module) -> int:
+    """Number of rows of the target's input embedding (may exceed len(tokenizer))."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _device_dispatch(name: str, kernel: Callable, reference: Callable) -> Callable:
+    @functools.wraps(reference)
+    def dispatch(*args, **kwargs):
+        first = _first_tensor(args, kwargs)
+        if first is not None and first.device.type == "cuda":
+            return kernel(*args, **kwargs)
+        if any(kwargs.get(k) is not None for k in _PACKED_KWARGS):
+            raise ValueError(
+                f"{name}: the torch reference (used off-GPU) can't keep packed sequences apart; "
+                "use padded rows (data.pack: false) for hybrid targets on CPU"
+            )
+        return reference(*args, **kwargs)
+
+    dispatch._dflash_dispatch = True  # type: ignore[attr-defined]
+    return dispatch
+
+
+def force_torch_fallback_off_gpu(model: torch.nn.Module) -> list[str]:
+    """Patch the modeling modules of `model` so linear-attention kernels run in torch off-GPU.
+
+    Returns the patched `module.function` names. Idempotent.
+    """
+    patched = []
+    module_names = {type(m).__module__ for m in model.modules()}
+    for module_name in sorted(module_names):
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for fn_name in _KERNEL_FUNCS:
+            fn = getattr(module, fn_name, None)
+            reference = getattr(fn, "__wrapped__", None)
+            if fn is None or reference is None or getattr(fn, "_dflash_dispatch", False):
+                continue
+            setattr(module, fn_name, _device_dispatch(fn_name, fn, reference))
+            patched.append(f"{module_name}.{fn_name}")
+    return patched
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 on GPU (what the checkpoints ship in); fp32 on CPU, where bf16 matmuls are slow.
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    try:
+        return getattr(torch, dtype)
+    except AttributeError:
+        raise ValueError(
+            f"target.dtype: unknown dtype {dtype!r} (use auto, bfloat16, float32)"
+        ) from None
+
+
+def load_target(
+    path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[torch.nn.Module, Any]:
+    """Load `path` with AutoModelForCausalLM + AutoTokenizer, offline, frozen, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.path: {path} has no config.json (not a model directory)")
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=_resolve_dtype(dtype, device.type),
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    force_torch_fallback_off_gpu(model)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
