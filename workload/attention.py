@@ -1,0 +1,234 @@
+"""Block attention for DFlash training: every block of a row attends at once.
+
+Visibility of the query at slot s of block j, whose anchor has row index a = anchors[b, j]:
+  - context row p iff the block is valid, p < a, doc_ids[p] == doc_ids[a] (when given) and,
+    for a sliding window W, (a + s) - p < W;
+  - block keys of its own block only: every slot, or slots t <= s when causal_in_block.
+Three implementations share these two rules (`context_visible`, `block_visible`):
+  flex     flex_attention with a BlockMask (fused and compiled on CUDA),
+  chunked  an exact fallback: one SDPA per group of consecutive blocks over the context slice
+           the group can see plus the group's own block keys,
+  dense    one [B, 1, N*K, S+N*K] boolean mask and SDPA (the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IMPLS = ("flex", "chunked", "dense")
+# queries per chunked SDPA call; a group of blocks covers about this many queries
+CHUNK_QUERIES = 256
+
+
+def context_visible(
+    a: Tensor,
+    s: Tensor,
+    p: Tensor,
+    valid: Tensor,
+    doc_a: Tensor | None,
+    doc_p: Tensor | None,
+    window: int | None,
+) -> Tensor:
+    """Whether the query at slot s of a block anchored at a sees context row p (broadcasting)."""
+    visible = valid & (p < a)
+    if doc_a is not None:
+        visible = visible & (doc_p == doc_a)
+    if window is not None:
+        visible = visible & ((a + s - p) < window)
+    return visible
+
+
+def block_visible(j: Tensor, s: Tensor, kj: Tensor, t: Tensor, causal: bool) -> Tensor:
+    """Whether slot s of block j sees slot t of block kj."""
+    visible = j == kj
+    if causal:
+        visible = visible & (t <= s)
+    return visible
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    if impl == "auto":
+        return "flex" if device.type == "cuda" else "chunked"
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be auto, {', '.join(IMPLS)}; got {impl!r}")
+    return impl
+
+
+def block_attention(
+    q: Tensor,
+    k_ctx: Tensor,
+    v_ctx: Tensor,
+    k_blk: Tensor,
+    v_blk: Tensor,
+    *,
+    anchors: Tensor,
+    anchor_valid: Tensor,
+    block_size: int,
+    doc_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    causal_in_block: bool = False,
+    scaling: float,
+    impl: str = "auto",
+) -> Tensor:
+    """q [B,Hq,N*K,D]; k_ctx/v_ctx [B,Hkv,S,D]; k_blk/v_blk [B,Hkv,N*K,D] -> [B,Hq,N*K,D]."""
+    _check_shapes(q, k_ctx, k_blk, anchors, anchor_valid, block_size, doc_ids)
+    spec = _Spec(anchors, anchor_valid, block_size, doc_ids, sliding_window, causal_in_block)
+    fn = {"flex": _flex, "chunked": _chunked, "dense": _dense}[resolve_impl(impl, q.device)]
+    return fn(q, k_ctx, v_ctx, k_blk, v_blk, spec, scaling)
+
+
+class _Spec:
+    """Who sees what, in tensors ready for the three implementations."""
+
+    def __init__(self, anchors, anchor_valid, block_size, doc_ids, window, causal) -> None:
+        self.anchors = anchors.long()
+        self.valid = anchor_valid.bool()
+        self.block_size = block_size
+        self.doc_ids = doc_ids
+        self.window = window
+        self.causal = causal
+        self.doc_anchor = None
+        if doc_ids is not None:
+            safe = self.anchors.clamp(0, doc_ids.shape[1] - 1)
+            self.doc_anchor = doc_ids.gather(1, safe)
+
+    def context_mask(self, block_lo: int, block_hi: int, p: Tensor) -> Tensor:
+        """[B, (block_hi-block_lo)*K, len(p)] visibility of context rows p for a range of blocks."""
+        k = self.block_size
+        rep = slice(block_lo, block_hi)
+        a = self.anchors[:, rep].repeat_interleave(k, dim=1)[:, :, None]
+        valid = self.valid[:, rep].repeat_interleave(k, dim=1)[:, :, None]
+        s = torch.arange((block_hi - block_lo) * k, device=p.device)[None, :, None] % k
+        doc_a = doc_p = None
+        if self.doc_anchor is not None:
+            doc_a = self.doc_anchor[:, rep].repeat_interleave(k, dim=1)[:, :, None]
+            doc_p = self.doc_ids[:, p][:, None, :]
+        return context_visible(a, s, p[None, None, :], valid, doc_a, doc_p, self.window)
+
+    def own_block_mask(self, num_blocks: int, device: torch.device) -> Tensor:
+        """[n*K, n*K] visibility among the block keys of n consecutive blocks."""
+        idx = torch.arange(num_blocks * self.block_size, device=device)
+        j, s = idx // self.block_size, idx % self.block_size
+        return block_visible(j[:, None], s[:, None], j[None, :], s[None, :], self.causal)
+
+
+def _dense(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float) -> Tensor:
+    num_blocks = spec.anchors.shape[1]
+    p = torch.arange(k_ctx.shape[2], device=q.device)
+    ctx = spec.context_mask(0, num_blocks, p)
+    own = spec.own_block_mask(num_blocks, q.device).expand(ctx.shape[0], -1, -1)
+    mask = torch.cat([ctx, own], dim=-1)[:, None]
+    k = torch.cat([k_ctx, k_blk], dim=2)
+    v = torch.cat([v_ctx, v_blk], dim=2)
+    return _sdpa(q, k, v, mask, scaling)
+
+
+def _chunked(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float) -> Tensor:
+    k = spec.block_size
+    num_blocks = spec.anchors.shape[1]
+    per_group = max(1, CHUNK_QUERIES // k)
+    lo, hi = _context_bounds(spec, k_ctx.shape[2])
+    own = spec.own_block_mask(min(per_group, num_blocks), q.device)
+    outs = []
+    for g0 in range(0, num_blocks, per_group):
+        g1 = min(g0 + per_group, num_blocks)
+        start = min(lo[g0:g1])
+        stop = max(start, max(hi[g0:g1]))
+        rows = slice(g0 * k, g1 * k)
+        n = rows.stop - rows.start
+        ctx = spec.context_mask(g0, g1, torch.arange(start, stop, device=q.device))
+        mask = torch.cat([ctx, own[:n, :n].expand(ctx.shape[0], -1, -1)], dim=-1)[:, None]
+        keys = torch.cat([k_ctx[:, :, start:stop], k_blk[:, :, rows]], dim=2)
+        vals = torch.cat([v_ctx[:, :, start:stop], v_blk[:, :, rows]], dim=2)
+        outs.append(_sdpa(q[:, :, rows], keys, vals, mask, scaling))
+    return torch.cat(outs, dim=2)
+
+
+def _context_bounds(spec: _Spec, seq_len: int) -> tuple[list[int], list[int]]:
+    """Per block, a half-open row range [lo, hi) containing every context row it may see.
+
+    Invalid blocks get an empty range at +inf so they never widen a group's slice."""
+    a = spec.anchors.clamp(0, seq_len)
+    lo = torch.zeros_like(a)
+    if spec.window is not None:
+        lo = torch.maximum(lo, a - spec.window + 1)
+    if spec.doc_ids is not None:
+        same = spec.doc_ids[:, None, :] == spec.doc_anchor[:, :, None]
+        lo = torch.maximum(lo, same.int().argmax(dim=-1))
+    big = torch.full_like(a, seq_len)
+    lo = torch.where(spec.valid, lo, big).amin(dim=0)
+    hi = torch.where(spec.valid, a, torch.zeros_like(a)).amax(dim=0)
+    return lo.tolist(), hi.tolist()
+
+
+def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq_len, total = q.shape[0], k_ctx.shape[2], q.shape[2]
+    mask_mod = _flex_mask_mod(spec, seq_len)
+    on_gpu = q.device.type == "cuda"
+    block_mask = create_block_mask(
+        mask_mod, batch, None, total, seq_len + total, device=q.device, _compile=on_gpu
+    )
+    k = torch.cat([k_ctx, k_blk], dim=2)
+    v = torch.cat([v_ctx, v_blk], dim=2)
+    return _flex_fn(on_gpu)(
+        q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def _flex_mask_mod(spec: _Spec, seq_len: int) -> Callable:
+    k = spec.block_size
+    anchors, valid, doc_ids, doc_anchor = spec.anchors, spec.valid, spec.doc_ids, spec.doc_anchor
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j, s = q_idx // k, q_idx % k
+        p = torch.clamp(kv_idx, max=seq_len - 1)
+        doc_a = doc_anchor[b, j] if doc_anchor is not None else None
+        doc_p = doc_ids[b, p] if doc_ids is not None else None
+        ctx = (kv_idx < seq_len) & context_visible(
+            anchors[b, j], s, kv_idx, valid[b, j], doc_a, doc_p, spec.window
+        )
+        t = torch.clamp(kv_idx - seq_len, min=0)
+        own = (kv_idx >= seq_len) & block_visible(j, s, t // k, t % k, spec.causal)
+        return ctx | own
+
+    return mask_mod
+
+
+_COMPILED_FLEX: list[Callable] = []
+
+
+def _flex_fn(compiled: bool) -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if not _COMPILED_FLEX:
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def _check_shapes(q, k_ctx, k_blk, anchors, anchor_valid, block_size, doc_ids) -> None:
+    batch, heads, total, _ = q.shape
+    if total != anchors.shape[1] * block_size:
+        raise ValueError(
+            f"q has {total} block queries, expected anchors ({anchors.shape[1]}) x "
+            f"block_size ({block_size})"
+        )
+    if k_blk.shape[2] != total or anchor_valid.shape != anchors.shape:
+        raise ValueError("k_blk / anchor_valid do not match the block layout of q")
+    if heads % k_ctx.shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({k_ctx.shape[1]})")
+    if doc_ids is not None and doc_ids.shape != (batch, k_ctx.shape[2]):
+        raise ValueError(f"doc_ids must be [B, S] = {(batch, k_ctx.shape[2])}")

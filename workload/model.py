@@ -1,0 +1,372 @@
+"""The DFlash drafter: Qwen3-style layers whose attention also reads the target's features.
+
+Parameter names and config.json match z-lab's published drafters (`dflash.DFlashDraftModel`), so
+either side loads the other's checkpoint. The drafter has no embedding and no LM head: callers use
+the frozen target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from workload.attention import block_attention
+
+ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# rope keys of multimodal/partial-rotary targets that a Qwen3-style drafter does not use
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """z-lab's default: n ids spread evenly over 1..N-3 (n == 1 -> [N // 2])."""
+    if n < 1:
+        raise ValueError(f"need at least one target layer, got n={n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(f"target has {num_target_layers} layers; need at least 4 for {n} ids")
+    span = num_target_layers - 4
+    return [round(1 + i * span / (n - 1)) for i in range(n)]
+
+
+def select_target_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
+    """Concatenate the outputs of decoder layers `layer_ids`: id k is hidden_states[k + 1]."""
+    num_layers = len(hidden_states) - 1
+    bad = [k for k in layer_ids if not 0 <= k < num_layers]
+    if bad:
+        raise ValueError(f"target layer ids {bad} out of range 0..{num_layers - 1}")
+    return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+
+def build_drafter_config(
+    target_config,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int],
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """A drafter config in z-lab's format, sized from the target's (text) config."""
+    text = (
+        target_config.get_text_config()
+        if hasattr(target_config, "get_text_config")
+        else target_config
+    )
+    layer_types = list(layer_types or ["full_attention"] * num_layers)
+    _check_drafter_args(
+        text, num_layers, block_size, mask_token_id, target_layer_ids, layer_types, sliding_window
+    )
+    heads = text.num_attention_heads
+    dflash = {
+        "target_layer_ids": list(target_layer_ids),
+        "mask_token_id": mask_token_id,
+        "block_size": block_size,
+    }
+    return Qwen3Config(
+        hidden_size=text.hidden_size,
+        intermediate_size=intermediate_size or _default_intermediate(text),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        hidden_act=getattr(text, "hidden_act", "silu"),
+        rms_norm_eps=text.rms_norm_eps,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=text.max_position_embeddings,
+        rope_parameters=_drafter_rope(text),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        layer_types=layer_types,
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        max_window_layers=num_layers,
+        architectures=[ARCHITECTURE],
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        block_size=block_size,
+        num_target_layers=text.num_hidden_layers,
+        dflash_config=dflash,
+    )
+
+
+def _check_drafter_args(
+    text, num_layers, block_size, mask_token_id, layer_ids, layer_types, sliding_window
+) -> None:
+    if num_layers < 1 or block_size < 2:
+        raise ValueError(
+            f"need num_layers >= 1 and block_size >= 2, got {num_layers}, {block_size}"
+        )
+    if not 0 <= mask_token_id < text.vocab_size:
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is not a row of the target embedding "
+            f"(vocab {text.vocab_size})"
+        )
+    bad = [k for k in layer_ids if not 0 <= k < text.num_hidden_layers]
+    if not layer_ids or bad or len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(
+            f"target_layer_ids {layer_ids} must be distinct ids in 0..{text.num_hidden_layers - 1}"
+        )
+    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise ValueError(f"layer_types {layer_types} must list {num_layers} of {LAYER_TYPES}")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ValueError("sliding_attention layers need a sliding_window")
+    if sliding_window is not None and sliding_window < block_size:
+        raise ValueError(f"sliding_window {sliding_window} is smaller than block_size {block_size}")
+
+
+def _default_intermediate(text) -> int:
+    """The target's dense MLP width; 3*H for MoE targets without dense layers."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    dense_layers = (
+        getattr(text, "mlp_only_layers", None) or (getattr(text, "decoder_sparse_step", 1) or 1) > 1
+    )
+    width = getattr(text, "intermediate_size", None)
+    if width and (not experts or dense_layers):
+        return width
+    return 3 * text.hidden_size
+
+
+def _drafter_rope(text) -> dict:
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if not rope:
+        rope = dict(getattr(text, "rope_scaling", None) or {})
+        rope["rope_theta"] = getattr(text, "rope_theta", 10000.0)
+    for key in _TARGET_ONLY_ROPE_KEYS:
+        rope.pop(key, None)
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return rope
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [context | block], both through k_proj/v_proj."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        hidden, q_dim, kv_dim = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, q_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_idx + 1))[
+            layer_idx
+        ]
+        sliding = layer_type == "sliding_attention"
+        forced = getattr(config, "is_causal", None)
+        self.is_causal = sliding if forced is None else bool(forced)
+        self.sliding_window = config.sliding_window if sliding else None
+
+    def _split(self, x: Tensor, heads: int) -> Tensor:
+        return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
+
+    def queries(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return _rope(self.q_norm(self._split(self.q_proj(h), self.num_heads)), cos, sin)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = self.k_norm(self._split(self.k_proj(x), self.num_kv_heads))
+        return _rope(k, cos, sin), self._split(self.v_proj(x), self.num_kv_heads)
+
+    def _out(self, attn: Tensor) -> Tensor:
+        return self.o_proj(attn.transpose(1, 2).flatten(2))
+
+    def infer(self, h, ctx, cos, sin, attention_mask=None, cache=None) -> Tensor:
+        """h [B,q,H] block stream; ctx [B,c,H]; cos/sin [B, c+q, D] for [context | block]."""
+        q_len = h.shape[1]
+        q = self.queries(h, cos[:, -q_len:], sin[:, -q_len:])
+        k, v = self.keys_values(torch.cat([ctx, h], dim=1), cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if attention_mask is None:
+            attention_mask = self._inference_mask(q_len, k.shape[2], h.device)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self._out(out)
+
+    def _inference_mask(self, q_len: int, kv_len: int, device) -> Tensor | None:
+        """Queries are the last q_len of the kv_len keys (the cache holds everything before)."""
+        if not self.is_causal and self.sliding_window is None:
+            return None
+        qi = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        ki = torch.arange(kv_len, device=device)[None, :]
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+        if self.is_causal:
+            visible &= ki <= qi
+        if self.sliding_window is not None:
+            visible &= (qi - ki).abs() < self.sliding_window
+        return visible
+
+    def blocks(
+        self, h, ctx, ctx_rope, blk_rope, *, anchors, anchor_valid, block_size, doc_ids, impl
+    ) -> Tensor:
+        q = self.queries(h, *blk_rope)
+        k_blk, v_blk = self.keys_values(h, *blk_rope)
+        k_ctx, v_ctx = self.keys_values(ctx, *ctx_rope)
+        out = block_attention(
+            q,
+            k_ctx,
+            v_ctx,
+            k_blk,
+            v_blk,
+            anchors=anchors,
+            anchor_valid=anchor_valid,
+            block_size=block_size,
+            doc_ids=doc_ids,
+            sliding_window=self.sliding_window,
+            causal_in_block=self.is_causal,
+            scaling=self.scaling,
+            impl=impl,
+        )
+        return self._out(out)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        x = x + attend(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _dflash_value(config, name: str, default=None):
+    """A setting from dflash_config, else the top-level attribute (z-lab's lookup order)."""
+    return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
+
+
+class DFlashDrafter(PreTrainedModel):
+    config_class = Qwen3Config
+    config: Qwen3Config
+    base_model_prefix = ""
+    _no_split_modules = ["DFlashLayer"]
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        ids = _dflash_value(config, "target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+        self.target_layer_ids: list[int] = list(ids)
+        self.mask_token_id: int = _dflash_value(config, "mask_token_id")
+        self.block_size: int = int(_dflash_value(config, "block_size", 16))
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """As PreTrainedModel's, but config.json names z-lab's class, as published drafters do."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.config.architectures = [ARCHITECTURE]
+        if kwargs.get("is_main_process", True):
+            self.config.save_pretrained(save_directory)
+
+    def project_context(self, features: Tensor) -> Tensor:
+        """[B, S, L*H] target features -> [B, S, H] context."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        position_ids: Tensor,
+        noise_embedding: Tensor,
+        target_hidden: Tensor,
+        attention_mask: Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> Tensor:
+        """Inference, as z-lab's: position_ids [B, c+q] cover [new context | block]; the cache
+        (if any) holds the K/V of earlier context and grows by c+q (callers crop it)."""
+        ctx = self.project_context(target_hidden)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        x = noise_embedding
+        for layer in self.layers:
+            attn = layer.self_attn
+            x = layer(
+                x, lambda h, a=attn: a.infer(h, ctx, cos, sin, attention_mask, past_key_values)
+            )
+        return self.norm(x)
+
+    def forward_blocks(
+        self,
+        block_embeds: Tensor,
+        context: Tensor,
+        anchors: Tensor,
+        anchor_valid: Tensor,
+        context_positions: Tensor,
+        doc_ids: Tensor | None = None,
+        attention: str = "auto",
+    ) -> Tensor:
+        """Training: all N blocks of each row against the row's context -> [B, N*K, H]."""
+        batch, total, _ = block_embeds.shape
+        num_blocks = anchors.shape[1]
+        block_size = total // max(num_blocks, 1)
+        if block_size * num_blocks != total:
+            raise ValueError(
+                f"block_embeds has {total} slots, not a multiple of {num_blocks} anchors"
+            )
+        safe = anchors.clamp(0, context.shape[1] - 1)
+        slots = torch.arange(block_size, device=anchors.device)
+        blk_pos = (context_positions.gather(1, safe)[:, :, None] + slots).reshape(batch, total)
+        ctx_rope = self.rotary_emb(context, context_positions)
+        blk_rope = self.rotary_emb(block_embeds, blk_pos)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(
+                x,
+                lambda h, a=layer.self_attn: a.blocks(
+                    h,
+                    context,
+                    ctx_rope,
+                    blk_rope,
+                    anchors=anchors,
+                    anchor_valid=anchor_valid,
+                    block_size=block_size,
+                    doc_ids=doc_ids,
+                    impl=attention,
+                ),
+            )
+        return self.norm(x)
