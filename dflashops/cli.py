@@ -1,0 +1,49 @@
+"""The `dflashops` command line: global options, one sub-module per verb, contract exit codes."""
+
+from __future__ import annotations
+
+import typer
+
+from dflashops.commands import exec_cmd, hosts, push, run_script, setup
+from dflashops.context import Context
+
+app = typer.Typer(
+    name="dflashops",
+    help="Train and evaluate DFlash drafters on Proxmox GPU servers.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def global_options(
+    ctx: typer.Context,
+    inventory: str = typer.Option(
+        None,
+        "--inventory",
+        metavar="PATH",
+        help="hosts.yaml to use (else $DFLASHOPS_INVENTORY, ./hosts.yaml, ~/.config/dflashops/hosts.yaml).",
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print one JSON document (reading commands)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the exact argv per host; change nothing."
+    ),
+    verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More detail on stderr."),
+) -> None:
+    ctx.obj = Context(inventory_path=inventory, json=json_out, dry_run=dry_run, verbose=verbose)
+
+
+for module in (hosts, exec_cmd, push, run_script, setup):
+    module.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""`exec TARGET -- ARGV...`: run ARGV exactly as given; its output streams, its exit code is ours."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dflashops import context
+from dflashops.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "exec",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )
+    @context.command
+    def exec_(
+        ctx: typer.Context,
+        target: str = typer.Argument(..., help="A target of the inventory."),
+        argv: list[str] = typer.Argument(None, help="The command and its arguments, after --."),
+        cwd: str = typer.Option(
+            None, "--cwd", help="Directory to run in (default: the login's or /)."
+        ),
+        env: list[str] = typer.Option(
+            None, "--env", "-e", help="NAME=VALUE for the command (repeatable)."
+        ),
+    ) -> None:
+        """Run ARGV on TARGET exactly as given: no shell unless ARGV is one."""
+        if not argv:
+            raise UsageError(
+                "nothing to run: give the command after --, e.g. exec ct200 -- nvidia-smi"
+            )
+        opts = context.get(ctx)
+        machine = opts.session().machine(target)
+        code = run_streaming(machine, list(argv), env=parse_env(env), cwd=cwd)
+        raise typer.Exit(code)
+
+
+def parse_env(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--env {item!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def run_streaming(machine, argv: list[str], *, env=None, cwd=None) -> int:  # noqa: ANN001
+    """Run with our stdin (when it is not a terminal) and our stdout/stderr attached."""
+    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer
+    result = machine.run(
+        argv, stdin=stdin, env=env, cwd=cwd, stdout=_writer(sys.stdout), stderr=_writer(sys.stderr)
+    )
+    return result.returncode
+
+
+def _writer(stream):  # noqa: ANN001, ANN202
+    buffer = stream.buffer
+
+    def write(chunk: bytes) -> None:
+        buffer.write(chunk)
+        buffer.flush()
+
+    return write

@@ -1,0 +1,259 @@
+"""`hosts`: every host and target (reachable, running, GPUs, free disk); `hosts trust HOST`."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import typer
+
+from dflashops import context
+from dflashops.errors import ExitCode, OpsError, UsageError
+from dflashops.inventory import Endpoint, Inventory, Target
+
+# Run inside each target: free disk under the workspace (or its nearest existing parent),
+# GPU count, whether the target's python exists. Paths arrive as arguments, never inlined.
+PROBE = r"""
+d="$1"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
+df -Pk "$d" | awk 'NR==2 {print "disk_free_kb=" $4}'
+if command -v nvidia-smi >/dev/null 2>&1; then
+  echo "gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+fi
+if command -v "$2" >/dev/null 2>&1; then echo "python=yes"; else echo "python=no"; fi
+"""
+
+
+@dataclass
+class HostRow:
+    name: str
+    address: str
+    reachable: bool
+    containers: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class TargetRow:
+    name: str
+    kind: str
+    where: str
+    role: str
+    state: str
+    gpus: int | None = None
+    disk_free_bytes: int | None = None
+    python: bool | None = None
+    error: str | None = None
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Hosts and targets of the inventory.", no_args_is_help=False)
+
+    @group.callback(invoke_without_command=True)
+    @context.command
+    def hosts(
+        ctx: typer.Context,
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """Every host and target: reachable, container running, GPUs, free disk."""
+        if ctx.invoked_subcommand is not None:
+            return
+        opts = context.get(ctx)
+        host_rows, target_rows = survey(opts.session(), opts.inventory())
+        if opts.json or json_out:
+            opts.emit(
+                {
+                    "inventory": str(opts.inventory().path),
+                    "hosts": [asdict(r) for r in host_rows],
+                    "targets": [asdict(r) for r in target_rows],
+                }
+            )
+        elif not opts.dry_run:
+            render(host_rows, target_rows)
+        if any(not r.reachable for r in host_rows):
+            raise typer.Exit(int(ExitCode.UNREACHABLE))
+
+    @group.command("trust")
+    @context.command
+    def trust(
+        ctx: typer.Context,
+        host: str = typer.Argument(..., help="A host of the inventory (or a kind: ssh target)."),
+        yes: bool = typer.Option(False, "--yes", "-y", help="Pin without asking."),
+    ) -> None:
+        """Show a host's SSH key fingerprint and pin it (asks first)."""
+        opts = context.get(ctx)
+        pin_key(opts.session(), opts.inventory().endpoint(host), yes)
+
+    app.add_typer(group, name="hosts")
+
+
+def survey(session, inventory: Inventory) -> tuple[list[HostRow], list[TargetRow]]:  # noqa: ANN001
+    """Probe every host once (`pct list`) and every reachable target once, all in parallel."""
+    endpoints = list(inventory.hosts.values())
+    listings = session.each(lambda e: pct_list(session, e), endpoints)
+    host_rows, states = [], {}
+    for endpoint, listing in zip(endpoints, listings, strict=True):
+        if isinstance(listing, OpsError):
+            host_rows.append(HostRow(endpoint.name, endpoint.address, False, error=listing.message))
+        else:
+            states[endpoint.name] = listing
+            count = len(listing) if listing is not None else None
+            note = None if listing is not None else "no pct here (not a Proxmox VE node?)"
+            host_rows.append(HostRow(endpoint.name, endpoint.address, True, count, note))
+    failed = {r.name: r.error for r in host_rows if not r.reachable}
+    targets = list(inventory.targets.values())
+    rows = session.each(lambda t: probe(session, t, states, failed), targets)
+    return host_rows, [
+        r if isinstance(r, TargetRow) else _error_row(t, r)
+        for t, r in zip(targets, rows, strict=True)
+    ]
+
+
+def pct_list(session, endpoint: Endpoint) -> dict[int, str] | None:  # noqa: ANN001
+    """vmid -> status from `pct list` on a host; None when the host has no pct."""
+    result = session.host_machine(endpoint).run(["pct", "list"])
+    if result.returncode == 127:
+        return None
+    if not result.ok:
+        raise OpsError(f"{endpoint.name}: pct list failed: {result.error_text}")
+    states = {}
+    for line in result.text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 2 and fields[0].isdigit():
+            states[int(fields[0])] = fields[1]
+    return states
+
+
+def probe(session, target: Target, states: dict, failed: dict) -> TargetRow:  # noqa: ANN001
+    row = TargetRow(target.name, target.kind, _where(target), ",".join(target.role), "running")
+    if target.kind == "pct":
+        if target.host in failed:
+            row.state, row.error = "unreachable", failed[target.host]
+            return row
+        listing = states.get(target.host)
+        if listing is not None:
+            row.state = listing.get(target.vmid, "missing")
+            if row.state == "missing":
+                row.error = f"no CT {target.vmid} on {target.host} (pct list)"
+            if row.state != "running":
+                return row
+    result = session.machine(target).run(["sh", "-c", PROBE, "sh", target.workspace, target.python])
+    if not result.ok:
+        row.error = result.error_text
+        return row
+    facts = dict(line.split("=", 1) for line in result.text.splitlines() if "=" in line)
+    if facts.get("disk_free_kb", "").isdigit():
+        row.disk_free_bytes = int(facts["disk_free_kb"]) * 1024
+    if facts.get("gpus", "").isdigit():
+        row.gpus = int(facts["gpus"])
+    row.python = facts.get("python") == "yes"
+    return row
+
+
+def _error_row(target: Target, error: OpsError) -> TargetRow:
+    state = "unreachable" if error.code == ExitCode.UNREACHABLE else "error"
+    if error.code == ExitCode.NOT_FOUND:
+        state = "missing"
+    return TargetRow(
+        target.name, target.kind, _where(target), ",".join(target.role), state, error=error.message
+    )
+
+
+def _where(target: Target) -> str:
+    if target.kind == "pct":
+        return f"{target.host}/{target.vmid}"
+    if target.kind == "ssh" and target.endpoint:
+        return target.endpoint.address
+    return "this machine"
+
+
+def render(host_rows: list[HostRow], target_rows: list[TargetRow]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflashops.render import human_bytes
+
+    console = Console()
+    if host_rows:
+        table = Table("HOST", "ADDRESS", "REACHABLE", "CTS", "NOTE", box=None, pad_edge=False)
+        for r in host_rows:
+            mark = "[green]yes[/]" if r.reachable else "[red]no[/]"
+            table.add_row(r.name, r.address, mark, _dash(r.containers), r.error or "")
+        console.print(table)
+        console.print()
+    table = Table(
+        "TARGET",
+        "KIND",
+        "WHERE",
+        "ROLE",
+        "STATE",
+        "GPUS",
+        "FREE DISK",
+        "PYTHON",
+        "NOTE",
+        box=None,
+        pad_edge=False,
+    )
+    for r in target_rows:
+        colour = {"running": "green", "stopped": "yellow"}.get(r.state, "red")
+        table.add_row(
+            r.name,
+            r.kind,
+            r.where,
+            r.role,
+            f"[{colour}]{r.state}[/]",
+            _dash(r.gpus),
+            human_bytes(r.disk_free_bytes) if r.disk_free_bytes is not None else "-",
+            {True: "ok", False: "missing", None: "-"}[r.python],
+            r.error or "",
+        )
+    console.print(table)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001
+    import paramiko
+
+    from dflashops.ssh import host_key_files, pinned_keys_file
+
+    conn = session.connection(endpoint)
+    resolved = conn.resolved
+    key = conn.server_key()
+    fp, name = key.fingerprint, resolved.key_name
+    for path in host_key_files(endpoint):
+        known = paramiko.HostKeys(str(path)).lookup(name) or {}
+        pinned = known.get(key.get_name())
+        if pinned is not None and pinned == key:
+            context.note(f"{endpoint.name}: {key.get_name()} {fp} is already trusted ({path})")
+            return
+        if pinned is not None:
+            raise UsageError(
+                f"{endpoint.name}: the key now offered ({fp}) differs from the one pinned in {path} "
+                f"({pinned.fingerprint}); if the host was reinstalled, delete that line and try again"
+            )
+    context.note(f"{resolved.label} offers {key.get_name()} key {fp}")
+    if session.dry_run:
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(
+                "not pinning without confirmation: check the fingerprint, then add --yes"
+            )
+        if not typer.confirm("Trust this key and pin it?", default=False):
+            raise OpsError("not pinned", ExitCode.FAILED)
+    path = endpoint.known_hosts or pinned_keys_file()
+    _append_key(path, name, key)
+    context.note(f"pinned in {path}")
+
+
+def _append_key(path: Path, name: str, key) -> None:  # noqa: ANN001
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = f"{name} {key.get_name()} {key.get_base64()}\n"
+    existing = path.read_text() if path.exists() else ""
+    if existing and not existing.endswith("\n"):
+        line = "\n" + line
+    with open(path, "a") as f:
+        f.write(line)

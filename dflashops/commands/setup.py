@@ -1,0 +1,128 @@
+"""`setup TARGET`: make the venv, install the workload's requirements, sync the workload."""
+
+from __future__ import annotations
+
+import posixpath
+import sys
+from pathlib import Path
+
+import typer
+
+from dflashops import bundle, context, transfer
+from dflashops.errors import OpsError, UsageError
+from dflashops.render import Stopwatch
+from dflashops.targets.base import Machine
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("setup")
+    @context.command
+    def setup(
+        ctx: typer.Context,
+        target: str = typer.Argument(..., help="A target of the inventory."),
+        wheels: Path = typer.Option(
+            None,
+            "--wheels",
+            help="A local folder of wheels: push it and install from it only "
+            "(no package index; for offline GPU servers).",
+        ),
+        requirements: Path = typer.Option(
+            None, "--requirements", "-r", help="Requirements to install (default: the workload's)."
+        ),
+        no_install: bool = typer.Option(
+            False, "--no-install", help="Only make the venv and sync the code."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """Make the target's venv if missing, install requirements with pip there, sync workload/."""
+        opts = context.get(ctx)
+        reqs = requirements or bundle.requirements_file()
+        if not reqs.is_file():
+            raise UsageError(f"{reqs}: no such requirements file")
+        if wheels is not None and not wheels.is_dir():
+            raise UsageError(f"--wheels {wheels}: not a directory of wheels")
+        machine = opts.session().machine(target)
+        clock = Stopwatch()
+        report = {"target": target, "python": ensure_python(machine)}
+        if not no_install:
+            install(machine, reqs, wheels)
+            report["installed_from"] = "wheels" if wheels else "index"
+        report["sync"] = sync_workload(machine)
+        report["seconds"] = round(clock.seconds, 1)
+        if opts.json or json_out:
+            opts.emit(report)
+        elif not opts.dry_run:
+            s = report["sync"]
+            context.say(
+                f"{target}: ready in {report['seconds']}s: python {report['python']}; workload "
+                f"{s['sent']} sent, {s['unchanged']} unchanged, {s['deleted']} removed"
+            )
+
+
+def home(machine: Machine, *parts: str) -> str:
+    return posixpath.join(machine.target.workspace, bundle.REMOTE_HOME, *parts)
+
+
+def ensure_python(machine: Machine) -> str:
+    """The target's python version; makes the venv first when the interpreter is missing."""
+    python = machine.target.python
+    version = [python, "-c", "import sys; print(sys.version.split()[0])"]
+    found = machine.run(version)
+    if found.ok:
+        return found.text.strip() or "?"
+    if found.returncode != 127:
+        raise OpsError(f"{machine.name}: {python} does not run: {found.error_text}")
+    head, name = posixpath.split(python)
+    if (
+        not python.startswith("/")
+        or posixpath.basename(head) != "bin"
+        or not name.startswith("python")
+    ):
+        raise UsageError(
+            f"{machine.name}: python {python!r} not found, and it is not a venv path like "
+            f"/root/venv/bin/python that setup could create; fix 'python' in hosts.yaml"
+        )
+    venv = posixpath.dirname(head)
+    context.note(f"{machine.name}: creating venv {venv}")
+    made = machine.run(["python3", "-m", "venv", venv])
+    if not made.ok:
+        hint = " (install python3-venv there)" if "ensurepip" in made.stderr.decode() else ""
+        raise OpsError(f"{machine.name}: python3 -m venv {venv} failed: {made.error_text}{hint}")
+    again = machine.run(version)
+    if not again.ok and not machine.dry_run:
+        raise OpsError(f"{machine.name}: the new venv's {python} does not run: {again.error_text}")
+    return again.text.strip() or "?"
+
+
+def install(machine: Machine, requirements: Path, wheels: Path | None) -> None:
+    remote_reqs = home(machine, "requirements.txt")
+    transfer.put(machine, requirements, remote_reqs)
+    pip = [machine.target.python, "-m", "pip", "install", "--disable-pip-version-check"]
+    if wheels is not None:
+        remote_wheels = home(machine, "wheels")
+        context.note(f"{machine.name}: sending wheels from {wheels}")
+        transfer.sync(machine, wheels, remote_wheels)
+        pip += ["--no-index", "--find-links", remote_wheels]
+    context.note(f"{machine.name}: pip install -r {requirements.name}")
+    result = machine.run([*pip, "-r", remote_reqs], stdout=_to_stderr, stderr=_to_stderr)
+    if not result.ok:
+        raise OpsError(f"{machine.name}: pip install failed: {result.error_text}")
+
+
+def sync_workload(machine: Machine) -> dict[str, int]:
+    counts = {"sent": 0, "unchanged": 0, "deleted": 0}
+    for local, name in ((bundle.workload_dir(), "workload"), (bundle.templates_dir(), "templates")):
+        if not local.is_dir():
+            continue
+        done = transfer.sync(
+            machine, local, home(machine, name), skip=lambda r: not bundle.shipped(r)
+        )
+        counts["sent"] += sum(1 for e in done.sent if e.kind == "f")
+        counts["unchanged"] += done.unchanged
+        counts["deleted"] += len(done.deleted)
+    return counts
+
+
+def _to_stderr(chunk: bytes) -> None:
+    sys.stderr.buffer.write(chunk)
+    sys.stderr.buffer.flush()

@@ -1,0 +1,330 @@
+"""hosts.yaml -> typed hosts and targets (contract section 1), validated before any connection."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashops.errors import InventoryError, NotFoundError
+from dflashops.yamlfile import LocatedYaml, YamlFileError, did_you_mean, load_located
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ROLES = ("train", "eval")
+KINDS = ("pct", "ssh", "local")
+
+DEFAULTS: dict[str, Any] = {
+    "workspace": "/workspace",
+    "python": "/root/venv/bin/python",
+    "env": {},
+    "path": DEFAULT_PATH,
+}
+CONNECTION_KEYS = ("address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout")
+TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *DEFAULTS, *CONNECTION_KEYS)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An SSH server: a Proxmox host, or a plain `kind: ssh` machine."""
+
+    name: str
+    address: str
+    user: str = "root"
+    port: int = 22
+    identity: Path | None = None
+    known_hosts: Path | None = None
+    jump: str | None = None
+    connect_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where work runs: a container on a Proxmox host, an SSH machine, or this machine."""
+
+    name: str
+    kind: str
+    workspace: str
+    python: str
+    env: dict[str, str] = field(default_factory=dict)
+    path: str = DEFAULT_PATH
+    role: tuple[str, ...] = ROLES
+    gpus: int | None = None
+    endpoint: Endpoint | None = None
+    vmid: int | None = None
+
+    @property
+    def host(self) -> str | None:
+        return self.endpoint.name if self.endpoint else None
+
+    def describe(self) -> str:
+        if self.kind == "pct":
+            return f"{self.name} (CT {self.vmid} on {self.host})"
+        if self.kind == "ssh":
+            return f"{self.name} ({self.endpoint.address if self.endpoint else '?'})"
+        return f"{self.name} (this machine)"
+
+
+@dataclass
+class Inventory:
+    path: Path
+    hosts: dict[str, Endpoint]
+    targets: dict[str, Target]
+
+    def target(self, name: str) -> Target:
+        try:
+            return self.targets[name]
+        except KeyError:
+            known = ", ".join(sorted(self.targets)) or "none"
+            raise NotFoundError(
+                f"no target '{name}' in {self.path}{did_you_mean(name, list(self.targets))}"
+                f" (targets: {known})"
+            ) from None
+
+    def endpoint(self, name: str) -> Endpoint:
+        if name in self.hosts:
+            return self.hosts[name]
+        for target in self.targets.values():
+            if target.kind == "ssh" and target.name == name and target.endpoint:
+                return target.endpoint
+        known = ", ".join(sorted(self.hosts)) or "none"
+        raise NotFoundError(
+            f"no host '{name}' in {self.path}{did_you_mean(name, list(self.hosts))} (hosts: {known})"
+        )
+
+
+def find_inventory(explicit: str | None) -> Path:
+    """The lookup order of contract section 1."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise InventoryError(f"{explicit}: no such inventory file (given with --inventory)")
+        return path
+    env = os.environ.get("DFLASHOPS_INVENTORY")
+    if env:
+        if not Path(env).is_file():
+            raise InventoryError(f"{env}: no such inventory file (from $DFLASHOPS_INVENTORY)")
+        return Path(env)
+    for candidate in (Path("hosts.yaml"), Path.home() / ".config" / "dflashops" / "hosts.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise InventoryError(
+        "no inventory: give --inventory PATH, set $DFLASHOPS_INVENTORY, or create ./hosts.yaml "
+        "or ~/.config/dflashops/hosts.yaml (see the README)"
+    )
+
+
+def load_inventory(path: Path) -> Inventory:
+    try:
+        doc = load_located(path)
+        return _Parser(doc).parse()
+    except YamlFileError as exc:
+        raise InventoryError(str(exc)) from None
+    except OSError as exc:
+        raise InventoryError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+class _Parser:
+    def __init__(self, doc: LocatedYaml) -> None:
+        self.doc = doc
+        self.base = doc.path.resolve().parent
+
+    def fail(self, key: str, problem: str) -> YamlFileError:
+        return self.doc.error(key, problem)
+
+    def parse(self) -> Inventory:
+        data = self.doc.data
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise YamlFileError(
+                f"{self.doc.path}:1: expected a mapping with version, hosts, targets"
+            )
+        self.check_keys("", data, ("version", "defaults", "hosts", "targets"))
+        version = data.get("version", 1)
+        if version != 1:
+            raise self.fail("version", f"{version!r} is not supported; write 'version: 1'")
+        defaults = self.section(data, "defaults")
+        self.check_keys("defaults", defaults, tuple(DEFAULTS) + CONNECTION_KEYS[1:])
+        hosts = {
+            name: self.endpoint(f"hosts.{name}", name, spec, defaults)
+            for name, spec in self.named_sections(data, "hosts")
+        }
+        targets = {
+            name: self.target(f"targets.{name}", name, spec, defaults, hosts)
+            for name, spec in self.named_sections(data, "targets")
+        }
+        for key, endpoint in [(f"hosts.{h}", e) for h, e in hosts.items()] + [
+            (f"targets.{t.name}", t.endpoint) for t in targets.values() if t.kind == "ssh"
+        ]:
+            if endpoint and endpoint.jump and endpoint.jump == endpoint.name:
+                raise self.fail(f"{key}.jump", "a host cannot jump through itself")
+        return Inventory(path=self.doc.path, hosts=hosts, targets=targets)
+
+    def section(self, data: dict, key: str) -> dict:
+        value = data.get(key) or {}
+        if not isinstance(value, dict):
+            raise self.fail(key, "expected a mapping")
+        return value
+
+    def named_sections(self, data: dict, key: str) -> list[tuple[str, dict]]:
+        out = []
+        for name, spec in self.section(data, key).items():
+            if not NAME_RE.match(name):
+                raise self.fail(f"{key}.{name}", "names are letters, digits, '.', '_', '-' (1-64)")
+            if spec is None:
+                spec = {}
+            if not isinstance(spec, dict):
+                raise self.fail(f"{key}.{name}", "expected a mapping of settings")
+            out.append((name, spec))
+        return out
+
+    def check_keys(self, prefix: str, spec: dict, allowed: tuple[str, ...]) -> None:
+        for key in spec:
+            if key not in allowed:
+                dotted = f"{prefix}.{key}" if prefix else key
+                raise self.fail(dotted, f"unknown key{did_you_mean(key, list(allowed))}")
+
+    def endpoint(self, key: str, name: str, spec: dict, defaults: dict) -> Endpoint:
+        self.check_keys(key, spec, CONNECTION_KEYS)
+        merged = {k: v for k, v in defaults.items() if k in CONNECTION_KEYS} | spec
+        if "address" not in merged:
+            raise self.fail(key, "missing 'address' (an IP address or an ~/.ssh/config alias)")
+        return Endpoint(
+            name=name,
+            address=self.text(f"{key}.address", merged["address"]),
+            user=self.text(f"{key}.user", merged.get("user", "root")),
+            port=self.integer(f"{key}.port", merged.get("port", 22), 1, 65535),
+            identity=self.file_path(f"{key}.identity", merged.get("identity")),
+            known_hosts=self.file_path(f"{key}.known_hosts", merged.get("known_hosts")),
+            jump=self.optional_text(f"{key}.jump", merged.get("jump")),
+            connect_timeout=self.number(
+                f"{key}.connect_timeout", merged.get("connect_timeout", 10)
+            ),
+        )
+
+    def target(
+        self, key: str, name: str, spec: dict, defaults: dict, hosts: dict[str, Endpoint]
+    ) -> Target:
+        self.check_keys(key, spec, TARGET_KEYS)
+        kind = spec.get("kind") or ("pct" if "vmid" in spec else None)
+        if kind is None:
+            kind = "ssh" if "address" in spec else "pct"
+        if kind not in KINDS:
+            raise self.fail(f"{key}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
+        merged = DEFAULTS | {k: v for k, v in defaults.items() if k in DEFAULTS} | spec
+        common = dict(
+            name=name,
+            kind=kind,
+            workspace=self.workspace(f"{key}.workspace", merged["workspace"], kind),
+            python=self.text(f"{key}.python", merged["python"]),
+            env=self.env(f"{key}.env", merged["env"]),
+            path=self.text(f"{key}.path", merged["path"]),
+            role=self.roles(f"{key}.role", spec.get("role", list(ROLES))),
+            gpus=self.optional_int(f"{key}.gpus", spec.get("gpus"), 0, 1024),
+        )
+        if kind == "pct":
+            return Target(**common, **self.pct_placement(key, spec, hosts))
+        if kind == "ssh":
+            return Target(**common, endpoint=self.ssh_endpoint(key, name, spec, defaults, hosts))
+        for extra in ("host", "vmid", *CONNECTION_KEYS):
+            if extra in spec:
+                raise self.fail(f"{key}.{extra}", "not allowed for kind: local")
+        return Target(**common)
+
+    def pct_placement(self, key: str, spec: dict, hosts: dict[str, Endpoint]) -> dict:
+        for extra in CONNECTION_KEYS:
+            if extra in spec:
+                raise self.fail(
+                    f"{key}.{extra}", "set connection keys on the host, not the container"
+                )
+        if "host" not in spec:
+            raise self.fail(key, "missing 'host' (the Proxmox node under hosts: that runs this CT)")
+        host = spec["host"]
+        if host not in hosts:
+            known = ", ".join(sorted(hosts)) or "none defined"
+            raise self.fail(
+                f"{key}.host",
+                f"'{host}' is not a host in this file{did_you_mean(str(host), list(hosts))}"
+                f" (hosts: {known})",
+            )
+        if "vmid" not in spec:
+            raise self.fail(key, "missing 'vmid' (the container's numeric ID, as in `pct list`)")
+        vmid = self.integer(f"{key}.vmid", spec["vmid"], 100, 999_999_999)
+        return {"endpoint": hosts[host], "vmid": vmid}
+
+    def ssh_endpoint(
+        self, key: str, name: str, spec: dict, defaults: dict, hosts: dict[str, Endpoint]
+    ) -> Endpoint:
+        if "vmid" in spec:
+            raise self.fail(f"{key}.vmid", "only containers (kind: pct) have a vmid")
+        connection = {k: v for k, v in spec.items() if k in CONNECTION_KEYS}
+        if "host" in spec:
+            if connection:
+                raise self.fail(f"{key}.host", "give either 'host' or connection keys, not both")
+            if spec["host"] not in hosts:
+                raise self.fail(f"{key}.host", f"'{spec['host']}' is not a host in this file")
+            return hosts[spec["host"]]
+        return self.endpoint(key, name, connection, defaults)
+
+    def workspace(self, key: str, value: Any, kind: str) -> str:
+        text = self.text(key, value)
+        if kind == "local":
+            return str((self.base / Path(text).expanduser()).resolve())
+        if not text.startswith("/"):
+            raise self.fail(key, f"'{text}' must be an absolute path inside the target")
+        return text.rstrip("/") or "/"
+
+    def roles(self, key: str, value: Any) -> tuple[str, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise self.fail(key, "expected train, eval or a list of them")
+        for item in items:
+            if item not in ROLES:
+                raise self.fail(key, f"{item!r} is not one of {', '.join(ROLES)}")
+        return tuple(items)
+
+    def env(self, key: str, value: Any) -> dict[str, str]:
+        if not isinstance(value, dict):
+            raise self.fail(key, "expected a mapping of NAME: value")
+        out = {}
+        for name, item in value.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", str(name)):
+                raise self.fail(f"{key}.{name}", "not a valid environment variable name")
+            if isinstance(item, (dict, list)) or item is None:
+                raise self.fail(f"{key}.{name}", "expected a string or number")
+            out[str(name)] = str(item)
+        return out
+
+    def _checked(self, key: str, value: Any, ok: Callable[[Any], bool], expected: str) -> Any:
+        if not ok(value):
+            raise self.fail(key, f"expected {expected}, got {value!r}")
+        return value
+
+    def text(self, key: str, value: Any) -> str:
+        return self._checked(key, value, lambda v: isinstance(v, str) and v != "", "a string")
+
+    def optional_text(self, key: str, value: Any) -> str | None:
+        return None if value is None else self.text(key, value)
+
+    def integer(self, key: str, value: Any, low: int, high: int) -> int:
+        expected = f"an integer {low}..{high}"
+        return self._checked(key, value, lambda v: type(v) is int and low <= v <= high, expected)
+
+    def optional_int(self, key: str, value: Any, low: int, high: int) -> int | None:
+        return None if value is None else self.integer(key, value, low, high)
+
+    def number(self, key: str, value: Any) -> float:
+        ok = self._checked(
+            key, value, lambda v: type(v) in (int, float) and v > 0, "a positive number of seconds"
+        )
+        return float(ok)
+
+    def file_path(self, key: str, value: Any) -> Path | None:
+        if value is None:
+            return None
+        path = Path(self.text(key, value)).expanduser()
+        return path if path.is_absolute() else (self.base / path)

@@ -1,0 +1,50 @@
+"""Runs inside a target with its python3 (stdlib only): describe files under a directory.
+
+argv: BASE [--all]. stdin: a JSON list of paths relative to BASE (ignored with --all).
+stdout: one JSON object {path: {"t": "f", "sha256": hex, "size": n} | {"t": "l", "to": target}
+| {"t": "d"} | {"t": "-"}}, "-" for a path that does not exist.
+"""
+
+import hashlib
+import json
+import os
+import stat
+import sys
+
+
+def describe(path):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return {"t": "-"}
+    if stat.S_ISLNK(st.st_mode):
+        return {"t": "l", "to": os.readlink(path)}
+    if stat.S_ISDIR(st.st_mode):
+        return {"t": "d"}
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            digest.update(chunk)
+    return {"t": "f", "sha256": digest.hexdigest(), "size": st.st_size}
+
+
+def walk(base):
+    for root, dirs, files in os.walk(base):
+        for name in dirs + files:
+            yield os.path.relpath(os.path.join(root, name), base)
+
+
+def main():
+    base = sys.argv[1]
+    if "--all" in sys.argv[2:]:
+        paths = list(walk(base)) if os.path.isdir(base) else []
+    else:
+        paths = json.load(sys.stdin)
+    out = {rel: describe(os.path.join(base, rel)) for rel in paths}
+    json.dump(out, sys.stdout)
+
+
+main()

@@ -1,0 +1,114 @@
+"""What one command holds: the inventory, one SSH connection per host, machines, a thread pool."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from dflashops.errors import OpsError
+from dflashops.inventory import Endpoint, Inventory, Target
+from dflashops.ssh import Connection
+from dflashops.targets.base import Machine
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Session:
+    def __init__(
+        self,
+        inventory: Inventory,
+        *,
+        dry_run: bool = False,
+        announce: Callable[[str], None] = print,
+    ) -> None:
+        self.inventory = inventory
+        self.dry_run = dry_run
+        self.announce = announce
+        self._connections: dict[str, Connection] = {}
+        self._machines: dict[str, Machine] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connection(self, endpoint: Endpoint) -> Connection:
+        with self._lock:
+            conn = self._connections.get(endpoint.name)
+            if conn is None:
+                conn = Connection(endpoint, self._jump)
+                self._connections[endpoint.name] = conn
+            return conn
+
+    def _jump(self, name: str) -> Connection:
+        """A jump host: a host of the inventory, else an ~/.ssh/config alias or user@host:port."""
+        if name in self.inventory.hosts:
+            return self.connection(self.inventory.hosts[name])
+        user, _, rest = name.rpartition("@")
+        address, _, port = rest.partition(":")
+        endpoint = Endpoint(name=name, address=address, user=user or "root", port=int(port or 22))
+        return self.connection(endpoint)
+
+    def machine(self, target: str | Target) -> Machine:
+        if isinstance(target, str):
+            target = self.inventory.target(target)
+        with self._lock:
+            found = self._machines.get(target.name)
+        if found is not None:
+            return found
+        made = self._make(target)
+        made.dry_run = self.dry_run
+        made.announce = self.announce
+        with self._lock:
+            return self._machines.setdefault(target.name, made)
+
+    def _make(self, target: Target) -> Machine:
+        if target.kind == "local":
+            from dflashops.targets.local import LocalMachine
+
+            return LocalMachine(target)
+        if target.kind == "ssh":
+            from dflashops.targets.ssh import SshMachine
+
+            return SshMachine(target, self.connection(target.endpoint))
+        from dflashops.targets.pct import PctMachine
+
+        return PctMachine(target, self.connection(target.endpoint))
+
+    def host_machine(self, endpoint: Endpoint) -> Machine:
+        """The Proxmox host itself (for `pct list` and the like), as a plain SSH machine."""
+        from dflashops.targets.ssh import SshMachine
+
+        target = Target(
+            name=endpoint.name, kind="ssh", workspace="/", python="python3", endpoint=endpoint
+        )
+        made = SshMachine(target, self.connection(endpoint))
+        made.dry_run, made.announce = self.dry_run, self.announce
+        return made
+
+    def each(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R | OpsError]:
+        """`fn` over `items` in parallel (one thread per item); errors are returned in place."""
+        items = list(items)
+
+        def guarded(item: T) -> R | OpsError:
+            try:
+                return fn(item)
+            except OpsError as exc:
+                return exc
+
+        if len(items) <= 1:
+            return [guarded(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
+            return list(pool.map(guarded, items))
+
+    def close(self) -> None:
+        with self._lock:
+            connections = list(self._connections.values())
+            self._connections.clear()
+        for conn in connections:
+            conn.close()

@@ -1,0 +1,76 @@
+"""The `local` target: subprocesses on this machine, under the target's workspace."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+from dflashops.targets.base import Machine, Process
+
+
+class LocalProcess:
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        try:
+            self.popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=False,
+            )
+            self.failed: int | None = None
+        except FileNotFoundError:
+            self.popen, self.failed = None, 127
+            self.message = f"{argv[0]}: command not found\n".encode()
+        except PermissionError:
+            self.popen, self.failed = None, 126
+            self.message = f"{argv[0]}: permission denied\n".encode()
+
+    def write(self, data: bytes) -> None:
+        if self.popen:
+            self.popen.stdin.write(data)
+
+    def close_stdin(self) -> None:
+        if self.popen:
+            with contextlib.suppress(BrokenPipeError):
+                self.popen.stdin.close()
+
+    def read_stdout(self, size: int) -> bytes:
+        return self.popen.stdout.read1(size) if self.popen else b""
+
+    def read_stderr(self, size: int) -> bytes:
+        if not self.popen:
+            message, self.message = self.message, b""
+            return message
+        return self.popen.stderr.read1(size)
+
+    def wait(self) -> int:
+        if not self.popen:
+            return self.failed or 0
+        code = self.popen.wait()
+        return 128 - code if code < 0 else code
+
+    def kill(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.kill()
+
+
+class LocalMachine(Machine):
+    def base_env(self, env: dict[str, str]) -> dict[str, str]:
+        merged = dict(os.environ)
+        merged.update(self.target.env)
+        merged.update(env)
+        return merged
+
+    def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
+        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
+        return ["env", "-C", cwd or self.target.workspace, *assignments, *argv]
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+        workdir = cwd or self.target.workspace
+        Path(self.target.workspace).mkdir(parents=True, exist_ok=True)
+        return LocalProcess(argv, self.base_env(env), workdir)

@@ -1,0 +1,65 @@
+"""Proxmox containers: `pct exec VMID -- env -i ... ARGV` over the host's SSH connection.
+
+pct forces PATH=/sbin:/bin:/usr/sbin:/usr/bin and, with its default --keep-env, leaks the
+host's environment into the container; `env -i` replaces both with the target's own.
+The argv is joined with exactly one quoting layer, for the host's login shell.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import TYPE_CHECKING
+
+from dflashops.errors import NotFoundError, OpsError, UnreachableError
+from dflashops.targets.base import Machine, Process, Result
+from dflashops.targets.ssh import ChannelProcess
+
+if TYPE_CHECKING:
+    from dflashops.inventory import Target
+    from dflashops.ssh import Connection
+
+PCT_ERROR = 255
+NOT_RUNNING = re.compile(r"container '?(\d+)'? not running|CT \d+ not running|not running!?$")
+NO_CONFIG = re.compile(r"Configuration file '[^']*/lxc/(\d+)\.conf' does not exist")
+NO_PCT = re.compile(r"pct: (command )?not found")
+
+
+class PctMachine(Machine):
+    def __init__(self, target: Target, connection: Connection) -> None:
+        super().__init__(target)
+        self.connection = connection
+
+    def env_argv(self, env: dict[str, str], cwd: str | None) -> list[str]:
+        chdir = ["-C", cwd] if cwd else []
+        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
+        base = [f"PATH={self.target.path}", "HOME=/root", "LANG=C.UTF-8", "USER=root"]
+        return ["/usr/bin/env", "-i", *chdir, *base, *assignments]
+
+    def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
+        vmid = str(self.target.vmid)
+        return ["pct", "exec", vmid, "--", *self.env_argv(env, cwd), *argv]
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+        command = shlex.join(self.wrap(argv, env, cwd))
+        return ChannelProcess(self.connection.open_channel(), command)
+
+    def check(self, result: Result) -> None:
+        if result.returncode == 0:
+            return
+        last = result.error_text
+        where = f"{self.target.name}: CT {self.target.vmid} on {self.target.host}"
+        if result.returncode == 127 and NO_PCT.search(last):
+            raise OpsError(f"{where}: the host has no `pct` command; is it a Proxmox VE node?")
+        if result.returncode != PCT_ERROR:
+            return
+        if NO_CONFIG.search(last):
+            raise NotFoundError(
+                f"{where} does not exist (pct: {last}); check the vmid in hosts.yaml "
+                f"against `pct list` on {self.target.host}"
+            )
+        if NOT_RUNNING.search(last):
+            raise UnreachableError(
+                f"{where} is stopped; start it with `pct start {self.target.vmid}` on "
+                f"{self.target.host}"
+            )

@@ -1,0 +1,62 @@
+"""`kind: ssh` machines: commands run over the host's shared SSH connection."""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING
+
+from dflashops.targets.base import Machine, Process
+
+if TYPE_CHECKING:
+    import paramiko
+
+    from dflashops.inventory import Target
+    from dflashops.ssh import Connection
+
+
+class ChannelProcess:
+    """A remote command on its own channel of the shared connection."""
+
+    def __init__(self, channel: paramiko.Channel, command: str) -> None:
+        self.channel = channel
+        channel.exec_command(command)
+
+    def write(self, data: bytes) -> None:
+        self.channel.sendall(data)
+
+    def close_stdin(self) -> None:
+        if not self.channel.closed:
+            self.channel.shutdown_write()
+
+    def read_stdout(self, size: int) -> bytes:
+        return self.channel.recv(size)
+
+    def read_stderr(self, size: int) -> bytes:
+        return self.channel.recv_stderr(size)
+
+    def wait(self) -> int:
+        code = self.channel.recv_exit_status()
+        self.channel.close()
+        return code
+
+    def kill(self) -> None:
+        self.channel.close()
+
+
+class SshMachine(Machine):
+    def __init__(self, target: Target, connection: Connection) -> None:
+        super().__init__(target)
+        self.connection = connection
+
+    def env_argv(self, env: dict[str, str], cwd: str | None) -> list[str]:
+        """`env` that sets PATH and the target's variables, keeping the login's HOME and USER."""
+        chdir = ["-C", cwd] if cwd else []
+        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
+        return ["env", *chdir, f"PATH={self.target.path}", *assignments]
+
+    def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
+        return [*self.env_argv(env, cwd), *argv]
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+        command = shlex.join(self.wrap(argv, env, cwd))
+        return ChannelProcess(self.connection.open_channel(), command)

@@ -1,0 +1,276 @@
+"""Files in and out of any target over `Machine.run`: a tar stream in, sha256 checked after.
+
+Nothing is trusted on an exit code alone (a failed `pct push` may exit 0): every file that
+goes in is hashed while it is read here and hashed again, from disk, inside the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import posixpath
+import stat
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from dflashops.errors import OpsError, TransferError, UsageError
+from dflashops.targets.base import CHUNK, Machine
+
+Progress = Callable[[int], None]
+BLOCK = tarfile.BLOCKSIZE
+
+
+@dataclass
+class Entry:
+    """One path of a local tree, as it will be sent."""
+
+    rel: str  # posix path relative to the tree's root ("." for a single file sent alone)
+    path: Path
+    kind: str  # "f", "l", "d"
+    size: int = 0
+    mode: int = 0o644
+    link: str = ""
+    sha256: str = ""
+
+
+@dataclass
+class Sent:
+    entries: list[Entry]
+    bytes: int
+
+    @property
+    def files(self) -> int:
+        return sum(1 for e in self.entries if e.kind == "f")
+
+
+@cache
+def _helper_source() -> str:
+    return (Path(__file__).parent / "remote" / "hashtree.py").read_text()
+
+
+def remote_path(machine: Machine, path: str) -> str:
+    """A target path: absolute as given, else under the target's workspace."""
+    if path.startswith("/"):
+        return posixpath.normpath(path)
+    return posixpath.normpath(posixpath.join(machine.target.workspace, path))
+
+
+def scan(local: Path) -> list[Entry]:
+    """The entries of a local file or directory tree, in a stable order."""
+    st = local.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        return [_entry(local, local.name, st)]
+    entries = []
+    for root, dirs, files in os.walk(local):
+        dirs.sort()
+        for name in sorted(dirs) + sorted(files):
+            path = Path(root) / name
+            entries.append(_entry(path, path.relative_to(local).as_posix(), path.lstat()))
+    return entries
+
+
+def _entry(path: Path, rel: str, st: os.stat_result) -> Entry:
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        return Entry(rel, path, "l", link=os.readlink(path))
+    if stat.S_ISDIR(st.st_mode):
+        return Entry(rel, path, "d", mode=mode)
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path}: not a regular file, directory or symlink; cannot copy it")
+    return Entry(rel, path, "f", size=st.st_size, mode=mode)
+
+
+def tar_stream(entries: list[Entry], progress: Progress | None = None) -> Iterator[bytes]:
+    """A POSIX tar of `entries`, hashing each file as it is read."""
+    for entry in entries:
+        info = tarfile.TarInfo(entry.rel)
+        info.mode = entry.mode
+        info.mtime = int(entry.path.lstat().st_mtime)
+        if entry.kind == "l":
+            info.type, info.linkname = tarfile.SYMTYPE, entry.link
+        elif entry.kind == "d":
+            info.type = tarfile.DIRTYPE
+        else:
+            info.size = entry.size
+        yield info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
+        if entry.kind == "f":
+            yield from _file_blocks(entry, progress)
+    yield b"\0" * (2 * BLOCK)
+
+
+def _file_blocks(entry: Entry, progress: Progress | None) -> Iterator[bytes]:
+    digest = hashlib.sha256()
+    left = entry.size
+    with open(entry.path, "rb") as f:
+        while left > 0:
+            chunk = f.read(min(CHUNK, left))
+            if not chunk:
+                raise TransferError(f"{entry.path}: file shrank while being sent; try again")
+            digest.update(chunk)
+            left -= len(chunk)
+            if progress:
+                progress(len(chunk))
+            yield chunk
+    entry.sha256 = digest.hexdigest()
+    pad = -entry.size % BLOCK
+    if pad:
+        yield b"\0" * pad
+
+
+def describe_remote(machine: Machine, base: str, rels: list[str] | None) -> dict[str, dict]:
+    """Hash paths under `base` inside the target (all of them when `rels` is None)."""
+    argv = ["python3", "-c", _helper_source(), base]
+    if rels is None:
+        argv.append("--all")
+    result = machine.run(argv, stdin=json.dumps(rels or []).encode())
+    if not result.ok:
+        if result.returncode == 127:
+            raise OpsError(f"{machine.name}: python3 not found; install it in the target")
+        raise OpsError(f"{machine.name}: could not read {base}: {result.error_text}")
+    return json.loads(result.stdout)
+
+
+def put(
+    machine: Machine,
+    local: Path,
+    remote: str,
+    *,
+    progress: Progress | None = None,
+    entries: list[Entry] | None = None,
+) -> Sent:
+    """Copy a local file or directory to `remote` (created with its parents), then verify.
+
+    A directory's contents land in `remote`; a file becomes `remote`, or goes into it when
+    `remote` ends with '/'.
+    """
+    if not local.exists() and not local.is_symlink():
+        raise UsageError(f"{local}: no such file or directory")
+    dest = remote_path(machine, remote)
+    if local.is_dir():
+        base, entries = dest, entries if entries is not None else scan(local)
+    else:
+        name = local.name if remote.endswith("/") else posixpath.basename(dest)
+        base = dest if remote.endswith("/") else posixpath.dirname(dest)
+        entries = [_entry(local, name, local.lstat())]
+    unpack = [
+        "sh",
+        "-c",
+        'mkdir -p -- "$1" && exec tar -x --no-same-owner -f - -C "$1"',
+        "sh",
+        base,
+    ]
+    result = machine.run(unpack, stdin=tar_stream(entries, progress))
+    sent = Sent(entries, sum(e.size for e in entries))
+    if machine.dry_run:
+        return sent
+    if not result.ok:
+        raise TransferError(f"{machine.name}: copy into {base} failed: {result.error_text}")
+    verify(machine, base, entries)
+    return sent
+
+
+def verify(machine: Machine, base: str, entries: list[Entry]) -> None:
+    found = describe_remote(machine, base, [e.rel for e in entries])
+    bad = [e.rel for e in entries if not _matches(e, found.get(e.rel, {"t": "-"}))]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise TransferError(
+            f"{machine.name}: {len(bad)} of {len(entries)} paths under {base} differ after the "
+            f"copy (sha256): {shown}; the copy is not trustworthy: run it again"
+        )
+
+
+def _matches(entry: Entry, found: dict) -> bool:
+    if found.get("t") != entry.kind:
+        return False
+    if entry.kind == "f":
+        return found.get("sha256") == entry.sha256 and found.get("size") == entry.size
+    if entry.kind == "l":
+        return found.get("to") == entry.link
+    return True
+
+
+def local_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def get_file(machine: Machine, remote: str, local: Path) -> int:
+    """Copy one file out of the target, verified by sha256 against the target's own hash."""
+    src = remote_path(machine, remote)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    partial = local.with_name(local.name + ".partial")
+    digest = hashlib.sha256()
+    size = 0
+    with open(partial, "wb") as f:
+
+        def take(chunk: bytes) -> None:
+            nonlocal size
+            digest.update(chunk)
+            size += len(chunk)
+            f.write(chunk)
+
+        result = machine.run(["cat", "--", src], stdout=take)
+    if not result.ok:
+        partial.unlink(missing_ok=True)
+        raise TransferError(f"{machine.name}: cannot read {src}: {result.error_text}")
+    found = describe_remote(machine, posixpath.dirname(src), [posixpath.basename(src)])
+    theirs = next(iter(found.values()))
+    if theirs.get("sha256") != digest.hexdigest() or theirs.get("size") != size:
+        partial.unlink(missing_ok=True)
+        raise TransferError(f"{machine.name}: {src} changed or was corrupted while copied out")
+    partial.replace(local)
+    return size
+
+
+def read_text(machine: Machine, remote: str) -> str:
+    """A small remote text file, or an error naming it."""
+    buffer = io.BytesIO()
+    result = machine.run(["cat", "--", remote_path(machine, remote)], stdout=buffer.write)
+    if not result.ok:
+        raise OpsError(f"{machine.name}: cannot read {remote}: {result.error_text}")
+    return buffer.getvalue().decode("utf-8", "replace")
+
+
+@dataclass
+class Synced:
+    sent: list[Entry]
+    unchanged: int
+    deleted: list[str]
+
+
+def sync(
+    machine: Machine,
+    local: Path,
+    remote: str,
+    *,
+    skip: Callable[[str], bool] = lambda rel: False,
+    progress: Progress | None = None,
+) -> Synced:
+    """Make `remote` hold exactly the local tree: send changed paths only, delete stale ones."""
+    dest = remote_path(machine, remote)
+    entries = [e for e in scan(local) if not skip(e.rel)]
+    theirs = {} if machine.dry_run else describe_remote(machine, dest, None)
+    for entry in entries:
+        if entry.kind == "f" and entry.rel in theirs:
+            entry.sha256 = local_digest(entry.path)
+    changed = [e for e in entries if not _matches(e, theirs.get(e.rel, {"t": "-"}))]
+    ours = {e.rel for e in entries}
+    stale = sorted(rel for rel in theirs if rel not in ours and not skip(rel))
+    stale = [rel for rel in stale if not any(rel.startswith(s + "/") for s in stale)]
+    if stale:
+        result = machine.run(["rm", "-rf", "--", *(posixpath.join(dest, rel) for rel in stale)])
+        if not result.ok:
+            raise OpsError(f"{machine.name}: could not remove stale files: {result.error_text}")
+    if changed or not theirs:
+        put(machine, local, remote, progress=progress, entries=changed)
+    unchanged = sum(1 for e in entries if e.kind == "f") - sum(1 for e in changed if e.kind == "f")
+    return Synced(sent=changed, unchanged=unchanged, deleted=stale)
