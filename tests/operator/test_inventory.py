@@ -1,0 +1,144 @@
+"""A bad hosts.yaml gets one line naming file:line and key, exit 2, and no connection attempt."""
+
+from __future__ import annotations
+
+import socket
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dflashops.errors import InventoryError
+from dflashops.inventory import find_inventory, load_inventory
+from tests.operator.cli import dflashops
+
+GOOD = """\
+version: 1
+defaults:
+  workspace: /workspace
+  env: {HF_HOME: /workspace/hf}
+hosts:
+  pve1:
+    address: ADDRESS
+    port: PORT
+    connect_timeout: 2
+targets:
+  ct200: {host: pve1, vmid: 200, role: train, gpus: 8}
+  ct129: {host: pve1, vmid: 129, role: eval, gpus: 1, python: /opt/venv/bin/python}
+  gpubox: {kind: ssh, address: 10.1.2.9, user: ubuntu, role: [train, eval]}
+  local: {kind: local, workspace: .dflashops/workspace, python: python3}
+"""
+
+
+@pytest.fixture
+def listener():
+    """A TCP port on loopback that records whether anyone connected."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
+def connected(sock: socket.socket) -> bool:
+    try:
+        conn, _ = sock.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_good_inventory_parses_with_defaults_and_overrides(tmp_path):
+    inv = load_inventory(write(tmp_path, GOOD.replace("ADDRESS", "10.1.2.6").replace("PORT", "22")))
+    ct200, ct129 = inv.target("ct200"), inv.target("ct129")
+    assert (ct200.kind, ct200.vmid, ct200.host, ct200.role, ct200.gpus) == ("pct", 200, "pve1", ("train",), 8)
+    assert ct200.python == "/root/venv/bin/python" and ct129.python == "/opt/venv/bin/python"
+    assert ct200.env == {"HF_HOME": "/workspace/hf"} and ct200.workspace == "/workspace"
+    gpubox = inv.target("gpubox")
+    assert gpubox.kind == "ssh" and gpubox.endpoint.user == "ubuntu" and gpubox.endpoint.port == 22
+    local = inv.target("local")
+    assert local.workspace == str((tmp_path / ".dflashops/workspace").resolve())
+    assert inv.hosts["pve1"].connect_timeout == 2.0
+
+
+BAD = [
+    # (what to change in GOOD, expected line, expected fragment)
+    ("ct200: {host: pve1, vmid: 200,", "ct200: {host: pve9, vmid: 200,", 11,
+     "targets.ct200.host: 'pve9' is not a host in this file"),
+    ("vmid: 200,", "vmid: two-hundred,", 11, "targets.ct200.vmid: expected an integer 100..999999999"),
+    ("vmid: 129,", "vmid: 12,", 12, "targets.ct129.vmid: expected an integer 100..999999999"),
+    ("    connect_timeout: 2\n", "    connect_timeout: 2\n    identiy: ~/.ssh/k\n", 10,
+     "hosts.pve1.identiy: unknown key (did you mean 'identity'?)"),
+    ("role: train, gpus: 8", "role: trian, gpus: 8", 11, "targets.ct200.role: 'trian' is not one of"),
+    ("  env: {HF_HOME: /workspace/hf}\n", "  env: {HF_HOME: /workspace/hf\n", 5, "YAML syntax error"),
+    ("  workspace: /workspace\n", "  workspace: workspace\n", 3,
+     "defaults.workspace: 'workspace' must be an absolute path"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "line", "fragment"), BAD)
+def test_bad_inventory_is_one_line_exit_2_and_no_connection(tmp_path, listener, old, new, line, fragment):
+    port = listener.getsockname()[1]
+    assert old in GOOD
+    text = GOOD.replace(old, new).replace("ADDRESS", "127.0.0.1").replace("PORT", str(port))
+    path = write(tmp_path, text)
+    ran = dflashops("hosts", inventory=path, home=tmp_path)
+    assert ran.code == 2, ran
+    lines = ran.err.strip().splitlines()
+    assert len(lines) == 1, ran.err
+    assert "Traceback" not in ran.err
+    assert f"hosts.yaml:{line}:" in lines[0] and fragment in lines[0], lines[0]
+    assert ran.out == ""
+    assert not connected(listener)
+
+
+def test_missing_required_keys_are_named(tmp_path):
+    path = write(tmp_path, "version: 1\nhosts:\n  pve1: {port: 22}\n")
+    with pytest.raises(InventoryError, match=r"hosts.yaml:3: hosts.pve1: missing 'address'"):
+        load_inventory(path)
+    path = write(tmp_path, "hosts:\n  pve1: {address: 10.0.0.1}\ntargets:\n  ct1: {host: pve1}\n")
+    with pytest.raises(InventoryError, match=r"hosts.yaml:4: targets.ct1: missing 'vmid'"):
+        load_inventory(path)
+
+
+def test_lookup_order(tmp_path, monkeypatch):
+    explicit, from_env, here = (tmp_path / n for n in ("a.yaml", "b.yaml", "hosts.yaml"))
+    for p in (explicit, from_env, here):
+        p.write_text("version: 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(from_env))
+    assert find_inventory(str(explicit)) == explicit
+    assert find_inventory(None) == from_env
+    monkeypatch.delenv("DFLASHOPS_INVENTORY")
+    assert find_inventory(None) == Path("hosts.yaml")
+    here.unlink()
+    user = tmp_path / "home" / ".config" / "dflashops" / "hosts.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text("version: 1\n")
+    assert find_inventory(None) == user
+    user.unlink()
+    with pytest.raises(InventoryError, match="no inventory"):
+        find_inventory(None)
+
+
+def test_unknown_target_is_not_found_exit_4(tmp_path):
+    path = write(tmp_path, textwrap.dedent("""\
+        targets:
+          local: {kind: local, workspace: ws, python: python3}
+    """))
+    ran = dflashops("exec", "lokal", "--", "true", inventory=path, home=tmp_path)
+    assert ran.code == 4 and "no target 'lokal'" in ran.err and "did you mean 'local'" in ran.err
+
+
+def test_shipped_inventory_has_only_local():
+    inv = load_inventory(Path(__file__).resolve().parents[2] / "hosts.yaml")
+    assert list(inv.targets) == ["local"] and inv.hosts == {}
