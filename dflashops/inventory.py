@@ -216,13 +216,17 @@ class _Parser:
         if kind not in KINDS:
             raise self.fail(f"{key}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
         merged = DEFAULTS | {k: v for k, v in defaults.items() if k in DEFAULTS} | spec
+
+        def src(k: str) -> str:  # errors point at the line the value came from
+            return f"{key}.{k}" if k in spec else f"defaults.{k}"
+
         common = dict(
             name=name,
             kind=kind,
-            workspace=self.workspace(f"{key}.workspace", merged["workspace"], kind),
-            python=self.text(f"{key}.python", merged["python"]),
-            env=self.env(f"{key}.env", merged["env"]),
-            path=self.text(f"{key}.path", merged["path"]),
+            workspace=self.workspace(src("workspace"), merged["workspace"], kind),
+            python=self.text(src("python"), merged["python"]),
+            env=self.env(src("env"), merged["env"]),
+            path=self.text(src("path"), merged["path"]),
             role=self.roles(f"{key}.role", spec.get("role", list(ROLES))),
             gpus=self.optional_int(f"{key}.gpus", spec.get("gpus"), 0, 1024),
         )

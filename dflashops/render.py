@@ -24,9 +24,12 @@ def human_bytes(n: float | None) -> str:
 def progress(
     label: str, total: int | None, *, enabled: bool = True
 ) -> Iterator[Callable[[int], None]]:
-    """A byte-counting progress bar on stderr, shown when stderr is a terminal and enabled."""
-    if not enabled or not sys.stderr.isatty():
+    """A byte-counting progress bar on stderr; a line every few seconds when not a terminal."""
+    if not enabled:
         yield lambda n: None
+        return
+    if not sys.stderr.isatty():
+        yield _PlainProgress(label, total).advance
         return
     from rich.progress import (
         BarColumn,
@@ -56,3 +59,23 @@ class Stopwatch:
     @property
     def seconds(self) -> float:
         return time.monotonic() - self.start
+
+
+class _PlainProgress:
+    """Progress for logs: one line every `every` seconds."""
+
+    def __init__(self, label: str, total: int | None, every: float = 5.0) -> None:
+        self.label, self.total, self.every = label, total, every
+        self.done = 0
+        self.last = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+            sys.stderr.write(
+                f"{self.label}: {human_bytes(self.done)} of {human_bytes(self.total)}{share}\n"
+            )
+            sys.stderr.flush()

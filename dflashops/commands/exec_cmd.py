@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
 
 from dflashops import context
 from dflashops.errors import UsageError
+from dflashops.targets.base import Result
 
 
 def register(app: typer.Typer) -> None:
@@ -34,8 +36,8 @@ def register(app: typer.Typer) -> None:
             )
         opts = context.get(ctx)
         machine = opts.session().machine(target)
-        code = run_streaming(machine, list(argv), env=parse_env(env), cwd=cwd)
-        raise typer.Exit(code)
+        result = run_streaming(machine, list(argv), env=parse_env(env), cwd=cwd)
+        raise typer.Exit(result.returncode)
 
 
 def parse_env(items: list[str] | None) -> dict[str, str]:
@@ -48,13 +50,25 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def run_streaming(machine, argv: list[str], *, env=None, cwd=None) -> int:  # noqa: ANN001
+def run_streaming(machine, argv: list[str], *, env=None, cwd=None) -> Result:  # noqa: ANN001
     """Run with our stdin (when it is not a terminal) and our stdout/stderr attached."""
-    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer
+    stdin = None if sys.stdin is None or sys.stdin.isatty() else _FdReader(sys.stdin.fileno())
     result = machine.run(
         argv, stdin=stdin, env=env, cwd=cwd, stdout=_writer(sys.stdout), stderr=_writer(sys.stderr)
     )
-    return result.returncode
+    return result
+
+
+class _FdReader:
+    """Our stdin read at the fd level: a thread blocked in it never holds a Python buffer lock."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read1(self, size: int) -> bytes:
+        return os.read(self.fd, size)
+
+    read = read1
 
 
 def _writer(stream):  # noqa: ANN001, ANN202

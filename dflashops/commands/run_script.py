@@ -36,13 +36,13 @@ def register(app: typer.Typer) -> None:
         machine = opts.session().machine(target)
         remote = stage_script(machine, script)
         interpreter = python or machine.target.python
-        code = run_streaming(machine, [interpreter, remote, *(args or [])], cwd=None)
-        if code == 127 and not opts.dry_run:
+        result = run_streaming(machine, [interpreter, remote, *(args or [])], cwd=None)
+        if result.returncode == 127 and interpreter.encode() in result.stderr:
             raise NotFoundError(
                 f"{target}: cannot run {interpreter}; run `dflashops setup {target}` first "
                 f"or give --python"
             )
-        raise typer.Exit(code)
+        raise typer.Exit(result.returncode)
 
 
 def stage_script(machine, script: Path) -> str:  # noqa: ANN001
