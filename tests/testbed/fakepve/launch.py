@@ -1,0 +1,175 @@
+"""Starting and stopping fake hosts (sshd) and their containers (ns or lxc).
+
+A host: network namespace (when there is one) + new mount and uts namespaces, where
+/root, /tmp, /var/tmp, /workspace and /usr/local/sbin are bind-mounted to per-host dirs;
+then it becomes `sshd -D`.
+
+An ns container: new mount, pid, uts, ipc and network namespaces over the machine's own root,
+with private /root, /tmp, /workspace and /dev/shm; pid 1 is ctinit.reap_forever().
+An lxc container: `lxc-start` of a config written by lxc_config(), in the host's netns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+from . import ctinit, nsutil, state
+
+NS_FLAGS = (
+    nsutil.CLONE_NEWNS
+    | nsutil.CLONE_NEWUTS
+    | nsutil.CLONE_NEWIPC
+    | nsutil.CLONE_NEWNET
+    | nsutil.CLONE_NEWPID
+)
+
+
+class StartError(RuntimeError):
+    pass
+
+
+def host_exec_sshd(host: state.HostConfig, sshd_config: str) -> None:
+    """Become the fake host's sshd (never returns)."""
+    if host.netns:
+        nsutil.setns(f"/run/netns/{host.netns}", nsutil.CLONE_NEWNET)
+    nsutil.unshare(nsutil.CLONE_NEWNS | nsutil.CLONE_NEWUTS)
+    nsutil.make_rprivate("/")
+    # copies of other beds' netns mounts here would keep those namespaces (and veths) alive
+    nsutil.umount_lazy("/run/netns")
+    nsutil.sethostname(host.name)
+    mount_private(host.private, host.ro_shares)
+    os.execv("/usr/sbin/sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", sshd_config])
+
+
+def mount_private(private: dict[str, str], ro_shares: list[str]) -> None:
+    root_dir = private.get("/root")
+    for share in ro_shares:
+        if root_dir and share.startswith("/root/") and os.path.isdir(share):
+            target = os.path.join(root_dir, share[len("/root/") :])
+            os.makedirs(target, exist_ok=True)
+            nsutil.bind(share, target, readonly=True)
+    for path, real in private.items():
+        os.makedirs(path, exist_ok=True)
+        nsutil.bind(real, path)
+
+
+def start_container(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> None:
+    if ct.kind == "lxc":
+        start_lxc(host, ct)
+    else:
+        start_ns(host, ct, from_host=from_host)
+
+
+def start_ns(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> None:
+    """Make the container's namespaces in this process, fork its init, record it.
+
+    Call it from a process that exits soon after: this process is left in the new mount ns.
+    """
+    _remove(ct.dir, "init.json")
+    nsutil.unshare(NS_FLAGS)
+    nsutil.make_rprivate("/")
+    nsutil.umount_lazy("/run/netns")
+    if from_host:
+        for path in reversed(list(host.private)):
+            nsutil.umount_lazy(path)
+    nsutil.sethostname(ct.hostname)
+    nsutil.loopback_up()
+    mount_private(ct.private, host.ro_shares)
+    if os.path.isdir("/dev/shm"):
+        nsutil.mount("tmpfs", "/dev/shm", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=1777")
+    child = os.fork()
+    if child == 0:
+        _become_init()
+    state.write_json(
+        os.path.join(ct.dir, "init.json"), {"pid": child, "start": _wait_start_time(child)}
+    )
+
+
+def _wait_start_time(pid: int) -> int:
+    for _ in range(200):
+        start = nsutil.proc_start_time(pid)
+        if start is not None:
+            return start
+        time.sleep(0.005)
+    raise StartError(f"container init {pid} died at once")
+
+
+def _become_init() -> None:
+    try:
+        os.setsid()
+        nsutil.mount("proc", "/proc", "proc", nsutil.MS_NOSUID | nsutil.MS_NODEV | nsutil.MS_NOEXEC)
+        os.chdir("/root")
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        ctinit.reap_forever()
+    finally:
+        os._exit(1)
+
+
+def start_lxc(host: state.HostConfig, ct: state.CtConfig) -> None:
+    _remove(ct.dir, "init.pid", "init.start")
+    pidfile = os.path.join(ct.dir, "init.pid")
+    argv = ["/usr/bin/lxc-start", "-P", host.lxcpath, "-n", str(ct.vmid), "--pidfile", pidfile]
+    proc = state.lxc_run(
+        host, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    if proc.returncode != 0 or state.init_pid(ct) is None:
+        raise StartError(
+            f"startup for container '{ct.vmid}' failed\n"
+            + proc.stderr.decode(errors="replace")
+            + _log_errors(os.path.join(ct.dir, "lxc.log"))
+        )
+
+
+def _log_errors(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(line for line in fh if " ERROR " in line)[-4000:]
+    except OSError:
+        return ""
+
+
+def stop_container(host: state.HostConfig, ct: state.CtConfig) -> None:
+    pid = state.init_pid(ct)
+    if ct.kind == "lxc":
+        argv = ["/usr/bin/lxc-stop", "-P", host.lxcpath, "-n", str(ct.vmid), "-k"]
+        state.lxc_run(host, argv, capture_output=True, timeout=30)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while nsutil.proc_start_time(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+    _remove(ct.dir, "init.json", "init.pid", "init.start")
+
+
+def _remove(directory: str, *names: str) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+
+
+def lxc_config(ct: state.CtConfig, rootfs: str, testbed_dir: str) -> str:
+    """The LXC config of a privileged, network-less CT whose rootfs is an overlay of `rootfs`."""
+    init = os.path.join(testbed_dir, "fakepve", "ctinit.py")
+    lines = [
+        f"lxc.uts.name = {ct.hostname}",
+        f"lxc.rootfs.path = overlay:{rootfs}:{ct.dir}/overlay/delta",
+        "lxc.net.0.type = empty",
+        "lxc.apparmor.profile = unconfined",
+        "lxc.include = /usr/share/lxc/config/common.conf",
+        "lxc.tty.max = 0",
+        "lxc.console.path = none",
+        f"lxc.mount.entry = {ct.private['/workspace']} workspace none bind,create=dir 0 0",
+        f"lxc.mount.entry = {init} usr/sbin/{state.INIT_NAME} none bind,ro,create=file 0 0",
+        f"lxc.init.cmd = /usr/bin/python3 /usr/sbin/{state.INIT_NAME} {ct.dir}",
+        f"lxc.log.file = {ct.dir}/lxc.log",
+        "lxc.log.level = WARN",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,84 @@
+"""The bed's own network: a bridge dfotbN with 10.77.(100+N).1/24, one netns per host.
+
+Host i (1-based) is 10.77.(100+N).(10+i) on its `eth0`, a veth whose other end dfotbNv<i> is
+a port of the bridge. No default route anywhere: hosts reach each other and the bridge
+address, nothing else. 10.77.(100+N).250 is never assigned: the "unreachable host" address.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+from .slots import Slot, TestBedError
+
+UNUSED_HOST = 250
+
+
+def _run(args: list[str], stdin: str | None = None) -> None:
+    proc = subprocess.run(args, input=stdin, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise TestBedError(f"{' '.join(args)} failed: {proc.stderr.strip()}\n{stdin or ''}")
+
+
+def create_bridge(slot: Slot) -> None:
+    bridge = slot.prefix
+    gateway = slot.subnet[1]
+    _run(
+        ["ip", "-batch", "-"],
+        f"link add {bridge} type bridge\n"
+        f"addr add {gateway}/24 dev {bridge}\n"
+        f"link set {bridge} up\n",
+    )
+    # An address nobody owns fails after ARP gives up: make that ~1 s, not 3 s.
+    neigh = Path(f"/proc/sys/net/ipv4/neigh/{bridge}")
+    (neigh / "mcast_solicit").write_text("2")
+    (neigh / "retrans_time_ms").write_text("500")
+
+
+def add_host(slot: Slot, index: int, name: str) -> tuple[str, str]:
+    """Create the host's netns wired to the bridge; returns (netns name, address)."""
+    netns = f"{slot.prefix}-{name}"
+    veth = f"{slot.prefix}v{index}"
+    address = str(slot.subnet[10 + index])
+    _run(
+        ["ip", "-batch", "-"],
+        f"netns add {netns}\n"
+        f"link add {veth} type veth peer name eth0 netns {netns}\n"
+        f"link set {veth} master {slot.prefix} up\n",
+    )
+    _run(
+        ["ip", "-n", netns, "-batch", "-"],
+        f"addr add {address}/24 dev eth0\nlink set eth0 up\nlink set lo up\n",
+    )
+    return netns, address
+
+
+def unused_address(slot: Slot) -> str:
+    return str(slot.subnet[UNUSED_HOST])
+
+
+def netns_available() -> bool:
+    """Can this process make links and network namespaces (root with CAP_NET_ADMIN)?"""
+    name = f"dfotbp{os.getpid() % 100000}"
+    probe = subprocess.run(["ip", "link", "add", name, "type", "bridge"], capture_output=True)
+    if probe.returncode != 0:
+        return False
+    subprocess.run(["ip", "link", "del", name], capture_output=True)
+    return Path("/run/netns").is_dir() or _can_make_run_netns()
+
+
+def _can_make_run_netns() -> bool:
+    try:
+        Path("/run/netns").mkdir(parents=True, exist_ok=True)
+        return True
+    except OSError:
+        return False
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
