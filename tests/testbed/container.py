@@ -116,7 +116,7 @@ class Container:
             sets = [f"--set-var={k}={v}" for k, v in full_env.items()]
             attach = ["lxc-attach", "-P", self.host.config.lxcpath, "-n", str(self.vmid)]
             return [
-                *state.netns_prefix(self.host.config),
+                *state.netns_prefix(self.host.config, on_host=False),
                 *attach,
                 "--clear-env",
                 *sets,

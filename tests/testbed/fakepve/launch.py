@@ -59,7 +59,7 @@ def mount_private(private: dict[str, str], ro_shares: list[str]) -> None:
 
 def start_container(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> None:
     if ct.kind == "lxc":
-        start_lxc(host, ct)
+        start_lxc(host, ct, on_host=from_host)
     else:
         start_ns(host, ct, from_host=from_host)
 
@@ -112,19 +112,30 @@ def _become_init() -> None:
         os._exit(1)
 
 
-def start_lxc(host: state.HostConfig, ct: state.CtConfig) -> None:
-    _remove(ct.dir, "init.pid", "init.start")
-    pidfile = os.path.join(ct.dir, "init.pid")
-    argv = ["/usr/bin/lxc-start", "-P", host.lxcpath, "-n", str(ct.vmid), "--pidfile", pidfile]
+def start_lxc(host: state.HostConfig, ct: state.CtConfig, *, on_host: bool) -> None:
+    _remove(ct.dir, "init.json")
+    name = ["-P", host.lxcpath, "-n", str(ct.vmid)]
     proc = state.lxc_run(
-        host, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        host,
+        ["/usr/bin/lxc-start", *name],
+        on_host=on_host,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
-    if proc.returncode != 0 or state.init_pid(ct) is None:
+    info = state.lxc_run(
+        host, ["/usr/bin/lxc-info", *name, "-pH"], on_host=on_host, capture_output=True
+    )
+    pid = info.stdout.strip()
+    if proc.returncode != 0 or not pid.isdigit():
         raise StartError(
             f"startup for container '{ct.vmid}' failed\n"
             + proc.stderr.decode(errors="replace")
             + _log_errors(os.path.join(ct.dir, "lxc.log"))
         )
+    state.write_json(
+        os.path.join(ct.dir, "init.json"), {"pid": int(pid), "start": _wait_start_time(int(pid))}
+    )
 
 
 def _log_errors(path: str) -> str:
@@ -135,18 +146,18 @@ def _log_errors(path: str) -> str:
         return ""
 
 
-def stop_container(host: state.HostConfig, ct: state.CtConfig) -> None:
+def stop_container(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> None:
     pid = state.init_pid(ct)
     if ct.kind == "lxc":
         argv = ["/usr/bin/lxc-stop", "-P", host.lxcpath, "-n", str(ct.vmid), "-k"]
-        state.lxc_run(host, argv, capture_output=True, timeout=30)
+        state.lxc_run(host, argv, on_host=from_host, capture_output=True, timeout=30)
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while nsutil.proc_start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.005)
-    _remove(ct.dir, "init.json", "init.pid", "init.start")
+    _remove(ct.dir, "init.json")
 
 
 def _remove(directory: str, *names: str) -> None:

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
         if command == "ct-start":
             launch.start_container(host, ct, from_host=False)
         elif command == "ct-stop":
-            launch.stop_container(host, ct)
+            launch.stop_container(host, ct, from_host=False)
         else:
             sys.stderr.write(f"unknown command {command}\n")
             return 2

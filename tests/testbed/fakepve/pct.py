@@ -84,6 +84,8 @@ def main(host_json: str, argv: list[str]) -> int:
         sys.stderr.write(perlopts.format_param_error(err, usage(cmd)))
     except Die as err:
         sys.stderr.write(str(err))
+    except launch.StartError as err:
+        sys.stderr.write(f"{err}\n")
     sys.stderr.flush()
     return 255
 
@@ -147,7 +149,7 @@ def cmd_stop(host: state.HostConfig, opts: dict) -> int:
     ct = load_config(host, opts["vmid"])
     if not state.is_running(ct):
         raise Die(f"CT {ct.vmid} not running\n")
-    launch.stop_container(host, ct)
+    launch.stop_container(host, ct, from_host=True)
     return 0
 
 

@@ -4,8 +4,8 @@ Layout under a host dir (written by the pytest side, read by `pct`):
     host.json                 HostConfig
     faults.json               {"corrupt_exec_stdin_at": N} or {}
     ct/<vmid>/ct.json         CtConfig (its existence is "the CT is defined on this node")
-    ct/<vmid>/init.json       {"pid": P, "start": T} while an ns container runs
-    ct/<vmid>/init.pid        written by lxc-start --pidfile for lxc containers
+    ct/<vmid>/init.json       {"pid": P, "start": T}: the CT's init (running while P has
+                              start time T)
     lock/pve-config-<vmid>.lock
 """
 
@@ -96,53 +96,26 @@ def faults(host: HostConfig) -> dict:
 
 def init_pid(ct: CtConfig) -> int | None:
     """The pid (in the initial pid namespace) of the container's init, or None when stopped."""
-    if ct.kind == "ns":
-        info = read_json(os.path.join(ct.dir, "init.json"))
-        if not isinstance(info, dict):
-            return None
-        pid, start = info.get("pid"), info.get("start")
-    else:
-        try:
-            pid = int(Path(ct.dir, "init.pid").read_text().strip())
-        except (OSError, ValueError):
-            return None
-        start = read_json(os.path.join(ct.dir, "init.start"))
-        if start is None:
-            # The start time is recorded lazily, the first time the pid is seen alive.
-            start = nsutil.proc_start_time(pid)
-            if start is None or not _is_ct_init(pid):
-                return None
-            write_json(os.path.join(ct.dir, "init.start"), start)
-    if not isinstance(pid, int) or nsutil.proc_start_time(pid) != start:
+    info = read_json(os.path.join(ct.dir, "init.json"))
+    if not isinstance(info, dict):
+        return None
+    pid = info.get("pid")
+    if not isinstance(pid, int) or nsutil.proc_start_time(pid) != info.get("start"):
         return None
     return pid
-
-
-def _is_ct_init(pid: int) -> bool:
-    try:
-        return INIT_NAME.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def is_running(ct: CtConfig) -> bool:
     return init_pid(ct) is not None
 
 
-def netns_prefix(host: HostConfig) -> list[str]:
-    """argv prefix that runs a command in the host's network namespace (needed by lxc-*)."""
-    if host.netns is None or _in_netns(host.netns):
+def netns_prefix(host: HostConfig, *, on_host: bool) -> list[str]:
+    """argv prefix that runs a command in the host's network namespace (lxc-* need it: their
+    command socket is an abstract unix socket, per netns). `on_host`: we are there already."""
+    if on_host or host.netns is None:
         return []
     return ["/usr/bin/nsenter", f"--net=/run/netns/{host.netns}", "--"]
 
 
-def _in_netns(name: str) -> bool:
-    try:
-        return os.stat(f"/run/netns/{name}").st_ino == nsutil.ns_inode("self", "net")
-    except OSError:
-        # Inside a fake host /run/netns is unmounted: being there means being in its netns.
-        return True
-
-
-def lxc_run(host: HostConfig, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([*netns_prefix(host), *argv], **kwargs)
+def lxc_run(host: HostConfig, argv: list[str], *, on_host: bool, **kwargs):
+    return subprocess.run([*netns_prefix(host, on_host=on_host), *argv], **kwargs)
