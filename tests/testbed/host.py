@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -54,6 +55,18 @@ DFLASHOPS_PCT_LC_CTYPE="${{LC_CTYPE-__unset__}}" exec /usr/bin/python3 -IS {runn
 """
 
 
+def ro_shares_under_root() -> list[str]:
+    """Dirs under /root that hosts and ns containers (which get a private /root) must still
+    see, read-only: pyenv, and this test run's venv and checkout when they live there."""
+    here = Path(__file__).resolve()
+    candidates = [Path("/root/.pyenv"), Path(sys.prefix), Path(sys.base_prefix), here.parents[2]]
+    found: list[Path] = []
+    for path in sorted({p.resolve() for p in candidates if p.is_dir()}, key=lambda p: len(p.parts)):
+        if Path("/root") in path.parents and not any(f in path.parents for f in found):
+            found.append(path)
+    return [str(p) for p in found]
+
+
 class Host:
     """Host `name` of the bed: reachable as root@address:port with the bed's client key."""
 
@@ -70,8 +83,9 @@ class Host:
         self.containers: dict[int, Container] = {}
         self._sshd: subprocess.Popen | None = None
         private = {path: str(self.dir / sub) for path, (sub, _) in HOST_DIRS.items()}
-        ro_shares = [str(p) for p in (Path("/root/.pyenv"),) if p.is_dir()]
-        self.config = state.HostConfig(name, str(self.dir), netns, bed.code_dir, private, ro_shares)
+        self.config = state.HostConfig(
+            name, str(self.dir), netns, bed.code_dir, private, ro_shares_under_root()
+        )
 
     def __repr__(self) -> str:
         return f"<Host {self.name} {self.address}:{self.port}>"

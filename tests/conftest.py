@@ -1,0 +1,88 @@
+"""Shared fixtures: the test bed of fake Proxmox VE nodes (see tests/testbed/).
+
+- `testbed` (session): hosts pve1 and pve2, CTs 201 and 202 (ns) on pve1 and 301 (ns) on
+  pve2, all running. Skips when not root; any other failure to start is an error.
+- `make_container` (function): factory for extra CTs, destroyed after the test.
+- `fresh_ct` (function): a new, empty, running ns CT on pve1.
+- `lxc_ct` (session): a real LXC CT, 302 on pve2; skips with the reason when LXC can't be
+  had (DFLASHOPS_TESTBED_LXC=require turns that into an error instead).
+- Faults set with `host.set_faults(...)` are cleared after every test that used the bed.
+- Tests marked `lxc` are skipped (with the reason) when LXC is unavailable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from tests.testbed import LxcUnavailable, TestBed
+
+DEFAULT_CONTAINERS = {"pve1": (201, 202), "pve2": (301,)}
+_vmids = itertools.count(900)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "testbed: uses the fake Proxmox hosts (needs root)")
+    config.addinivalue_line("markers", "lxc: needs real LXC containers (debootstrap rootfs)")
+
+
+@pytest.fixture(scope="session")
+def testbed():
+    """Fake Proxmox nodes pve1 and pve2 (real sshd, faithful pct) with CTs 201, 202, 301."""
+    if os.geteuid() != 0:
+        pytest.skip("the test bed needs root (network namespaces, sshd, LXC)")
+    bed = TestBed(("pve1", "pve2")).start()
+    try:
+        for host, vmids in DEFAULT_CONTAINERS.items():
+            for vmid in vmids:
+                bed[host].add_container(vmid, "ns")
+        yield bed
+    finally:
+        bed.close()
+
+
+@pytest.fixture(scope="session")
+def lxc_ct(testbed):
+    """A real LXC container: CT 302 on pve2."""
+    try:
+        return testbed["pve2"].add_container(302, "lxc")
+    except LxcUnavailable as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture
+def make_container(testbed):
+    """make_container(host="pve1", kind="ns", *, vmid=None, start=True) -> Container."""
+    made = []
+
+    def make(host: str = "pve1", kind: str = "ns", *, vmid: int | None = None, start: bool = True):
+        if kind == "lxc" and not testbed.lxc_available:
+            pytest.skip(testbed.lxc_reason)
+        ct = testbed[host].add_container(vmid or next(_vmids), kind, start=start)
+        made.append(ct)
+        return ct
+
+    yield make
+    for ct in made:
+        ct.host.remove_container(ct.vmid)
+
+
+@pytest.fixture
+def fresh_ct(make_container):
+    """A new, empty, running ns container on pve1."""
+    return make_container("pve1")
+
+
+@pytest.fixture(autouse=True)
+def _testbed_hygiene(request):
+    if request.node.get_closest_marker("lxc"):
+        bed = request.getfixturevalue("testbed")
+        if not bed.lxc_available:
+            pytest.skip(bed.lxc_reason)
+    yield
+    if "testbed" in request.fixturenames:
+        bed = request.getfixturevalue("testbed")
+        for host in bed.hosts.values():
+            host.set_faults()
