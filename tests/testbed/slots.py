@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fakepve import nsutil
+from .fakepve import nsutil, state
 
 MAX_SLOTS = 32
 
@@ -181,7 +181,7 @@ def kill_processes(marker: str, netns: list[str]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while any(nsutil.proc_start_time(p) is not None for p in victims):
+    while any(state.proc_start_time(p) is not None for p in victims):
         if time.monotonic() > deadline:
             raise TestBedError(f"processes {victims} survived SIGKILL")
         time.sleep(0.01)

@@ -91,7 +91,7 @@ def start_ns(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> 
 
 def _wait_start_time(pid: int) -> int:
     for _ in range(200):
-        start = nsutil.proc_start_time(pid)
+        start = state.proc_start_time(pid)
         if start is not None:
             return start
         time.sleep(0.005)
@@ -155,7 +155,7 @@ def stop_container(host: state.HostConfig, ct: state.CtConfig, *, from_host: boo
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while nsutil.proc_start_time(pid) is not None and time.monotonic() < deadline:
+        while state.proc_start_time(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.005)
     _remove(ct.dir, "init.json")
 

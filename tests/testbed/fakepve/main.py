@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from . import launch, pct, state
-
 
 def main(argv: list[str]) -> int:
     command, host_json, *rest = argv
     if command == "pct":
+        from . import pct
+
         return pct.main(host_json, rest)
+    from . import launch, state
+
     host = state.HostConfig.load(host_json)
     if command == "host":
         launch.host_exec_sshd(host, rest[0])

@@ -88,19 +88,6 @@ def loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, struct.pack("16sH22x", b"lo", flags | 0x1))
 
 
-def proc_start_time(pid: int) -> int | None:
-    """The process start time (clock ticks since boot), or None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
 def ns_inode(pid: int | str, kind: str) -> int | None:
     try:
         return os.stat(f"/proc/{pid}/ns/{kind}").st_ino

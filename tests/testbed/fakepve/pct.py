@@ -11,17 +11,15 @@ Reproduced on purpose, including the dangerous parts:
 
 from __future__ import annotations
 
-import fcntl
+import _signal  # not `signal`: its enums cost milliseconds, and every pct call pays them
 import os
-import signal
-import subprocess
 import sys
-import time
 
-from . import launch, nsutil, perlopts, state
+from . import perlopts, state
 from .perlopts import VMID, ParamError, Prop
 
 PCT_PM = "/usr/share/perl5/PVE/CLI/pct.pm"
+SIGPIPE, SIGXFSZ = 13, 25  # Python ignores them; exec'd programs must not inherit that
 OWNER = {"user": Prop("string"), "group": Prop("string"), "perms": Prop("string")}
 COMMANDS = {
     "exec": (
@@ -67,7 +65,6 @@ def usage(cmd: str) -> str:
 def main(host_json: str, argv: list[str]) -> int:
     restore_lc_ctype()
     os.environ["PATH"] = "/sbin:/bin:/usr/sbin:/usr/bin"  # run_cli_handler does this first
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     host = state.HostConfig.load(host_json)
     if not argv:
         sys.stderr.write("ERROR: no command specified\n")
@@ -84,7 +81,7 @@ def main(host_json: str, argv: list[str]) -> int:
         sys.stderr.write(perlopts.format_param_error(err, usage(cmd)))
     except Die as err:
         sys.stderr.write(str(err))
-    except launch.StartError as err:
+    except RuntimeError as err:  # launch.StartError
         sys.stderr.write(f"{err}\n")
     sys.stderr.flush()
     return 255
@@ -141,6 +138,8 @@ def cmd_start(host: state.HostConfig, opts: dict) -> int:
     ct = load_config(host, opts["vmid"])
     if state.is_running(ct):
         raise Die(f"CT {ct.vmid} already running\n")
+    from . import launch
+
     launch.start_container(host, ct, from_host=True)
     return 0
 
@@ -149,6 +148,8 @@ def cmd_stop(host: state.HostConfig, opts: dict) -> int:
     ct = load_config(host, opts["vmid"])
     if not state.is_running(ct):
         raise Die(f"CT {ct.vmid} not running\n")
+    from . import launch
+
     launch.stop_container(host, ct, from_host=True)
     return 0
 
@@ -172,6 +173,8 @@ def cmd_exec(host: state.HostConfig, opts: dict) -> int:
         cmd = ["/usr/bin/lxc-attach", "-P", host.lxcpath, "-n", str(vmid), flag, "--", *argv]
         if corrupt_at is None:
             sys.stdout.flush()
+            _signal.signal(SIGPIPE, _signal.SIG_DFL)
+            _signal.signal(SIGXFSZ, _signal.SIG_DFL)
             os.execve(cmd[0], cmd, env)  # pct itself execs lxc-attach
     else:
         env = {**env, "container": "lxc"} if keep_env else attach_clear_env()
@@ -195,15 +198,17 @@ def ns_enter(pid: int) -> list[str]:
 
 def run_attached(cmd: list[str], env: dict[str, str], corrupt_at: int | None) -> int:
     """Run the attached command with our stdio; exit code as lxc-attach reports it."""
+    sigdef = (SIGPIPE, SIGXFSZ)
     if corrupt_at is None:
-        proc = subprocess.Popen(cmd, env=env)
+        pid = os.posix_spawn(cmd[0], cmd, env, setsigdef=sigdef)
     else:
         read_end, write_end = os.pipe()
-        proc = subprocess.Popen(cmd, env=env, stdin=read_end)
+        actions = [(os.POSIX_SPAWN_DUP2, read_end, 0), (os.POSIX_SPAWN_CLOSE, write_end)]
+        pid = os.posix_spawn(cmd[0], cmd, env, file_actions=actions, setsigdef=sigdef)
         os.close(read_end)
         pump_corrupted(write_end, int(corrupt_at))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rc = proc.wait()
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     return 128 - rc if rc < 0 else rc
 
 
@@ -228,6 +233,9 @@ def pump_corrupted(write_end: int, offset: int) -> None:
 
 def lock_config(host: state.HostConfig, vmid: int) -> int:
     """PVE::LXC::Config->lock_config: flock with a 10 s timeout; returns the held fd."""
+    import fcntl
+    import time
+
     lock_dir = os.path.join(host.dir, "lock")
     os.makedirs(lock_dir, exist_ok=True)
     fd = os.open(os.path.join(lock_dir, f"pve-config-{vmid}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -292,6 +300,8 @@ def owner_opts(opts: dict) -> tuple[str | None, str | None, str | None]:
 
 
 def enter_mount_ns(pid: int) -> None:
+    from . import nsutil
+
     try:
         nsutil.setns(f"/proc/{pid}/ns/mnt", nsutil.CLONE_NEWNS)
     except OSError:

@@ -7,9 +7,7 @@ Only `--` ends option parsing. Errors are PVE 400 exceptions, printed with a usa
 
 from __future__ import annotations
 
-import re
 import sys
-from dataclasses import dataclass
 
 
 class ParamError(Exception):
@@ -21,12 +19,14 @@ class ParamError(Exception):
         self.errors = errors or {}
 
 
-@dataclass(frozen=True)
 class Prop:
-    type: str  # "string", "integer", "boolean", "array"
-    optional: bool = True
-    minimum: int | None = None
-    maximum: int | None = None
+    """A parameter of a pct command's JSON schema."""
+
+    def __init__(self, type: str, optional: bool = True, minimum=None, maximum=None):
+        self.type = type  # "string", "integer", "boolean" or "array"
+        self.optional = optional
+        self.minimum = minimum
+        self.maximum = maximum
 
 
 VMID = Prop("integer", optional=False, minimum=100, maximum=999_999_999)
@@ -52,11 +52,10 @@ def getopt_long(specs: dict[str, str], args: list[str]) -> tuple[dict, list[str]
         if arg == "--":
             rest.extend(queue)
             break
-        match = re.match(r"^(--|-)(.+)$", arg, re.S)
-        if not match:
+        if not _is_option(arg):
             rest.append(arg)
             continue
-        name, eq, inline = match.group(2).partition("=")
+        name, eq, inline = arg[2 if arg.startswith("--") else 1 :].partition("=")
         found = _lookup(specs, name)
         if found is None:
             ok = False
@@ -72,15 +71,18 @@ def getopt_long(specs: dict[str, str], args: list[str]) -> tuple[dict, list[str]
                 value = queue.pop(0)
         elif value is None:
             # optional value: take the next word unless it ends or looks like an option
-            if queue and queue[0] != "--" and not re.match(r"^(--|-).+", queue[0], re.S):
-                value = queue.pop(0)
-            else:
-                value = ""
+            takes = queue and queue[0] != "--" and not _is_option(queue[0])
+            value = queue.pop(0) if takes else ""
         if spec.endswith("@"):
             opts.setdefault(found, []).append(value)
         else:
             opts[found] = value
     return opts, rest, ok
+
+
+def _is_option(arg: str) -> bool:
+    """Matches /^(--|-).+$/s: a prefix and at least one more character."""
+    return len(arg) > 2 if arg.startswith("--") else len(arg) > 1 and arg.startswith("-")
 
 
 def _lookup(specs: dict[str, str], name: str) -> str | None:
@@ -131,9 +133,9 @@ def _assign_positional(props: dict[str, Prop], opts: dict, rest: list[str], name
 
 
 def _parse_boolean(value: str) -> int:
-    if value == "" or re.fullmatch(r"1|on|yes|true", value, re.I):
+    if value == "" or value.lower() in ("1", "on", "yes", "true"):
         return 1
-    if re.fullmatch(r"0|off|no|false", value, re.I):
+    if value.lower() in ("0", "off", "no", "false"):
         return 0
     raise ParamError("unable to parse boolean option")
 
@@ -147,7 +149,8 @@ def _validate(props: dict[str, Prop], opts: dict) -> None:
             continue
         value = opts[name]
         if prop.type == "integer":
-            if not re.fullmatch(r"[+-]?\d+", str(value)):
+            digits = str(value)[1:] if str(value)[:1] in "+-" else str(value)
+            if not (digits.isascii() and digits.isdigit()):
                 errors[name] = f"type check ('integer') failed - got '{value}'"
                 continue
             opts[name] = number = int(value)

@@ -3,34 +3,36 @@
 Layout under a host dir (written by the pytest side, read by `pct`):
     host.json                 HostConfig
     faults.json               {"corrupt_exec_stdin_at": N} or {}
+    tasks.log                 one `<type> <vmid>: TASK OK|TASK ERROR: ...` line per push/pull
     ct/<vmid>/ct.json         CtConfig (its existence is "the CT is defined on this node")
     ct/<vmid>/init.json       {"pid": P, "start": T}: the CT's init (running while P has
                               start time T)
     lock/pve-config-<vmid>.lock
+
+Imports are kept light on purpose: every `pct` call starts a Python.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-from . import nsutil
 
 LXC_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 INIT_NAME = "dflashops-ctinit"
 
 
-@dataclass
 class HostConfig:
-    name: str
-    dir: str
-    netns: str | None
-    testbed_dir: str
-    private: dict[str, str] = field(default_factory=dict)  # host path -> real dir
-    ro_shares: list[str] = field(default_factory=list)  # real paths kept visible read-only
+    """name, dir, netns (None: no netns), testbed_dir, private (host path -> real dir) and
+    ro_shares (real dirs under /root kept visible read-only)."""
+
+    def __init__(self, name: str, dir: str, netns: str | None, testbed_dir: str,
+                 private: dict[str, str], ro_shares: list[str]):  # fmt: skip
+        self.name = name
+        self.dir = dir
+        self.netns = netns
+        self.testbed_dir = testbed_dir
+        self.private = private
+        self.ro_shares = ro_shares
 
     @property
     def lxcpath(self) -> str:
@@ -40,7 +42,7 @@ class HostConfig:
         return os.path.join(self.dir, "ct", str(vmid))
 
     def save(self) -> None:
-        write_json(os.path.join(self.dir, "host.json"), asdict(self))
+        write_json(os.path.join(self.dir, "host.json"), vars(self))
 
     @classmethod
     def load(cls, path: str) -> HostConfig:
@@ -48,16 +50,18 @@ class HostConfig:
             return cls(**json.load(fh))
 
 
-@dataclass
 class CtConfig:
-    vmid: int
-    kind: str  # "ns" or "lxc"
-    hostname: str
-    dir: str
-    private: dict[str, str] = field(default_factory=dict)  # container path -> real dir
+    """vmid, kind ("ns" or "lxc"), hostname, dir, private (CT path -> real dir)."""
+
+    def __init__(self, vmid: int, kind: str, hostname: str, dir: str, private: dict[str, str]):
+        self.vmid = vmid
+        self.kind = kind
+        self.hostname = hostname
+        self.dir = dir
+        self.private = private
 
     def save(self) -> None:
-        write_json(os.path.join(self.dir, "ct.json"), asdict(self))
+        write_json(os.path.join(self.dir, "ct.json"), vars(self))
 
 
 def write_json(path: str, data: object) -> None:
@@ -81,12 +85,12 @@ def load_ct(host: HostConfig, vmid: int) -> CtConfig | None:
 
 
 def list_cts(host: HostConfig) -> list[CtConfig]:
-    root = Path(host.dir, "ct")
-    found = []
-    for entry in sorted(root.iterdir() if root.is_dir() else [], key=lambda p: p.name):
-        if entry.name.isdigit() and (ct := load_ct(host, int(entry.name))) is not None:
-            found.append(ct)
-    return sorted(found, key=lambda c: c.vmid)
+    try:
+        names = os.listdir(os.path.join(host.dir, "ct"))
+    except OSError:
+        names = []
+    found = [load_ct(host, int(name)) for name in names if name.isdigit()]
+    return sorted((ct for ct in found if ct is not None), key=lambda ct: ct.vmid)
 
 
 def faults(host: HostConfig) -> dict:
@@ -100,13 +104,26 @@ def init_pid(ct: CtConfig) -> int | None:
     if not isinstance(info, dict):
         return None
     pid = info.get("pid")
-    if not isinstance(pid, int) or nsutil.proc_start_time(pid) != info.get("start"):
+    if not isinstance(pid, int) or proc_start_time(pid) != info.get("start"):
         return None
     return pid
 
 
 def is_running(ct: CtConfig) -> bool:
     return init_pid(ct) is not None
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The process start time (clock ticks since boot), or None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 def netns_prefix(host: HostConfig, *, on_host: bool) -> list[str]:
@@ -118,4 +135,6 @@ def netns_prefix(host: HostConfig, *, on_host: bool) -> list[str]:
 
 
 def lxc_run(host: HostConfig, argv: list[str], *, on_host: bool, **kwargs):
+    import subprocess
+
     return subprocess.run([*netns_prefix(host, on_host=on_host), *argv], **kwargs)
