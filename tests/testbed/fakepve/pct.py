@@ -45,6 +45,7 @@ COMMANDS = {
         },
     ),
     "status": (["vmid"], {"vmid": VMID, "verbose": Prop("boolean")}),
+    "config": (["vmid"], {"vmid": VMID, "current": Prop("boolean"), "snapshot": Prop("string")}),
     "start": (["vmid"], {"vmid": VMID, "skiplock": Prop("boolean"), "debug": Prop("boolean")}),
     "stop": (["vmid"], {"vmid": VMID, "skiplock": Prop("boolean"), "timeout": Prop("integer")}),
     "list": ([], {}),
@@ -120,6 +121,23 @@ def cmd_status(host: state.HostConfig, opts: dict) -> int:
         info["pid"] = pid
     for key in sorted(info):
         print(f"{key}: {info[key]}")
+    return 0
+
+
+def cmd_config(host: state.HostConfig, opts: dict) -> int:
+    """Sorted `key: value` lines, as `pct config` prints them."""
+    ct = load_config(host, opts["vmid"])
+    config = {
+        "arch": "amd64",
+        "cores": 2,
+        "hostname": ct.hostname,
+        "memory": 2048,
+        "ostype": "debian",
+        "rootfs": f"local:{ct.vmid}/vm-{ct.vmid}-disk-0.raw,size=8G",
+        "swap": 512,
+    }
+    for key in sorted(config):
+        print(f"{key}: {config[key]}")
     return 0
 
 
@@ -406,6 +424,7 @@ HANDLERS = {
     "push": cmd_push,
     "pull": cmd_pull,
     "status": cmd_status,
+    "config": cmd_config,
     "list": cmd_list,
     "start": cmd_start,
     "stop": cmd_stop,
