@@ -81,21 +81,15 @@ def start_ns(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> 
     mount_private(ct.private, host.ro_shares)
     if os.path.isdir("/dev/shm"):
         nsutil.mount("tmpfs", "/dev/shm", "tmpfs", nsutil.MS_NOSUID | nsutil.MS_NODEV, "mode=1777")
+    # The child mounts its own /proc over ours (same mount ns): keep a handle on this one.
+    old_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
     child = os.fork()
     if child == 0:
         _become_init()
-    state.write_json(
-        os.path.join(ct.dir, "init.json"), {"pid": child, "start": _wait_start_time(child)}
-    )
-
-
-def _wait_start_time(pid: int) -> int:
-    for _ in range(200):
-        start = state.proc_start_time(pid)
-        if start is not None:
-            return start
-        time.sleep(0.005)
-    raise StartError(f"container init {pid} died at once")
+    start = state.proc_start_time(child, proc_fd=old_proc)
+    if start is None:
+        raise StartError(f"container init {child} died at once")
+    state.write_json(os.path.join(ct.dir, "init.json"), {"pid": child, "start": start})
 
 
 def _become_init() -> None:
@@ -133,9 +127,10 @@ def start_lxc(host: state.HostConfig, ct: state.CtConfig, *, on_host: bool) -> N
             + proc.stderr.decode(errors="replace")
             + _log_errors(os.path.join(ct.dir, "lxc.log"))
         )
-    state.write_json(
-        os.path.join(ct.dir, "init.json"), {"pid": int(pid), "start": _wait_start_time(int(pid))}
-    )
+    start = state.proc_start_time(int(pid))
+    if start is None:
+        raise StartError(f"container init {pid} died at once")
+    state.write_json(os.path.join(ct.dir, "init.json"), {"pid": int(pid), "start": start})
 
 
 def _log_errors(path: str) -> str:

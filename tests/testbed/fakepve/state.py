@@ -113,11 +113,16 @@ def is_running(ct: CtConfig) -> bool:
     return init_pid(ct) is not None
 
 
-def proc_start_time(pid: int) -> int | None:
-    """The process start time (clock ticks since boot), or None if gone or a zombie."""
+def proc_start_time(pid: int, *, proc_fd: int | None = None) -> int | None:
+    """The process start time (clock ticks since boot), or None if gone or a zombie.
+    `proc_fd`: an open /proc dir to look in instead of /proc."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
+        path = f"{pid}/stat" if proc_fd is not None else f"/proc/{pid}/stat"
+        fd = os.open(path, os.O_RDONLY, dir_fd=proc_fd)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
     except OSError:
         return None
     fields = raw[raw.rindex(b")") + 2 :].split()
