@@ -131,6 +131,8 @@ class Connection:
     def _open(self) -> paramiko.SSHClient:
         import paramiko
 
+        _quiet_paramiko()
+
         target = self.resolved
         client = paramiko.SSHClient()
         for path in host_key_files(self.endpoint):
@@ -223,6 +225,16 @@ class Connection:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+def _quiet_paramiko() -> None:
+    """paramiko logs failures that we report ourselves, in one line; keep its logger quiet."""
+    import logging
+
+    logger = logging.getLogger("paramiko")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
 
 
 def _explain(exc: BaseException, endpoint: Endpoint) -> str:

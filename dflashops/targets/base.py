@@ -101,9 +101,10 @@ class Machine:
         proc = self.spawn(list(argv), dict(env or {}), cwd)
         out: list[bytes] = []
         err = _Tail(limit=None if stderr is None else TAIL)
+        held = _Holdback(stderr, self.is_way_in_error) if stderr is not None else None
         readers = [
             _pump(proc.read_stdout, stdout or out.append),
-            _pump(proc.read_stderr, err.tee(stderr)),
+            _pump(proc.read_stderr, err.tee(held.take if held else None)),
         ]
         feeder = _Feeder(proc, stdin)
         try:
@@ -117,10 +118,17 @@ class Machine:
         feeder.finish(wait=not _is_stream(stdin))
         result = Result(list(argv), proc.wait(), b"".join(out), err.value())
         self.check(result)
+        if held:
+            held.release()
         return result
 
     def check(self, result: Result) -> None:
         """Raise for failures of the way in (a stopped container), not of the command itself."""
+
+    def is_way_in_error(self, line: bytes) -> bool:
+        """True for a stderr line that may be the way in failing (held back from the user
+        until the exit code tells whether `check` turns it into our own one-line error)."""
+        return False
 
     def close(self) -> None:
         """Release what this machine holds (connections are owned by the session)."""
@@ -149,6 +157,31 @@ class _Tail:
     def value(self) -> bytes:
         joined = b"".join(self.parts)
         return joined if self.limit is None else joined[-self.limit :]
+
+
+class _Holdback:
+    """Passes stderr on, except leading lines that look like the way in failing: those wait."""
+
+    def __init__(self, sink: Sink, suspicious: Callable[[bytes], bool]) -> None:
+        self.sink = sink
+        self.suspicious = suspicious
+        self.held = b""
+        self.open = False
+
+    def take(self, chunk: bytes) -> None:
+        if self.open:
+            self.sink(chunk)
+            return
+        self.held += chunk
+        *lines, rest = self.held.split(b"\n")
+        if any(not self.suspicious(line) for line in lines) or len(rest) > 4096:
+            self.release()
+
+    def release(self) -> None:
+        self.open = True
+        if self.held:
+            self.sink(self.held)
+            self.held = b""
 
 
 def _pump(read: Callable[[int], bytes], sink: Sink) -> threading.Thread:

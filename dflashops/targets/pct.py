@@ -44,6 +44,10 @@ class PctMachine(Machine):
         command = shlex.join(self.wrap(argv, env, cwd))
         return ChannelProcess(self.connection.open_channel(), command)
 
+    def is_way_in_error(self, line: bytes) -> bool:
+        text = line.decode("utf-8", "replace")
+        return any(p.search(text) for p in (NOT_RUNNING, NO_CONFIG, NO_PCT))
+
     def check(self, result: Result) -> None:
         if result.returncode == 0:
             return

@@ -41,4 +41,6 @@ def dflashops(
         env=environ,
         timeout=timeout,
     )
-    return Ran(proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace"))
+    return Ran(
+        proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+    )

@@ -59,7 +59,13 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_good_inventory_parses_with_defaults_and_overrides(tmp_path):
     inv = load_inventory(write(tmp_path, GOOD.replace("ADDRESS", "10.1.2.6").replace("PORT", "22")))
     ct200, ct129 = inv.target("ct200"), inv.target("ct129")
-    assert (ct200.kind, ct200.vmid, ct200.host, ct200.role, ct200.gpus) == ("pct", 200, "pve1", ("train",), 8)
+    assert (ct200.kind, ct200.vmid, ct200.host, ct200.role, ct200.gpus) == (
+        "pct",
+        200,
+        "pve1",
+        ("train",),
+        8,
+    )
     assert ct200.python == "/root/venv/bin/python" and ct129.python == "/opt/venv/bin/python"
     assert ct200.env == {"HF_HOME": "/workspace/hf"} and ct200.workspace == "/workspace"
     gpubox = inv.target("gpubox")
@@ -71,21 +77,50 @@ def test_good_inventory_parses_with_defaults_and_overrides(tmp_path):
 
 BAD = [
     # (what to change in GOOD, expected line, expected fragment)
-    ("ct200: {host: pve1, vmid: 200,", "ct200: {host: pve9, vmid: 200,", 11,
-     "targets.ct200.host: 'pve9' is not a host in this file"),
-    ("vmid: 200,", "vmid: two-hundred,", 11, "targets.ct200.vmid: expected an integer 100..999999999"),
+    (
+        "ct200: {host: pve1, vmid: 200,",
+        "ct200: {host: pve9, vmid: 200,",
+        11,
+        "targets.ct200.host: 'pve9' is not a host in this file",
+    ),
+    (
+        "vmid: 200,",
+        "vmid: two-hundred,",
+        11,
+        "targets.ct200.vmid: expected an integer 100..999999999",
+    ),
     ("vmid: 129,", "vmid: 12,", 12, "targets.ct129.vmid: expected an integer 100..999999999"),
-    ("    connect_timeout: 2\n", "    connect_timeout: 2\n    identiy: ~/.ssh/k\n", 10,
-     "hosts.pve1.identiy: unknown key (did you mean 'identity'?)"),
-    ("role: train, gpus: 8", "role: trian, gpus: 8", 11, "targets.ct200.role: 'trian' is not one of"),
-    ("  env: {HF_HOME: /workspace/hf}\n", "  env: {HF_HOME: /workspace/hf\n", 5, "YAML syntax error"),
-    ("  workspace: /workspace\n", "  workspace: workspace\n", 3,
-     "defaults.workspace: 'workspace' must be an absolute path"),
+    (
+        "    connect_timeout: 2\n",
+        "    connect_timeout: 2\n    identiy: ~/.ssh/k\n",
+        10,
+        "hosts.pve1.identiy: unknown key (did you mean 'identity'?)",
+    ),
+    (
+        "role: train, gpus: 8",
+        "role: trian, gpus: 8",
+        11,
+        "targets.ct200.role: 'trian' is not one of",
+    ),
+    (
+        "  env: {HF_HOME: /workspace/hf}\n",
+        "  env: {HF_HOME: /workspace/hf\n",
+        5,
+        "YAML syntax error",
+    ),
+    (
+        "  workspace: /workspace\n",
+        "  workspace: workspace\n",
+        3,
+        "defaults.workspace: 'workspace' must be an absolute path",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("old", "new", "line", "fragment"), BAD)
-def test_bad_inventory_is_one_line_exit_2_and_no_connection(tmp_path, listener, old, new, line, fragment):
+def test_bad_inventory_is_one_line_exit_2_and_no_connection(
+    tmp_path, listener, old, new, line, fragment
+):
     port = listener.getsockname()[1]
     assert old in GOOD
     text = GOOD.replace(old, new).replace("ADDRESS", "127.0.0.1").replace("PORT", str(port))
@@ -131,10 +166,13 @@ def test_lookup_order(tmp_path, monkeypatch):
 
 
 def test_unknown_target_is_not_found_exit_4(tmp_path):
-    path = write(tmp_path, textwrap.dedent("""\
+    path = write(
+        tmp_path,
+        textwrap.dedent("""\
         targets:
           local: {kind: local, workspace: ws, python: python3}
-    """))
+    """),
+    )
     ran = dflashops("exec", "lokal", "--", "true", inventory=path, home=tmp_path)
     assert ran.code == 4 and "no target 'lokal'" in ran.err and "did you mean 'local'" in ran.err
 

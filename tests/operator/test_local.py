@@ -20,7 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def inventory(tmp_path) -> Path:
     path = tmp_path / "hosts.yaml"
-    path.write_text("version: 1\ntargets:\n  local: {kind: local, workspace: ws, python: " + sys.executable + "}\n")
+    path.write_text(
+        "version: 1\ntargets:\n  local: {kind: local, workspace: ws, python: "
+        + sys.executable
+        + "}\n"
+    )
     return path
 
 
@@ -29,7 +33,9 @@ def test_help_is_light_and_never_imports_torch():
 
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "dflashops.cli", "--help"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "Usage:" in proc.stdout
@@ -41,7 +47,9 @@ ARG = st.text(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(argv=st.lists(ARG, min_size=1, max_size=6))
 def test_any_argv_arrives_byte_for_byte_locally(inventory, argv):
     with Session(load_inventory(inventory)) as session:
@@ -55,15 +63,27 @@ def test_any_argv_arrives_byte_for_byte_locally(inventory, argv):
 
 
 def test_exec_streams_and_returns_the_exit_code(inventory):
-    ran = dflashops("exec", "local", "--", "sh", "-c", 'cat; echo "err $1" >&2; exit 7', "sh", "x y",
-                    inventory=inventory, stdin=b"from stdin\n")
+    ran = dflashops(
+        "exec",
+        "local",
+        "--",
+        "sh",
+        "-c",
+        'cat; echo "err $1" >&2; exit 7',
+        "sh",
+        "x y",
+        inventory=inventory,
+        stdin=b"from stdin\n",
+    )
     assert ran.code == 7
     assert ran.out == "from stdin\n" and ran.err == "err x y\n"
 
 
 def test_exec_runs_in_the_workspace_with_target_env(tmp_path):
     inv = tmp_path / "hosts.yaml"
-    inv.write_text("targets:\n  local: {kind: local, workspace: ws, python: python3, env: {RUN_FLAG: 'a b'}}\n")
+    inv.write_text(
+        "targets:\n  local: {kind: local, workspace: ws, python: python3, env: {RUN_FLAG: 'a b'}}\n"
+    )
     ran = dflashops("exec", "local", "--", "sh", "-c", 'pwd; echo "$RUN_FLAG"', inventory=inv)
     assert ran.code == 0 and ran.out.splitlines() == [str((tmp_path / "ws").resolve()), "a b"]
 
@@ -84,7 +104,12 @@ def test_push_tree_arrives_identical(tmp_path, inventory):
 def test_push_single_file_into_directory_and_as_name(tmp_path, inventory):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\x00\x01" * 1000)
-    assert dflashops("push", "local", str(f), str(tmp_path / "ws" / "x") + "/", inventory=inventory).code == 0
+    assert (
+        dflashops(
+            "push", "local", str(f), str(tmp_path / "ws" / "x") + "/", inventory=inventory
+        ).code
+        == 0
+    )
     assert (tmp_path / "ws/x/weights.bin").read_bytes() == f.read_bytes()
     assert dflashops("push", "local", str(f), "y/renamed.bin", inventory=inventory).code == 0
     assert (tmp_path / "ws/y/renamed.bin").read_bytes() == f.read_bytes()
@@ -110,12 +135,14 @@ def test_dry_run_prints_argv_and_changes_nothing(tmp_path, inventory):
 def test_run_script_with_quotes_and_heredoc_returns_its_exit_code(tmp_path, inventory):
     script = tmp_path / "job.py"
     script.write_text(
-        'import subprocess, sys\n'
+        "import subprocess, sys\n"
         'text = """it\'s "quoted" $(not run) `nor this` \\\\n"""\n'
         'out = subprocess.run(["sh", "-c", "cat <<\'EOF\'\\n$HOME `x`\\nEOF"], capture_output=True, text=True)\n'
         'print(text)\nprint(out.stdout, end="")\nprint("args", sys.argv[1:])\nsys.exit(5)\n'
     )
-    ran = dflashops("run-script", "local", str(script), "--", "--flag", "two words", inventory=inventory)
+    ran = dflashops(
+        "run-script", "local", str(script), "--", "--flag", "two words", inventory=inventory
+    )
     assert ran.code == 5, ran.err
     lines = ran.out.splitlines()
     assert lines[0] == 'it\'s "quoted" $(not run) `nor this` \\n'
@@ -134,7 +161,9 @@ def test_setup_syncs_only_changed_files(tmp_path, inventory):
     assert (synced / "__init__.py").read_text() == (ROOT / "workload" / "__init__.py").read_text()
     (synced / "stale.py").write_text("old\n")
     (synced / "__init__.py").write_text("tampered\n")
-    second = json.loads(dflashops("--json", "setup", "local", "--no-install", inventory=inventory).out)
+    second = json.loads(
+        dflashops("--json", "setup", "local", "--no-install", inventory=inventory).out
+    )
     assert second["sync"] == {"sent": 1, "unchanged": doc["sync"]["sent"] - 1, "deleted": 1}
     assert not (synced / "stale.py").exists()
     assert (synced / "__init__.py").read_text() == (ROOT / "workload" / "__init__.py").read_text()

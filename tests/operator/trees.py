@@ -37,5 +37,9 @@ def fingerprint(root: Path) -> dict[str, tuple]:
             elif path.is_dir():
                 out[rel] = ("d",)
             else:
-                out[rel] = ("f", hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mode & 0o777)
+                out[rel] = (
+                    "f",
+                    hashlib.sha256(path.read_bytes()).hexdigest(),
+                    path.stat().st_mode & 0o777,
+                )
     return out
