@@ -1,0 +1,74 @@
+"""Shared by the operator benchmarks: a test bed, an inventory, and timing helpers."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.testbed import TestBed  # noqa: E402
+
+
+@contextmanager
+def bed(containers: dict[str, list[int]]):
+    tb = TestBed(tuple(containers)).start()
+    try:
+        for host, vmids in containers.items():
+            for vmid in vmids:
+                tb[host].add_container(vmid, "ns")
+        yield tb
+    finally:
+        tb.close()
+
+
+def dflashops_argv(inventory: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
+
+
+def openssh_argv(tb, host: str, *remote: str) -> list[str]:
+    h = tb[host]
+    return [
+        "ssh",
+        "-T",
+        "-p",
+        str(h.port),
+        "-i",
+        str(tb.client_key),
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        f"UserKnownHostsFile={tb.known_hosts_path}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "BatchMode=yes",
+        f"root@{h.address}",
+        *remote,
+    ]
+
+
+def timed(argv: list[str], *, stdin=None, env=None) -> float:
+    start = time.perf_counter()
+    subprocess.run(
+        argv, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=True, env=env
+    )
+    return time.perf_counter() - start
+
+
+def home_env(tmp: Path) -> dict[str, str]:
+    home = tmp / "home"
+    home.mkdir(exist_ok=True)
+    return dict(os.environ, HOME=str(home))
+
+
+def compare(label: str, ours: list[float], base: list[float], *, lower_is_better=True) -> None:
+    mo, mb = statistics.median(ours), statistics.median(base)
+    ratio = mo / mb if lower_is_better else mb / mo
+    print(f"{label:<44} ours {mo:8.3f}  baseline {mb:8.3f}  ratio {ratio:5.2f}x")
