@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def main() -> None:
             )
             with open(joined, "rb") as f:
                 base.append(timed(openssh_argv(tb, "pve1", "cat > /dev/null"), stdin=f, env=env))
-            tb["pve1"].run(["rm", "-rf", f"/proc/{tb['pve1'][201].pid}/root/workspace/bench"])
+            shutil.rmtree(tb["pve1"][201].host_path(f"/workspace/bench/{i}"))
         mb = total / 1e6
         best_ours, best_base = min(ours), min(base)
         print(f"push {mb:.0f} MB dir into CT (verified)   {mb / best_ours:7.1f} MB/s")

@@ -14,12 +14,14 @@ import socket
 import stat
 import sys
 import time
+from pathlib import Path
 
 import paramiko
 import pytest
 import yaml
 
 from tests.testbed import TestBed
+from tests.testbed.fakepve.state import proc_start_time
 
 pytestmark = pytest.mark.testbed
 
@@ -346,7 +348,9 @@ def test_lxc_container_is_a_real_debian_container(testbed, lxc_ct):
 
 
 def test_a_crashed_bed_is_cleaned_by_the_next_one(testbed):
-    crashed = TestBed(("x1",), lxc="0").start()
+    crashed = TestBed(("x1",)).start()
+    kinds = ["ns", "lxc"] if testbed.lxc_available else ["ns"]
+    inits = [crashed["x1"].add_container(900 + i, kind).pid for i, kind in enumerate(kinds)]
     slot = crashed.slot
     os.close(slot.lock_fd)  # what dying does to the lock; nothing else is cleaned
     slot.lock_fd = -1
@@ -354,6 +358,8 @@ def test_a_crashed_bed_is_cleaned_by_the_next_one(testbed):
     try:
         assert second.slot.index == slot.index
         assert crashed["x1"]._sshd.wait(5) == -9  # killed by the cleanup
+        assert all(proc_start_time(pid) is None for pid in inits)  # gone, or a zombie
+        assert not list(Path("/sys/fs/cgroup").glob(f"*/dflashops-testbed/{slot.prefix}-*"))
         assert testbed.ssh_run("pve1", "true").rc == 0  # the session's bed is untouched
     finally:
         second.close()

@@ -81,14 +81,6 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return ids
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _find(seq: list[int], sub: list[int], start: int) -> int:
     for i in range(start, len(seq) - len(sub) + 1):
         if seq[i : i + len(sub)] == sub:
@@ -96,19 +88,20 @@ def _find(seq: list[int], sub: list[int], start: int) -> int:
     return -1
 
 
-def _turn_start(tokenizer, messages, i, full, template) -> int:
+def _turn_start(tokenizer, messages, i, full, template, after: int) -> int:
     """Index in `full` of the first token the model generates for assistant turn `i`.
 
     That is where the render of messages[:i] with the generation prompt ends. Templates that
-    rewrite earlier turns (e.g. drop old reasoning) break the prefix property; then we look for
-    the generation-prompt header after the longest common prefix.
+    rewrite earlier text (e.g. drop old reasoning, count turns) break this prefix property;
+    then the turn starts after the first generation-prompt header at or after `after`, the end
+    of the previous assistant turn.
     """
     prompt = _render(tokenizer, messages[:i], template, generation=True)
-    if full[: len(prompt)] == prompt:
+    if full[: len(prompt)] == prompt and len(prompt) >= after:
         return len(prompt)
     bare = _render(tokenizer, messages[:i], template, generation=False) if i else []
     header = prompt[len(bare) :] if prompt[: len(bare)] == bare else []
-    at = _find(full, header, max(0, _common_prefix(full, prompt) - len(header))) if header else -1
+    at = _find(full, header, after) if header else -1
     if at < 0:
         raise DataError(f"chat template: cannot locate assistant turn {i} in the rendered chat")
     return at + len(header)
@@ -124,12 +117,13 @@ def render_chat(
     full = _render(tokenizer, messages, template, generation=False)
     mask = [0] * len(full)
     eot = end_of_turn_ids(tokenizer)
+    end = 0
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
-        start = _turn_start(tokenizer, messages, i, full, template)
-        end = next((j + 1 for j in range(start, len(full)) if full[j] in eot), None)
-        if end is None:
+        start = _turn_start(tokenizer, messages, i, full, template, after=end)
+        end = next((j + 1 for j in range(start, len(full)) if full[j] in eot), -1)
+        if end < 0:
             raise DataError(f"chat template: no end-of-turn token after assistant turn {i}")
         mask[start:end] = [1] * (end - start)
     truncated = len(full) > max_length

@@ -26,61 +26,13 @@ from workload.data import BatchStream, Example, render_chat
 # ----------------------------------------------------------------------------- synthetic tasks
 
 
-WORDS = [
-    "red",
-    "blue",
-    "green",
-    "black",
-    "white",
-    "pink",
-    "gold",
-    "gray",
-    "cat",
-    "dog",
-    "fox",
-    "owl",
-    "bee",
-    "cow",
-    "pig",
-    "hen",
-    "ant",
-    "bat",
-    "elk",
-    "yak",
-    "apple",
-    "pear",
-    "plum",
-    "fig",
-    "lime",
-    "kiwi",
-    "grape",
-    "melon",
-    "peach",
-    "lemon",
-    "sun",
-    "moon",
-    "star",
-    "rain",
-    "snow",
-    "wind",
-    "cloud",
-    "storm",
-    "river",
-    "stone",
-    "tree",
-    "leaf",
-    "tiger",
-    "lion",
-    "zebra",
-    "horse",
-    "mouse",
-    "snake",
-    "eagle",
-    "shark",
-    "whale",
-    "camel",
-]
-KEYS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+WORDS = (  # noqa: SIM905
+    "red blue green black white pink gold gray cat dog fox owl bee cow pig hen "
+    "ant bat elk yak apple pear plum fig lime kiwi grape melon peach lemon sun "
+    "moon star rain snow wind cloud storm river stone tree leaf tiger lion zebra "
+    "horse mouse snake eagle shark whale camel"
+).split()
+KEYS = "alpha beta gamma delta omega sigma kappa theta".split()  # noqa: SIM905
 PHRASES = (
     "good morning",
     "thank you",
@@ -203,7 +155,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _chatml(messages: list[dict]) -> str:
+def chatml(messages: list[dict]) -> str:
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
@@ -289,12 +241,22 @@ def say(msg: str) -> None:
 
 
 def train(
-    model, examples: list[Example], *, steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3
+    model,
+    examples: list[Example],
+    *,
+    steps: int,
+    seed: int,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    lr: float = 3e-3,
 ) -> float:
-    """Next-token CE on assistant tokens, AdamW with warmup + cosine. Returns the final loss
-    (mean over the last 10% of steps)."""
-    seq_len = max(len(e.input_ids) for e in examples)
-    stream = BatchStream(examples, batch_size=batch_size, seq_len=seq_len, pack=False, seed=seed)
+    """Next-token CE on assistant tokens of packed rows, AdamW, warmup + cosine. Returns the
+    final loss (mean over the last 10% of steps).
+
+    Rows are fed as plain causal text (positions 0..S-1, no per-document mask), like LM
+    pretraining: it wastes nothing on padding, and it works for linear attention on CPU,
+    where the torch fallback can't keep packed documents apart."""
+    stream = BatchStream(examples, batch_size=batch_size, seq_len=seq_len, pack=True, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -304,10 +266,9 @@ def train(
     tail, t0 = [], time.time()
     for step in range(steps):
         b = stream.next_batch()
-        width = int((b.doc_ids >= 0).sum(1).max())  # right padding: drop all-padding columns
-        ids, mask = b.input_ids[:, :width], b.loss_mask[:, :width]
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        target = b.loss_mask[:, 1:]
+        logits = model(input_ids=b.input_ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits[target].float(), b.input_ids[:, 1:][target])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -315,7 +276,7 @@ def train(
         sched.step()
         if step >= steps - max(1, steps // 10):
             tail.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
+        if step % 25 == 0 or step == steps - 1:
             say(f"step {step + 1}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     model.eval()
     return sum(tail) / len(tail)
@@ -326,39 +287,41 @@ def train(
 
 @torch.no_grad()
 def greedy_replies(
-    model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int, batch_size: int = 64
+    model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int, batch_size: int = 128
 ) -> tuple[list[str], int]:
-    """Greedy assistant reply to each chat; prompts of one token length share a batch, so no
-    padding is involved. Returns (replies, how many hit max_new_tokens without end-of-turn)."""
-    eos = tokenizer.eos_token_id
-    encoded = [
+    """Greedy assistant reply to each chat, in left-padded batches of similar length.
+    Returns (replies, how many hit max_new_tokens without an end-of-turn token)."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    texts = [
         tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
         for p in prompts
     ]
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in encoded]
-    by_len: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_len.setdefault(len(ids), []).append(i)
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i]), i))
     replies: list[str] = [""] * len(prompts)
     unfinished = 0
-    for idx in by_len.values():
-        for k in range(0, len(idx), batch_size):
-            chunk = idx[k : k + batch_size]
-            ids = torch.tensor([encoded[i] for i in chunk])
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            for i, row in zip(chunk, out[:, ids.shape[1] :].tolist(), strict=True):
-                if eos in row:
-                    row = row[: row.index(eos)]
-                else:
-                    unfinished += 1
-                replies[i] = tokenizer.decode(row, skip_special_tokens=True)
+    for k in range(0, len(order), batch_size):
+        chunk = order[k : k + batch_size]
+        width = max(len(encoded[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad)
+        attn = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
+            attn[row, width - len(encoded[i]) :] = 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        for i, row in zip(chunk, out[:, width:].tolist(), strict=True):
+            if eos in row:
+                row = row[: row.index(eos)]
+            else:
+                unfinished += 1
+            replies[i] = tokenizer.decode(row, skip_special_tokens=True)
     return replies, unfinished
 
 
@@ -458,7 +421,7 @@ def build(
         if messages[0]["content"] not in seen:
             evals.append({"messages": messages, "task": name, "reference": ref})
 
-    tokenizer = build_tokenizer([_chatml(c) for c in convs], vocab_size=1024)
+    tokenizer = build_tokenizer([chatml(c) for c in convs], vocab_size=1024)
     say(f"tokenizer: {len(tokenizer)} tokens, <|MASK|> = {tokenizer.mask_token_id}")
     model = build_model(kind, tokenizer, seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -473,8 +436,8 @@ def build(
 
     unfinished = 0
     if regenerate_replies:
-        longest = max(len(e.input_ids) for e in examples)
-        unfinished = regenerate(model, tokenizer, convs, max_new_tokens=longest)
+        longest = max(sum(e.loss_mask) for e in examples)
+        unfinished = regenerate(model, tokenizer, convs, max_new_tokens=longest + longest // 4)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out / "target")

@@ -43,7 +43,9 @@ class Container:
         if self.kind == "lxc":
             lxc_dir = Path(self.host.config.lxcpath, str(self.vmid))
             lxc_dir.mkdir(parents=True, exist_ok=True)
-            text = launch.lxc_config(self.config, str(self.host.bed.rootfs), self.host.bed.code_dir)
+            cgroup = f"{self.host.bed.slot.prefix}-{self.host.name}-{self.vmid}"
+            bed = self.host.bed
+            text = launch.lxc_config(self.config, str(bed.rootfs), bed.code_dir, cgroup)
             (lxc_dir / "config").write_text(text)
         self.config.save()
 

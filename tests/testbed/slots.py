@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .fakepve import nsutil, state
+from .fakepve.launch import CGROUP_PARENT
 
 MAX_SLOTS = 32
 
@@ -157,6 +158,7 @@ def clean(index: int) -> None:
     for name in _link_names(prefix):
         subprocess.run(["ip", "link", "del", name], capture_output=True)
     _unmount_under(str(slot_dir) + "/")
+    _remove_cgroups(prefix + "-")
     shutil.rmtree(slot_dir, ignore_errors=True)
 
 
@@ -197,6 +199,27 @@ def _ancestors() -> set[int]:
             break
         pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
     return pids
+
+
+def _remove_cgroups(name_prefix: str) -> None:
+    """rmdir the slot's LXC cgroups (CGROUP_PARENT/<prefix>-...) in every hierarchy."""
+    roots = [Path("/sys/fs/cgroup"), *Path("/sys/fs/cgroup").glob("*")]
+    for parent in (root / CGROUP_PARENT for root in roots):
+        for top in parent.glob(name_prefix + "*") if parent.is_dir() else []:
+            for path in sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [top]:
+                if path.is_dir():
+                    _rmdir_retrying(path)
+
+
+def _rmdir_retrying(path: Path) -> None:
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY while the last tasks exit
+            time.sleep(0.02)
 
 
 def _unmount_under(prefix: str) -> None:

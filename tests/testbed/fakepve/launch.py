@@ -161,10 +161,18 @@ def _remove(directory: str, *names: str) -> None:
             os.unlink(os.path.join(directory, name))
 
 
-def lxc_config(ct: state.CtConfig, rootfs: str, testbed_dir: str) -> str:
-    """The LXC config of a privileged, network-less CT whose rootfs is an overlay of `rootfs`."""
+CGROUP_PARENT = "dflashops-testbed"
+
+
+def lxc_config(ct: state.CtConfig, rootfs: str, testbed_dir: str, cgroup: str) -> str:
+    """The LXC config of a privileged, network-less CT whose rootfs is an overlay of `rootfs`.
+
+    `cgroup`: a name unique on this machine; its cgroups are CGROUP_PARENT/<cgroup>[.monitor]
+    (LXC's default lxc.payload.<vmid> would collide between hosts and beds, and leak)."""
     init = os.path.join(testbed_dir, "fakepve", "ctinit.py")
     lines = [
+        f"lxc.cgroup.dir.container = {CGROUP_PARENT}/{cgroup}",
+        f"lxc.cgroup.dir.monitor = {CGROUP_PARENT}/{cgroup}.monitor",
         f"lxc.uts.name = {ct.hostname}",
         f"lxc.rootfs.path = overlay:{rootfs}:{ct.dir}/overlay/delta",
         "lxc.net.0.type = empty",
