@@ -174,8 +174,13 @@ def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float) -> Tensor:
     block_mask = create_block_mask(
         mask_mod, batch, None, total, seq_len + total, device=q.device, _compile=on_gpu
     )
-    k = torch.cat([k_ctx, k_blk], dim=2)
-    v = torch.cat([v_ctx, v_blk], dim=2)
+    # flex_attention is not an autocast op: give it one dtype, the autocast one when active
+    dtype = q.dtype
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+    q = q.to(dtype)
+    k = torch.cat([k_ctx, k_blk], dim=2).to(dtype)
+    v = torch.cat([v_ctx, v_blk], dim=2).to(dtype)
     return _flex_fn(on_gpu)(
         q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -209,7 +214,7 @@ def _flex_fn(compiled: bool) -> Callable:
     if not compiled:
         return flex_attention
     if not _COMPILED_FLEX:
-        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
     return _COMPILED_FLEX[0]
 
 
