@@ -151,6 +151,7 @@ class Connection:
                 banner_timeout=self.endpoint.connect_timeout,
                 auth_timeout=self.endpoint.connect_timeout,
                 sock=sock,
+                transport_factory=_transport,
             )
         except _UnknownKey as exc:
             client.close()
@@ -225,6 +226,17 @@ class Connection:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+def _transport(sock, **kwargs):  # noqa: ANN001, ANN202
+    """A transport that prefers AES-GCM: no separate MAC pass, much faster bulk copies."""
+    import paramiko
+
+    transport = paramiko.Transport(sock, **kwargs)
+    options = transport.get_security_options()
+    gcm = tuple(c for c in options.ciphers if c.endswith("-gcm@openssh.com"))
+    options.ciphers = gcm + tuple(c for c in options.ciphers if c not in gcm)
+    return transport
 
 
 def _quiet_paramiko() -> None:

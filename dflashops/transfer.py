@@ -49,8 +49,8 @@ class Sent:
 
 
 @cache
-def _helper_source() -> str:
-    return (Path(__file__).parent / "remote" / "hashtree.py").read_text()
+def _helper_source(name: str = "hashtree.py") -> str:
+    return (Path(__file__).parent / "remote" / name).read_text()
 
 
 def remote_path(machine: Machine, path: str) -> str:
@@ -157,25 +157,46 @@ def put(
         name = local.name if remote.endswith("/") else posixpath.basename(dest)
         base = dest if remote.endswith("/") else posixpath.dirname(dest)
         entries = [_entry(local, name, local.lstat())]
-    unpack = [
-        "sh",
-        "-c",
-        'mkdir -p -- "$1" && exec tar -x --no-same-owner -f - -C "$1"',
-        "sh",
-        base,
-    ]
-    result = machine.run(unpack, stdin=tar_stream(entries, progress))
+    receive = ["python3", "-c", _helper_source("receive.py"), base]
+    result = machine.run(receive, stdin=prefetch(tar_stream(entries, progress)))
     sent = Sent(entries, sum(e.size for e in entries))
     if machine.dry_run:
         return sent
     if not result.ok:
+        if result.returncode == 127:
+            raise OpsError(f"{machine.name}: python3 not found; install it in the target")
         raise TransferError(f"{machine.name}: copy into {base} failed: {result.error_text}")
-    verify(machine, base, entries)
+    check_arrived(machine, base, entries, json.loads(result.stdout))
     return sent
 
 
-def verify(machine: Machine, base: str, entries: list[Entry]) -> None:
-    found = describe_remote(machine, base, [e.rel for e in entries])
+def prefetch(chunks: Iterator[bytes], depth: int = 8) -> Iterator[bytes]:
+    """Produce `chunks` on a thread of its own, so reading and hashing overlap with sending."""
+    import queue
+    import threading
+
+    done = object()
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    failure: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                buffer.put(chunk)
+        except BaseException as exc:  # noqa: BLE001 (raised again on the consuming side)
+            failure.append(exc)
+        finally:
+            buffer.put(done)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := buffer.get()) is not done:
+        yield item
+    if failure:
+        raise failure[0]
+
+
+def check_arrived(machine: Machine, base: str, entries: list[Entry], found: dict) -> None:
+    """Compare what was sent with what the target read back from its own disk."""
     bad = [e.rel for e in entries if not _matches(e, found.get(e.rel, {"t": "-"}))]
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")

@@ -7,6 +7,7 @@ needs only `spawn`. Commands never build ssh or pct strings themselves.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -79,7 +80,7 @@ class Machine:
 
     def describe_argv(self, argv: list[str], env=None, cwd=None) -> str:
         """What `--dry-run` prints: the exact command line that would run on the host."""
-        return shlex.join(self.wrap(argv, dict(env or {}), cwd))
+        return shlex.join(_abbreviate(a) for a in self.wrap(argv, dict(env or {}), cwd))
 
     def run(
         self,
@@ -132,6 +133,14 @@ class Machine:
 
     def close(self) -> None:
         """Release what this machine holds (connections are owned by the session)."""
+
+
+def _abbreviate(arg: str) -> str:
+    """Inline helper programs are shown by size and digest, not pages of source."""
+    if len(arg) < 400 or "\n" not in arg:
+        return arg
+    digest = hashlib.sha256(arg.encode()).hexdigest()[:12]
+    return f"<program: {len(arg)} bytes, sha256 {digest}>"
 
 
 class _Tail:
