@@ -288,7 +288,10 @@ def real_generate(
     max_new_tokens: int,
     stop_ids: Sequence[int] | None,
 ) -> tuple[list[int], list[int]]:
-    """Greedy draft-and-verify with KV caches (dense targets): (new tokens, per-round lengths)."""
+    """Greedy draft-and-verify with KV caches: (new tokens, per-round lengths).
+
+    Dense-attention targets only: rejected drafts are removed by cropping the target's cache,
+    which cannot undo a hybrid (Gated DeltaNet) layer's recurrent state (ValueError)."""
     stops = set(stop_ids or ())
     tokens = [int(t) for t in input_ids.view(-1).tolist()]
     prompt_len = len(tokens)
@@ -296,6 +299,11 @@ def real_generate(
     block, layers = int(drafter.block_size), list(drafter.target_layer_ids)
     tcache, session = _new_cache(target.config), DraftSession(drafter, target)
     out = _target_call(target, tokens, 0, tcache, hidden=True, last_only=True)
+    if not getattr(tcache, "is_croppable", True):
+        raise ValueError(
+            "the real draft-and-verify loop needs a target whose KV cache can be cropped; "
+            "this one keeps recurrent (linear-attention) state that a crop cannot roll back"
+        )
     tokens.append(int(out.logits[0, -1].argmax()))
     context = select_features(out.hidden_states, layers)
     start, lengths = prompt_len, []
@@ -379,12 +387,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _tau(rounds: list[Round]) -> float | None:
-    return statistics.mean(r.produced for r in rounds) if rounds else None
+    return float(statistics.mean(r.produced for r in rounds)) if rounds else None
 
 
 def _mean_over_prompts(per_prompt: list[list[Round]]) -> float | None:
     taus = [t for t in map(_tau, per_prompt) if t is not None]
-    return statistics.mean(taus) if taus else None
+    return float(statistics.mean(taus)) if taus else None
 
 
 def summarize(results: list[PromptResult], block_size: int, budgets: Sequence[int]) -> dict:
@@ -588,6 +596,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also run the real draft-and-verify loop on the first N prompts",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -784,7 +793,12 @@ def _check_real(target, subject, tokenizer, template, items, args, stops) -> dic
     details = []
     for i, item in enumerate(items):
         prompt = torch.tensor([render_prompt(tokenizer, item, template)], device=device)
-        real = real_draft_and_verify(subject.drafter, target, prompt, args.max_new_tokens, stops)
+        try:
+            real = real_draft_and_verify(
+                subject.drafter, target, prompt, args.max_new_tokens, stops
+            )
+        except ValueError as exc:
+            raise EvalError(f"--check-real: {exc}") from None
         simulated = [x.produced for x in subject.results[i].chain]
         details.append(
             {
@@ -802,7 +816,7 @@ def _check_real(target, subject, tokenizer, template, items, args, stops) -> dic
 
 
 def _tau_of(lengths: list[int]) -> float | None:
-    return statistics.mean(lengths) if lengths else None
+    return float(statistics.mean(lengths)) if lengths else None
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -812,9 +826,19 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _quiet_transformers() -> None:
+    """No weight-loading progress bars: stderr carries our progress lines only."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         result = run(args)
         write_json(args.out, result)

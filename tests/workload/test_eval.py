@@ -58,8 +58,16 @@ def _prompts() -> list[torch.Tensor]:
     ]
 
 
-def _drafter_config(mask: int) -> Qwen3Config:
-    config = _qwen3(num_hidden_layers=2, num_target_layers=4)
+def _drafter_config(mask: int, sliding: bool = False) -> Qwen3Config:
+    swa = {}
+    if sliding:  # a window shorter than the context, as Qwen3.6-27B's drafter has
+        swa = dict(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=6,
+            use_sliding_window=True,
+            max_window_layers=2,
+        )
+    config = _qwen3(num_hidden_layers=2, num_target_layers=4, **swa)
     config.dflash_config = {"target_layer_ids": [1, 2], "mask_token_id": mask, "block_size": BLOCK}
     return config
 
@@ -77,7 +85,8 @@ def tiny():
     "zlab" (and "ours", the same weights in our class) often guesses the target's favourite
     token: its mask embedding points at that token's LM-head row and dominates the damped
     layers, so acceptance lengths vary from 1 to the whole block. "zlab_ctx" has a faint mask
-    embedding, so its guesses depend on the context (and accept less)."""
+    embedding, so its guesses depend on the context (and accept less). "zlab_swa" and
+    "ours_swa" are alike with a sliding-window layer."""
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(_qwen3(num_hidden_layers=4, tie_word_embeddings=False)).eval()
     counts = collections.Counter()
@@ -93,7 +102,18 @@ def tiny():
     _point_mask_at(target, MASK_CTX, favourite, 0.05)
     ours = DFlashDrafter(_drafter_config(MASK)).eval()
     ours.load_state_dict(drafter.state_dict())
-    return {"target": target, "zlab": drafter, "ours": ours, "zlab_ctx": ctx, "stop": runner_up}
+    swa = zlab.DFlashDraftModel(_drafter_config(MASK_CTX, sliding=True)).eval()
+    ours_swa = DFlashDrafter(_drafter_config(MASK_CTX, sliding=True)).eval()
+    ours_swa.load_state_dict(swa.state_dict())
+    return {
+        "target": target,
+        "zlab": drafter,
+        "ours": ours,
+        "zlab_ctx": ctx,
+        "zlab_swa": swa,
+        "ours_swa": ours_swa,
+        "stop": runner_up,
+    }
 
 
 def _zlab_run(drafter, target, prompt, max_new, stops):
@@ -113,14 +133,17 @@ def _simulated(drafter, target, prompt, max_new, stops, budgets=()):
 CASES = [(40, False), (23, False), (37, True)]  # (max_new_tokens, stop at the runner-up token)
 
 
-@pytest.mark.parametrize("kind", ["zlab", "ours", "zlab_ctx"])
+REFERENCE = {"ours": "zlab", "ours_swa": "zlab_swa"}
+
+
+@pytest.mark.parametrize("kind", ["zlab", "ours", "zlab_ctx", "ours_swa"])
 def test_simulated_rounds_equal_dflash_generate(tiny, kind):
     target, drafter = tiny["target"], tiny[kind]
     seen = []
     for max_new, use_stop in CASES:
         stops = [tiny["stop"]] if use_stop else None
         for prompt in _prompts():
-            reference = tiny["zlab" if kind == "ours" else kind]
+            reference = tiny[REFERENCE.get(kind, kind)]
             tokens, lengths = _zlab_run(reference, target, prompt, max_new, stops)
             continuation, result = _simulated(drafter, target, prompt, max_new, stops)
             assert continuation == tokens  # lossless: dflash emits the greedy continuation
@@ -129,11 +152,11 @@ def test_simulated_rounds_equal_dflash_generate(tiny, kind):
             seen += lengths
     counts = collections.Counter(seen)
     assert len(counts) >= 3 and max(counts) >= 3, counts  # the comparison is not trivial
-    if kind != "zlab_ctx":
+    if kind in ("zlab", "ours"):
         assert max(counts) == BLOCK and counts[1] < 0.9 * len(seen), counts
 
 
-@pytest.mark.parametrize("kind", ["zlab_ctx", "ours"])
+@pytest.mark.parametrize("kind", ["zlab_ctx", "ours", "ours_swa"])
 @torch.no_grad()
 def test_oracle_drafts_equal_drafts_from_the_full_context(tiny, kind):
     """Whatever order blocks are asked for in (the cache grows, is reused, or restarts), a
@@ -467,3 +490,32 @@ def test_module_entry_point_exits_with_one_line(run_dir, tmp_path):
         f"eval: error: {partial / 'MANIFEST.sha256'}: missing, the checkpoint is incomplete "
         "(pass --allow-incomplete to evaluate it anyway)"
     ]
+
+
+@torch.no_grad()
+def test_hybrid_target_simulates_and_the_real_loop_refuses_it():
+    """Gated DeltaNet targets: the simulation needs no cache rollback (it only decodes and runs
+    one forward); the real loop would need one, so it refuses instead of going wrong."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from workload.targets import force_torch_fallback_off_gpu
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    target = Qwen3_5ForCausalLM(config).eval()
+    force_torch_fallback_off_gpu(target)
+    drafter = DFlashDrafter(_drafter_config(MASK)).eval()
+    prompt = _prompts()[2]
+    continuation, result = _simulated(drafter, target, prompt, 20, None, budgets=[4])
+    seq = prompt[0].tolist() + continuation
+    greedy = target(torch.tensor([seq])).logits[0, prompt.shape[1] - 1 : -1].argmax(-1)
+    assert greedy.tolist() == continuation  # incremental decoding == one forward's argmax
+    assert sum(r.produced for r in result.chain) == len(continuation) - 1
+    with pytest.raises(ValueError, match="cannot roll back"):
+        real_draft_and_verify(drafter, target, prompt, 20, None)
