@@ -632,69 +632,157 @@ def say(message: str) -> None:
 
 @dataclass
 class Subject:
-    name: str
+    name: str  # "checkpoint" or "reference"
     path: Path
     drafter: torch.nn.Module
     results: list[PromptResult] = field(default_factory=list)
 
 
-def run(args: argparse.Namespace) -> dict:
-    t_start = time.perf_counter()
-    budgets = _budgets(args.budgets)
-    if args.max_new_tokens < 1:
-        raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    settings = load_run_settings(args.config, args.overrides)
-    prompts_path = args.prompts
-    if prompts_path is None:
-        if settings.data_path is None:
-            raise EvalError(f"{args.config}: data.path is unset; pass --prompts FILE")
-        prompts_path = settings.data_path.parent / "prompts.jsonl"
-    prompts = read_prompts(prompts_path)[: args.max_prompts]
-    check_manifest(args.checkpoint, required=not args.allow_incomplete)
-    if args.reference is not None:
-        check_manifest(args.reference, required=False)
+def _prompts_path(args: argparse.Namespace, settings: RunSettings) -> Path:
+    if args.prompts is not None:
+        return args.prompts
+    if settings.data_path is None:
+        raise EvalError(f"{args.config}: data.path is unset; pass --prompts FILE")
+    return settings.data_path.parent / "prompts.jsonl"
 
-    device = _device(args.device)
-    target, tokenizer = _load_target(settings, device)
-    dtype = target.get_input_embeddings().weight.dtype
-    template = _chat_template(settings.chat_template)
-    subjects = [
-        Subject(
-            "checkpoint", args.checkpoint, load_drafter(args.checkpoint, dtype=dtype, device=device)
+
+class Evaluation:
+    """One command's state: the target, its tokenizer, the drafters, the running timings."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.t_start = time.perf_counter()
+        self.args = args
+        self.budgets = _budgets(args.budgets)
+        if args.max_new_tokens < 1:
+            raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+        settings = load_run_settings(args.config, args.overrides)
+        self.prompts_path = _prompts_path(args, settings)
+        self.prompts = read_prompts(self.prompts_path)[: args.max_prompts]
+        check_manifest(args.checkpoint, required=not args.allow_incomplete)
+        if args.reference is not None:
+            check_manifest(args.reference, required=False)  # z-lab's drafters have none
+        self.device = _device(args.device)
+        self.target, self.tokenizer = _load_target(settings, self.device)
+        self.template = _chat_template(settings.chat_template)
+        self.stops = stop_token_ids(self.target, self.tokenizer)
+        named = [("checkpoint", args.checkpoint), ("reference", args.reference)]
+        dtype = self.target.get_input_embeddings().weight.dtype
+        self.subjects = [
+            Subject(name, path, load_drafter(path, dtype=dtype, device=self.device))
+            for name, path in named
+            if path is not None
+        ]
+        self.timing = {"load_s": time.perf_counter() - self.t_start}
+        self.timing.update(generate_s=0.0, forward_s=0.0, draft_s=0.0)
+
+    def run(self) -> dict:
+        say(
+            f"eval: {len(self.prompts)} prompts from {self.prompts_path}, max "
+            f"{self.args.max_new_tokens} new tokens, budgets {self.budgets}, on {self.device} "
+            f"({self.timing['load_s']:.1f}s to load)"
         )
-    ]
-    if args.reference is not None:
-        subjects.append(
-            Subject(
-                "reference",
-                args.reference,
-                load_drafter(args.reference, dtype=dtype, device=device),
+        records = []
+        for i, item in enumerate(self.prompts):
+            records.append({"index": i, **self.prompt(item)})
+            self.progress(i, records[-1])
+        result = self.assemble(records)
+        if self.args.check_real:
+            result["check_real"] = self.check_real(self.prompts[: self.args.check_real])
+        self.timing["total_s"] = time.perf_counter() - self.t_start
+        result["timing"] = {k: round(v, 3) for k, v in self.timing.items()}
+        return result
+
+    def prompt(self, item: dict) -> dict:
+        """Decode the continuation, one forward, then simulate every drafter on it."""
+        prompt = render_prompt(self.tokenizer, item, self.template)
+        t0 = time.perf_counter()
+        new = greedy_continuation(self.target, prompt, self.args.max_new_tokens, self.stops)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        hidden_states = target_hidden_states(self.target, prompt + new)
+        _sync(self.device)
+        self.timing["generate_s"] += t1 - t0
+        self.timing["forward_s"] += time.perf_counter() - t1
+        record = {
+            "where": item["where"],
+            "prompt_tokens": len(prompt),
+            "new_tokens": len(new),
+            "stopped": new[-1] in set(self.stops),
+        }
+        for s in self.subjects:
+            res = evaluate_drafter(
+                s.drafter,
+                self.target,
+                hidden_states,
+                prompt + new,
+                len(prompt),
+                self.args.max_new_tokens,
+                self.stops,
+                self.budgets,
             )
-        )
-    stops = stop_token_ids(target, tokenizer)
-    load_s = time.perf_counter() - t_start
-    say(
-        f"eval: {len(prompts)} prompts from {prompts_path}, max {args.max_new_tokens} new tokens, "
-        f"budgets {budgets}, on {device} ({load_s:.1f}s to load)"
-    )
+            self.timing["draft_s"] += res.draft_s
+            s.results.append(res)
+            record[s.name] = prompt_record(res)
+        return record
 
-    records, timing = [], {"load_s": load_s, "generate_s": 0.0, "forward_s": 0.0, "draft_s": 0.0}
-    for i, item in enumerate(prompts):
-        record = _evaluate_prompt(
-            target, tokenizer, template, item, subjects, args, budgets, stops, timing
-        )
-        record["index"] = i
-        records.append(record)
-        _progress(i, len(prompts), record, subjects)
+    def progress(self, i: int, record: dict) -> None:
+        parts = [
+            f"prompt {i + 1}/{len(self.prompts)}: "
+            f"{record['prompt_tokens']}+{record['new_tokens']} tokens"
+        ]
+        for s in self.subjects:
+            running = _mean_over_prompts([r.chain for r in s.results])
+            parts.append(f"{s.name} tau {_fmt(record[s.name]['tau'])} (running {_fmt(running)})")
+        say(", ".join(parts))
 
-    result = _assemble(args, subjects, records, budgets, prompts_path)
-    if args.check_real:
-        result["check_real"] = _check_real(
-            target, subjects[0], tokenizer, template, prompts[: args.check_real], args, stops
-        )
-    timing["total_s"] = time.perf_counter() - t_start
-    result["timing"] = {k: round(v, 3) for k, v in timing.items()}
-    return result
+    def summary(self, s: Subject) -> dict:
+        return {
+            **summarize(s.results, int(s.drafter.block_size), self.budgets),
+            "n_prompts": len(s.results),
+            "max_new_tokens": self.args.max_new_tokens,
+            "checkpoint": str(s.path.resolve()),
+        }
+
+    def assemble(self, records: list[dict]) -> dict:
+        result = self.summary(self.subjects[0])
+        result["budgets"] = self.budgets
+        result["prompts_file"] = str(self.prompts_path.resolve())
+        result["prompts"] = records
+        if len(self.subjects) > 1:
+            result["reference"] = self.summary(self.subjects[1])
+        return result
+
+    def check_real(self, items: list[dict]) -> dict:
+        """The real draft-and-verify loop on a few prompts, against the simulated rounds."""
+        subject, details = self.subjects[0], []
+        for i, item in enumerate(items):
+            ids = render_prompt(self.tokenizer, item, self.template)
+            prompt = torch.tensor([ids], device=self.device)
+            try:
+                real = real_draft_and_verify(
+                    subject.drafter, self.target, prompt, self.args.max_new_tokens, self.stops
+                )
+            except ValueError as exc:
+                raise EvalError(f"--check-real: {exc}") from None
+            simulated = [x.produced for x in subject.results[i].chain]
+            real_tau, sim_tau = _tau_of(real), _tau_of(simulated)
+            equal = real == simulated
+            details.append(
+                {"index": i, "real_tau": real_tau, "simulated_tau": sim_tau, "equal": equal}
+            )
+            say(
+                f"check-real {i + 1}/{len(items)}: real tau {_fmt(real_tau)}, simulated "
+                f"{_fmt(sim_tau)}, rounds equal: {equal}"
+            )
+        return {
+            "prompts": len(details),
+            "equal": sum(d["equal"] for d in details),
+            "details": details,
+        }
+
+
+def run(args: argparse.Namespace) -> dict:
+    return Evaluation(args).run()
 
 
 def _load_target(settings: RunSettings, device: torch.device):
@@ -720,99 +808,8 @@ def _chat_template(template: str | None) -> str | None:
         raise EvalError(str(exc)) from None
 
 
-def _evaluate_prompt(
-    target, tokenizer, template, item, subjects, args, budgets, stops, timing
-) -> dict:
-    device = target.get_input_embeddings().weight.device
-    prompt = render_prompt(tokenizer, item, template)
-    t0 = time.perf_counter()
-    new = greedy_continuation(target, prompt, args.max_new_tokens, stops)
-    _sync(device)
-    t1 = time.perf_counter()
-    hidden_states = target_hidden_states(target, prompt + new)
-    _sync(device)
-    timing["generate_s"] += t1 - t0
-    timing["forward_s"] += time.perf_counter() - t1
-    record = {
-        "where": item["where"],
-        "prompt_tokens": len(prompt),
-        "new_tokens": len(new),
-        "stopped": bool(new) and new[-1] in set(stops),
-    }
-    for s in subjects:
-        res = evaluate_drafter(
-            s.drafter,
-            target,
-            hidden_states,
-            prompt + new,
-            len(prompt),
-            args.max_new_tokens,
-            stops,
-            budgets,
-        )
-        timing["draft_s"] += res.draft_s
-        s.results.append(res)
-        record[s.name] = prompt_record(res)
-    return record
-
-
-def _progress(i: int, n: int, record: dict, subjects: list[Subject]) -> None:
-    parts = [f"prompt {i + 1}/{n}: {record['prompt_tokens']}+{record['new_tokens']} tokens"]
-    for s in subjects:
-        tau = record[s.name]["tau"]
-        running = _mean_over_prompts([r.chain for r in s.results])
-        parts.append(f"{s.name} tau {_fmt(tau)} (running {_fmt(running)})")
-    say(", ".join(parts))
-
-
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
-
-
-def _assemble(args, subjects, records, budgets, prompts_path) -> dict:
-    def block(s: Subject) -> dict:
-        return {
-            **summarize(s.results, int(s.drafter.block_size), budgets),
-            "n_prompts": len(s.results),
-            "max_new_tokens": args.max_new_tokens,
-            "checkpoint": str(s.path.resolve()),
-        }
-
-    result = block(subjects[0])
-    result["budgets"] = budgets
-    result["prompts_file"] = str(prompts_path.resolve())
-    result["prompts"] = records
-    if len(subjects) > 1:
-        result["reference"] = block(subjects[1])
-    return result
-
-
-def _check_real(target, subject, tokenizer, template, items, args, stops) -> dict:
-    """The real draft-and-verify loop on a few prompts, against the simulated rounds."""
-    device = target.get_input_embeddings().weight.device
-    details = []
-    for i, item in enumerate(items):
-        prompt = torch.tensor([render_prompt(tokenizer, item, template)], device=device)
-        try:
-            real = real_draft_and_verify(
-                subject.drafter, target, prompt, args.max_new_tokens, stops
-            )
-        except ValueError as exc:
-            raise EvalError(f"--check-real: {exc}") from None
-        simulated = [x.produced for x in subject.results[i].chain]
-        details.append(
-            {
-                "index": i,
-                "real_tau": _tau_of(real),
-                "simulated_tau": _tau_of(simulated),
-                "equal": real == simulated,
-            }
-        )
-        say(
-            f"check-real {i + 1}/{len(items)}: real tau {_fmt(_tau_of(real))}, simulated "
-            f"{_fmt(_tau_of(simulated))}, rounds equal: {real == simulated}"
-        )
-    return {"prompts": len(details), "equal": sum(d["equal"] for d in details), "details": details}
 
 
 def _tau_of(lengths: list[int]) -> float | None:
