@@ -280,6 +280,9 @@ class DFlashDrafter(PreTrainedModel):
     config: Qwen3Config
     base_model_prefix = ""
     _no_split_modules = ["DFlashLayer"]
+    # Attention goes through workload.attention / SDPA whatever the config asks for, so a config
+    # that says "sdpa" (as z-lab's class leaves it) must not be refused.
+    _supports_sdpa = True
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
