@@ -487,8 +487,11 @@ class AuditItem:
         return f"[{self.level}] {self.key} = {self.value!r} (recipe: {self.recipe!r}): {self.note}"
 
 
-def recipe_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """z-lab's default taps: n ids spread evenly over 1..N-3 (n == 1 -> [N // 2])."""
+def recipe_layer_ids(num_target_layers: int, n: int | None = None) -> list[int]:
+    """z-lab's default taps: n ids spread evenly over 1..N-3 (n == 1 -> [N // 2]); n defaults
+    to 5, fewer for targets too shallow for 5 distinct ids."""
+    if n is None:
+        n = min(5, max(1, num_target_layers - 3))
     if n == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]

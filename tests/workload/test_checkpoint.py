@@ -73,9 +73,7 @@ def test_writer_killed_mid_save_leaves_no_complete_checkpoint(tmp_path):
         f"""
         import time
         from pathlib import Path
-        import pytest
-
-from workload import checkpoint as ck
+        from workload import checkpoint as ck
         def slow(d: Path):
             (d / "model.safetensors").write_text("half")
             (d / "started").write_text("")

@@ -1,0 +1,249 @@
+"""The trainer on tiny targets: teacher isolation, learning, exact resume, DDP, signals, W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from workload import checkpoint as ckpt
+from workload import train as T
+from workload.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+# A small, fast configuration of the tiny template (the tests' runs take seconds per step).
+SMALL = [
+    "drafter.num_layers=1",
+    "drafter.block_size=4",
+    "data.max_length=128",
+    "data.num_anchors=8",
+    "optim.batch_size=2",
+    "optim.max_steps=8",
+    "log.log_every=2",
+    "checkpoint.every=4",
+    "checkpoint.keep_last=5",
+]
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-process gloo group for in-process runs (train() leaves an existing one alone)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return T.init_distributed()
+
+
+def config(build: Path, *overrides: str):
+    return load_config(build / "run.yaml", [*SMALL, *overrides])
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / T.LOG_NAME).read_text().splitlines()]
+
+
+def read_state(run_dir: Path) -> dict:
+    return json.loads((run_dir / T.STATE_NAME).read_text())
+
+
+def cli(build: Path, run_dir: Path, *args: str, launcher=(sys.executable,), **kw):
+    small = [a for item in SMALL for a in ("--set", item)]
+    cmd = [*launcher, "-m", "workload.train", "--config", str(build / "run.yaml"),
+           "--run-dir", str(run_dir), *small, *args]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, **kw)
+
+
+# ---------------------------------------------------------------- the teacher
+
+
+def _step_inputs(run: T.Run, batch, monkeypatch) -> dict:
+    """Run one micro step and capture the labels the loss saw and the drafter's fc inputs."""
+    seen: dict = {}
+    real = T.objective
+
+    def spy(hidden, lm_head, labels, valid, obj, **kw):
+        seen["labels"], seen["valid"] = labels.clone(), valid.clone()
+        return real(hidden, lm_head, labels, valid, obj, **kw)
+
+    monkeypatch.setattr(T, "objective", spy)
+    handle = run.ddp.module.register_forward_pre_hook(
+        lambda mod, args: seen.__setitem__("features", args[0].clone())
+    )
+    try:
+        T.micro_step(run, batch, 0, {})
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_teacher_labels_do_not_depend_on_noise_or_fc_layers(tiny_dense, group, monkeypatch):
+    clean = config(tiny_dense, "noise.start=0", "noise.end=0")
+    noisy = config(tiny_dense, "noise.start=0.5", "noise.end=0.5", "drafter.fc_layers=all_but_last")
+    run_a, _ = T.setup(clean, group, say=lambda m: None)
+    run_b, _ = T.setup(noisy, group, say=lambda m: None)
+    batch = T.trim_padding(run_a.stream.next_batch())
+    a = _step_inputs(run_a, batch, monkeypatch)
+    b = _step_inputs(run_b, batch, monkeypatch)
+    assert a["valid"].sum() > 10
+    assert torch.equal(a["labels"], b["labels"])
+    assert torch.equal(a["valid"], b["valid"])
+    # the runs did differ where they should: the fc inputs (fewer layers, noised)
+    h = run_a.drafter.config.hidden_size
+    assert a["features"].shape[-1] == 3 * h and b["features"].shape[-1] == 2 * h
+    noise = b["features"] - a["features"][..., : 2 * h]
+    assert 0.4 < noise.abs().max() <= 0.5
+
+
+def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_dense, group):
+    # hidden_states[-1] of HF is post-norm: teacher last_layer on layer N-1 must match logits.
+    ids = "drafter.target_layer_ids=[1, 2, 5]"
+    old = config(tiny_dense, ids, "drafter.fc_layers=all_but_last", "loss.teacher=last_layer")
+    new = config(tiny_dense, ids)
+    run_old, items = T.setup(old, group, say=lambda m: None)
+    run_new, _ = T.setup(new, group, say=lambda m: None)
+    batch = T.trim_padding(run_new.stream.next_batch())
+    assert torch.equal(
+        T.target_forward(run_old, batch).greedy, T.target_forward(run_new, batch).greedy
+    )
+    assert "loss.teacher" in {i.key for i in items}
+
+
+# ---------------------------------------------------------------- run directory rules
+
+
+def test_refuses_a_used_run_dir_and_bad_config(tiny_dense, tmp_path, group):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / T.LOG_NAME).write_text('{"step": 1, "time": 0}\n')
+    (run_dir / T.STATE_NAME).write_text('{"pid": 1}')
+    with pytest.raises(T.UsageError, match="--resume"):
+        T.train(config(tiny_dense), run_dir)
+    assert read_state(run_dir) == {"pid": 1}
+    assert T.main(["--config", str(tiny_dense / "run.yaml"), "--run-dir", str(tmp_path / "x"),
+                   "--set", "loss.type=kll"]) == 2  # fmt: skip
+
+
+# ---------------------------------------------------------------- resume
+
+
+def _weights(run_dir: Path, step: int) -> dict:
+    return load_file(str(ckpt.step_dir(run_dir, step) / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tiny_dense, tmp_path, group):
+    """8 steps in one go == 4 steps, stop, resume, 4 steps (log and weights)."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert T.train(config(tiny_dense), straight) == 0
+    assert T.train(config(tiny_dense), split, stop_after=4) == 0
+    assert read_state(split)["status"] == "stopped"
+    assert ckpt.latest_complete(split) == ckpt.step_dir(split, 4)
+    assert T.train(config(tiny_dense), split, resume=True) == 0
+    a, b = read_log(straight), read_log(split)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 4, 6, 8]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "acc", "streak", "dds8", "grad_norm", "lr", "epoch", "noise"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-7), (ra["step"], key)
+    wa, wb = _weights(straight, 8), _weights(split, 8)
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst <= 1e-6, worst
+    state = read_state(split)
+    assert (state["status"], state["exit_code"], state["last_step"]) == ("finished", 0, 8)
+
+
+# ---------------------------------------------------------------- processes
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dense, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd_args = ["--set", "optim.max_steps=1000", "--set", "checkpoint.every=1000"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "workload.train", "--config", str(tiny_dense / "run.yaml"),
+           "--run-dir", str(run_dir)] + [a for s in SMALL for a in ("--set", s)] + cmd_args  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.time() + 180
+    while not (run_dir / T.LOG_NAME).exists() or not (run_dir / T.LOG_NAME).read_text():
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=180)[0].decode()
+    assert proc.returncode == 0, out
+    state = read_state(run_dir)
+    assert (state["status"], state["exit_code"]) == ("stopped", 0)
+    latest = ckpt.latest_complete(run_dir)
+    assert latest is not None and ckpt.step_of(latest) == state["last_step"] < 1000
+    assert "stopping after this step" in out
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_on_cpu(tiny_dense, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2")  # fmt: skip
+    done = cli(tiny_dense, run_dir, "--set", "optim.max_steps=4", launcher=launcher, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = read_log(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 4]  # once each: rank 1 writes nothing
+    assert read_state(run_dir)["world_size"] == 2
+    assert done.stdout.count("step 4/4") == 1
+    assert ckpt.latest_complete(run_dir) == ckpt.step_dir(run_dir, 4)
+    state = ckpt.load_training_state(ckpt.step_dir(run_dir, 4))
+    assert len(state["rng"]) == 2
+    assert not torch.equal(state["rng"][0]["anchors"], state["rng"][1]["anchors"])
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_lands_in_state(tiny_dense, tmp_path, group, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    cfg = config(tiny_dense, "optim.max_steps=2", "log.wandb.project=dflash-tests")
+    assert T.train(cfg, run_dir) == 0
+    state = read_state(run_dir)
+    where = Path(state["wandb_url"])
+    assert where.is_dir() and list(where.glob("run-*.wandb")), state
+    assert state["wandb_id"]
+
+
+# ---------------------------------------------------------------- learning
+
+
+def _learns(build: Path, run_dir: Path, steps: int, *extra: str) -> tuple[dict, dict]:
+    cfg = load_config(
+        build / "run.yaml",
+        [f"optim.max_steps={steps}", "log.log_every=10", f"checkpoint.every={steps}", *extra],
+    )
+    assert T.train(cfg, run_dir) == 0
+    records = read_log(run_dir)
+    first, last = records[0], records[-1]
+    print(f"\n{build.name}: step 1 {first} -> step {last['step']} {last}")
+    return first, last
+
+
+@pytest.mark.slow
+def test_dense_drafter_learns(tiny_dense, tmp_path, group):
+    first, last = _learns(tiny_dense, tmp_path / "run", 200)
+    assert first["step"] == 1
+    assert last["acc"] > first["acc"] + 0.3
+    assert last["streak"] > first["streak"] + 1.0
+    assert last["loss"] < first["loss"] / 2
+
+
+@pytest.mark.slow
+def test_hybrid_drafter_learns(tiny_hybrid, tmp_path, group):
+    first, last = _learns(tiny_hybrid, tmp_path / "run", 100)
+    assert last["acc"] > first["acc"] + 0.2
+    assert last["streak"] > first["streak"] + 0.5

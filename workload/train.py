@@ -1,0 +1,831 @@
+"""`python -m workload.train --config RUN.yaml --run-dir DIR [--resume] [--set key=value]...`
+
+Trains a DFlash drafter against a frozen target, online, in one process per device. Per step:
+batch -> frozen target forward (hidden states, no grad) -> teacher labels from the final logits
+-> features of the configured target layers -> uniform noise on the fc inputs only -> drafter
+over all anchor blocks -> logits through the target's frozen lm_head (chunked) -> loss ->
+backward -> clip -> AdamW -> cosine schedule with warmup.
+
+One process on CPU and `torchrun --nproc_per_node 8` (or multi-node through torchrun's
+rendezvous) are the same code path: a process group (gloo on CPU, nccl on GPU) and DDP over the
+drafter only; the frozen target is replicated on every rank. Rank 0 writes everything in the
+run directory: train_log.jsonl, state.json, audit.json, resolved.yaml, checkpoints/.
+SIGINT/SIGTERM finish the current step, save a checkpoint and exit 0; a second signal exits now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from workload import checkpoint as ckpt
+from workload.config import (
+    ConfigError,
+    RunConfig,
+    TargetFacts,
+    audit,
+    audit_errors,
+    audit_json,
+    config_hash,
+    diff,
+    dump,
+    from_dict,
+    load_config,
+    recipe_layer_ids,
+)
+from workload.data import Batch, BatchStream, load_examples, sample_anchors
+from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
+from workload.metrics import finalize, metric_sums
+from workload.model import (
+    DFlashDrafter,
+    build_drafter_config,
+    default_target_layer_ids,
+    select_target_features,
+)
+from workload.targets import embedding_rows, load_target, text_config
+
+LOG_NAME = "train_log.jsonl"
+STATE_NAME = "state.json"
+DDS_BUDGETS = (8,)
+
+
+class UsageError(Exception):
+    """Bad input found at start (config, run dir, target): one line, exit code 2."""
+
+
+# ---------------------------------------------------------------- processes and devices
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """A process group in every case: torchrun's environment, else a one-process group.
+    An existing group (e.g. a test's) is used as it is."""
+    cuda = torch.cuda.is_available()
+    if dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    else:
+        local = 0
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        store = dist.HashStore()
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    return Dist(dist.get_rank(), dist.get_world_size(), local, device)
+
+
+def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on GPU (fp32 master weights); fp32 on CPU unless precision: bf16."""
+    precision = cfg.optim.precision
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------- the run's pieces
+
+
+class DrafterStep(nn.Module):
+    """The drafter's training forward as one module, so DDP sees (and syncs) every use."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features, block_embeds, anchors, anchor_valid, positions, doc_ids, attention):
+        context = self.drafter.project_context(features)
+        return self.drafter.forward_blocks(
+            block_embeds, context, anchors, anchor_valid, positions, doc_ids, attention=attention
+        )
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    dist: Dist
+    target: nn.Module
+    drafter: DFlashDrafter
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    stream: BatchStream
+    anchor_gen: torch.Generator
+    layer_ids: list[int]  # every configured target layer id
+    fc_ids: list[int]  # the ones the drafter reads
+    total_steps: int
+    hybrid: bool
+    timing: bool = False
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+
+def target_facts(target: nn.Module, tokenizer: Any) -> TargetFacts:
+    eos = target.config.eos_token_id if hasattr(target.config, "eos_token_id") else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids.add(tokenizer.eos_token_id)
+    return TargetFacts(
+        num_layers=text_config(target.config).num_hidden_layers,
+        embedding_rows=embedding_rows(target),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=tuple(sorted(i for i in eos_ids if i is not None)),
+    )
+
+
+def resolve_target_settings(cfg: RunConfig, facts: TargetFacts, tokenizer: Any) -> None:
+    """Fill what null means in the config from the target: mask token and layer ids."""
+    d = cfg.drafter
+    if d.mask_token_id is None:
+        d.mask_token_id = getattr(tokenizer, "mask_token_id", None)
+    if d.target_layer_ids is None:
+        n = len(recipe_layer_ids(facts.num_layers))
+        d.target_layer_ids = default_target_layer_ids(facts.num_layers, n)
+
+
+def is_hybrid(target: nn.Module) -> bool:
+    return "linear_attention" in (getattr(text_config(target.config), "layer_types", None) or [])
+
+
+def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlashDrafter:
+    d = cfg.drafter
+    if d.init_from:
+        drafter = DFlashDrafter.from_pretrained(d.init_from, dtype=torch.float32)
+        if drafter.target_layer_ids != fc_ids or drafter.block_size != d.block_size:
+            raise UsageError(
+                f"drafter.init_from: {d.init_from} reads layers {drafter.target_layer_ids} with "
+                f"block {drafter.block_size}; the config asks for {fc_ids} with {d.block_size}"
+            )
+        return drafter
+    config = build_drafter_config(
+        target.config,
+        num_layers=d.num_layers,
+        block_size=d.block_size,
+        mask_token_id=d.mask_token_id,
+        target_layer_ids=fc_ids,
+        layer_types=d.layer_types,
+        sliding_window=d.sliding_window,
+        intermediate_size=d.intermediate_size,
+    )
+    return DFlashDrafter(config).float()
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
+    warmup = math.ceil(warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def count_steps(cfg: RunConfig, stream: BatchStream, world: int) -> int:
+    o = cfg.optim
+    steps = [o.max_steps] if o.max_steps is not None else []
+    if o.epochs is not None:
+        rows_per_step = o.batch_size * world * o.grad_accum
+        steps.append(max(1, math.ceil(o.epochs * stream.rows_per_epoch / rows_per_step)))
+    return min(steps)
+
+
+def noise_std(cfg: RunConfig, step: int) -> float:
+    n = cfg.noise
+    if n.steps <= 0:
+        return n.start
+    return n.start + (n.end - n.start) * min(1.0, step / n.steps)
+
+
+def setup(cfg: RunConfig, d: Dist, *, say=print) -> tuple[Run, list]:
+    """Load the target and data, build drafter, optimizer and schedule; run the recipe audit."""
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    target, tokenizer = load_target(
+        cfg.target.path,
+        dtype=cfg.target.dtype,
+        device=d.device,
+        attn_implementation=cfg.target.attn_implementation,
+    )
+    facts = target_facts(target, tokenizer)
+    resolve_target_settings(cfg, facts, tokenizer)
+    items = audit(cfg, facts)
+    errors = audit_errors(items)
+    if errors:
+        raise UsageError("; ".join(f"{e.key}: {e.note}" for e in errors))
+    hybrid = is_hybrid(target)
+    if hybrid and cfg.data.pack:
+        raise UsageError(
+            "data.pack: true is not supported for hybrid (linear-attention) targets: documents "
+            "would leak through the recurrent state; set data.pack: false"
+        )
+    layer_ids = list(cfg.drafter.target_layer_ids)
+    fc_ids = layer_ids[:-1] if cfg.drafter.fc_layers == "all_but_last" else layer_ids
+    say(f"target: {cfg.target.path} ({facts.num_layers} layers, {facts.embedding_rows} rows)")
+    examples = load_examples(
+        cfg.data.path,
+        tokenizer,
+        max_length=cfg.data.max_length,
+        chat_template=cfg.data.chat_template,
+    )
+    stream = BatchStream(
+        examples,
+        batch_size=cfg.optim.batch_size,
+        seq_len=cfg.data.max_length,
+        pack=cfg.data.pack,
+        seed=cfg.data.seed,
+        rank=d.rank,
+        world_size=d.world,
+        pad_id=tokenizer.pad_token_id or 0,
+    )
+    torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
+    drafter = build_drafter(cfg, target, fc_ids).to(d.device)
+    drafter.train()
+    step_module = DrafterStep(drafter)
+    ddp = DistributedDataParallel(
+        step_module,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+    )
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(),
+        lr=o.lr,
+        betas=(o.betas[0], o.betas[1]),
+        weight_decay=o.weight_decay,
+        fused=d.device.type == "cuda",
+    )
+    total = count_steps(cfg, stream, d.world)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(total, o.warmup_ratio, o.min_lr / o.lr)
+    )
+    # per-rank streams of randomness: anchors on the CPU generator, noise on the device's
+    torch.manual_seed(cfg.seed * 1000 + d.rank + 1)
+    anchor_gen = torch.Generator().manual_seed(cfg.seed * 1000 + d.rank)
+    say(
+        f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
+        f"reads layers {fc_ids}, mask {cfg.drafter.mask_token_id}, {total} steps, "
+        f"{d.world} rank(s) on {d.device.type}"
+    )
+    run = Run(
+        cfg, d, target, drafter, ddp, optimizer, scheduler, stream, anchor_gen,
+        layer_ids, fc_ids, total, hybrid,
+    )  # fmt: skip
+    return run, items
+
+
+# ---------------------------------------------------------------- one step
+
+
+@dataclass
+class TeacherView:
+    features: Tensor  # [B, S, L*H] clean features of the fc layers
+    teacher_hidden: Tensor  # [B, S, H] what the teacher's logits are computed from
+    greedy: Tensor  # [B, S] the teacher's token for position p + 1
+
+
+def decoder_body(target: nn.Module) -> nn.Module:
+    return target.model if hasattr(target, "model") else target.get_decoder()
+
+
+def packed_mask(doc_ids: Tensor) -> Tensor:
+    """[B, 1, S, S] bool: causal within each document (padding sees itself)."""
+    s = doc_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+@torch.no_grad()
+def target_forward(run: Run, batch: Batch) -> TeacherView:
+    """The frozen target's clean forward: fc features and the teacher (before any noise)."""
+    body = decoder_body(run.target)
+    mask = packed_mask(batch.doc_ids) if run.cfg.data.pack else None
+    out = body(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=mask,
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    hidden_states = out.hidden_states
+    features = select_target_features(hidden_states, run.fc_ids)
+    if run.cfg.loss.teacher == "logits":
+        teacher_hidden = out.last_hidden_state
+    else:  # old runs: lm_head(norm(last configured layer)); hidden_states[-1] is already normed
+        last = run.layer_ids[-1]
+        h = hidden_states[last + 1]
+        teacher_hidden = h if last + 2 == len(hidden_states) else body.norm(h)
+    greedy = greedy_tokens(teacher_hidden, run.target.get_output_embeddings())
+    return TeacherView(features, teacher_hidden, greedy)
+
+
+def add_noise(features: Tensor, std: float) -> Tensor:
+    """Uniform noise in [-std, +std] (the fc inputs only; the teacher never sees it)."""
+    if std <= 0:
+        return features
+    return features + (torch.rand_like(features) * 2 - 1) * std
+
+
+def block_inputs(run: Run, batch: Batch, anchors: Tensor) -> Tensor:
+    """Target embeddings of [anchor token, MASK x K-1] for every block: [B, N*K, H]."""
+    k = run.cfg.drafter.block_size
+    b, n = anchors.shape
+    ids = torch.full((b, n, k), run.cfg.drafter.mask_token_id, device=anchors.device)
+    ids[:, :, 0] = batch.input_ids.gather(1, anchors)
+    return run.target.get_input_embeddings()(ids.view(b, n * k))
+
+
+def _tick(run: Run, name: str, start: float) -> float:
+    if run.timing:
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        now = time.perf_counter()
+        run.times[name] = run.times.get(name, 0.0) + now - start
+        return now
+    return start
+
+
+def micro_step(run: Run, batch: Batch, step: int, sums: dict[str, float]) -> Tensor:
+    """Forward one micro-batch and return its loss (metric sums are added to `sums`)."""
+    cfg = run.cfg
+    k = cfg.drafter.block_size
+    t0 = time.perf_counter()
+    autocast = autocast_for(cfg, run.device)
+    with autocast:
+        view = target_forward(run, batch)
+        anchors, anchor_valid = sample_anchors(
+            batch.loss_mask, batch.doc_ids, num_anchors=cfg.data.num_anchors,
+            generator=run.anchor_gen,
+        )  # fmt: skip
+        labels, valid = teacher_labels(
+            view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k
+        )
+        with torch.no_grad():
+            embeds = block_inputs(run, batch, anchors)
+            features = add_noise(view.features, noise_std(cfg, step))
+    t1 = _tick(run, "target_forward", t0)
+    with autocast_for(cfg, run.device):
+        hidden = run.ddp(
+            features, embeds, anchors, anchor_valid, batch.position_ids,
+            batch.doc_ids if cfg.data.pack else None, cfg.attention,
+        )  # fmt: skip
+        b, n = anchors.shape
+        slots = hidden.view(b, n, k, -1)[:, :, 1:][anchor_valid]
+        teacher = None
+        if cfg.loss.type != "ce":
+            teacher = gather_slots(view.teacher_hidden, anchors, k)[anchor_valid]
+
+        def hook(logits: Tensor, lab: Tensor, val: Tensor) -> None:
+            for key, value in metric_sums(logits, lab, val, DDS_BUDGETS).items():
+                sums[key] = sums.get(key, 0.0) + value
+
+        loss = objective(
+            slots, run.target.get_output_embeddings(), labels[anchor_valid], valid[anchor_valid],
+            Objective.from_config(cfg.loss), teacher_hidden=teacher, on_logits=hook,
+        )  # fmt: skip
+    (loss / cfg.optim.grad_accum).backward()
+    _tick(run, "drafter_fwd_bwd", t1)
+    sums["tokens"] = sums.get("tokens", 0.0) + float((batch.doc_ids >= 0).sum())
+    return loss.detach()
+
+
+def trim_padding(batch: Batch) -> Batch:
+    """Drop the columns where every row is padding (right padding only: exact for a causal
+    target, and the drafter never looks past an anchor's document)."""
+    width = int((batch.doc_ids >= 0).sum(1).max())
+    if width == batch.input_ids.shape[1] or width == 0:
+        return batch
+    return Batch(*(t[:, :width] for t in (batch.input_ids, batch.loss_mask, batch.doc_ids,
+                                          batch.position_ids)))  # fmt: skip
+
+
+def train_step(run: Run, step: int, sums: dict[str, float]) -> tuple[float, float, float]:
+    """One optimizer step over grad_accum micro-batches; returns (loss, grad norm, lr)."""
+    accum = run.cfg.optim.grad_accum
+    losses = []
+    for i in range(accum):
+        batch = trim_padding(run.stream.next_batch()).to(run.device)
+        sync = contextlib.nullcontext() if i == accum - 1 else run.ddp.no_sync()
+        with sync:
+            losses.append(micro_step(run, batch, step, sums))
+    t0 = time.perf_counter()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.cfg.optim.grad_clip)
+    lr = run.optimizer.param_groups[0]["lr"]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    _tick(run, "optimizer", t0)
+    return float(torch.stack(losses).mean()), float(grad_norm), lr
+
+
+# ---------------------------------------------------------------- run directory files
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class RunState:
+    """`state.json`: merged with what is there (the launcher may add keys), replaced atomically."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.path = run_dir / STATE_NAME
+        self.enabled = enabled
+
+    def read(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def update(self, **values: Any) -> None:
+        if self.enabled:
+            write_json_atomic(self.path, {**self.read(), **values})
+
+
+class MetricLog:
+    """train_log.jsonl: one JSON object a line, flushed at once; rank 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.path = run_dir / LOG_NAME
+        self.enabled = enabled
+        self.file = self.path.open("a") if enabled else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Keep only the lines up to `last_step` (resuming rewinds the log to the checkpoint)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+class Wandb:
+    """W&B logging of the same keys when log.wandb.project is set (rank 0 only)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool, run_id: str | None) -> None:
+        self.run = None
+        w = cfg.log.wandb
+        if not (enabled and w.project):
+            return
+        import wandb
+
+        self.run = wandb.init(
+            project=w.project,
+            entity=w.entity,
+            name=w.name or run_dir.name,
+            mode=w.mode,
+            dir=str(run_dir),
+            config=cfg.to_dict(),
+            id=run_id,
+            resume="allow",
+        )
+
+    @property
+    def location(self) -> tuple[str | None, str | None]:
+        """(run id, URL or, offline, the local run directory)."""
+        if self.run is None:
+            return None, None
+        url = getattr(self.run, "url", None)
+        return self.run.id, url or str(Path(self.run.dir).parent)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if k not in ("step", "time")},
+                         step=record["step"])  # fmt: skip
+
+    def finish(self, exit_code: int) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+
+
+# ---------------------------------------------------------------- stop requests
+
+
+class StopFlag:
+    """SIGINT/SIGTERM ask for a clean stop at the end of the step; a second one exits now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+        self.signum = signum
+        print(f"received {signal.Signals(signum).name}: stopping after this step "
+              "(again to exit now)", flush=True)  # fmt: skip
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _rng_state(run: Run) -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "anchors": run.anchor_gen.get_state(),
+    }
+    if run.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(run.device)
+    return state
+
+
+def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    run.anchor_gen.set_state(state["anchors"])
+    if run.device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], run.device)
+
+
+def save_checkpoint(run: Run, run_dir: Path, step: int, interval: dict[str, float]) -> Path | None:
+    """Gather every rank's RNG state; rank 0 writes step_<step> atomically."""
+    ranks: list[Any] = [None] * run.dist.world
+    dist.all_gather_object(ranks, _rng_state(run))
+    path = None
+    if run.dist.main:
+        state = {
+            "step": step,
+            "world_size": run.dist.world,
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "data": run.stream.state_dict(),
+            "rng": ranks,
+            "interval": interval,
+            "config": run.cfg.to_dict(),
+            "config_hash": config_hash(run.cfg),
+        }
+
+        def write(directory: Path) -> None:
+            run.drafter.save_pretrained(directory, safe_serialization=True)
+            torch.save(state, directory / ckpt.TRAINING_STATE)
+
+        c = run.cfg.checkpoint
+        path = ckpt.save(run_dir, step, write, keep_last=c.keep_last, keep_every=c.keep_every)
+    dist.barrier()
+    return path
+
+
+def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float]]:
+    """Load model, optimizer, scheduler, data position and this rank's RNG from a checkpoint."""
+    from safetensors.torch import load_file
+
+    state = ckpt.load_training_state(step_dir)
+    if state["world_size"] != run.dist.world:
+        raise UsageError(
+            f"{step_dir} was written by {state['world_size']} ranks; resume with the same number "
+            f"(this run has {run.dist.world}) so the data and random streams continue exactly"
+        )
+    saved = from_dict(state["config"], name=str(step_dir))
+    changed = diff(saved, run.cfg)
+    if changed:
+        say("resume: config differs from the checkpoint's: " + ", ".join(
+            f"{k} {a!r} -> {b!r}" for k, a, b in changed))  # fmt: skip
+    weights = load_file(str(step_dir / "model.safetensors"), device=str(run.device))
+    run.drafter.load_state_dict(weights)
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.stream.load_state_dict(state["data"])
+    _set_rng_state(run, state["rng"][run.dist.rank])
+    return int(state["step"]), dict(state.get("interval") or {})
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def log_record(
+    run: Run, step: int, interval: dict[str, float], seconds: float, lr: float
+) -> dict[str, Any]:
+    sums = reduce_sums(interval, run.device)
+    steps = max(interval.get("steps", 1.0), 1.0)  # identical on every rank
+    world = run.dist.world
+    record: dict[str, Any] = {
+        "step": step,
+        "time": time.time(),
+        "loss": sums["loss"] / steps / world,
+    }
+    record.update(finalize(sums))
+    record.update(
+        lr=lr,
+        noise=noise_std(run.cfg, step - 1),
+        epoch=run.stream.epoch,
+        grad_norm=sums["grad_norm"] / steps / world,
+        tok_s=sums.get("tokens", 0.0) / max(seconds, 1e-9),
+    )
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
+
+
+def progress_line(r: dict[str, Any], total: int) -> str:
+    def f(key: str, fmt: str) -> str:
+        v = r.get(key)
+        return "-" if v is None else format(v, fmt)
+
+    return (
+        f"step {r['step']}/{total} loss {f('loss', '.4f')} acc {f('acc', '.3f')} "
+        f"streak {f('streak', '.2f')} dds8 {f('dds8', '.2f')} lr {f('lr', '.2e')} "
+        f"noise {f('noise', '.3f')} gnorm {f('grad_norm', '.2f')} tok/s {f('tok_s', '.0f')} "
+        f"epoch {f('epoch', '.2f')}"
+    )
+
+
+def train(
+    cfg: RunConfig, run_dir: Path, *, resume: bool = False, stop_after: int | None = None
+) -> int:
+    """Run (or resume) training in `run_dir`; returns the exit code (0 also when stopped).
+    `stop_after`: stop (with a checkpoint) after this step, as if asked to."""
+    owns_group = not dist.is_initialized()
+    d = init_distributed()
+    try:
+        if d.main and (run_dir / LOG_NAME).exists() and not resume:
+            raise UsageError(
+                f"{run_dir / LOG_NAME} exists: this run directory was used; "
+                "pass --resume to continue it, or choose a new --run-dir"
+            )
+        dist.barrier()
+        state = RunState(run_dir, d.main)
+        if d.main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            state.update(pid=os.getpid(), started=time.time(), finished=None, exit_code=None,
+                         status="starting", world_size=d.world)  # fmt: skip
+        try:
+            status = _train(cfg, run_dir, resume, d, state, stop_after)
+        except UsageError:
+            state.update(status="failed", finished=time.time(), exit_code=2)
+            raise
+        except BaseException:
+            state.update(status="failed", finished=time.time(), exit_code=1)
+            raise
+        state.update(status=status, finished=time.time(), exit_code=0)
+        return 0
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: RunConfig, run_dir: Path, resume: bool, d: Dist, state: RunState, stop_after: int | None
+) -> str:
+    def say(msg: str) -> None:
+        if d.main:
+            print(msg, flush=True)
+
+    stop = StopFlag()
+    run, items = setup(cfg, d, say=say)
+    for item in items:
+        say(f"recipe audit: {item.line()}")
+    if not items:
+        say("recipe audit: every setting matches the recipe")
+    if d.main:
+        write_json_atomic(run_dir / "audit.json", audit_json(items))
+        dump(cfg, run_dir / "resolved.yaml")
+
+    step, interval = 0, {}
+    if resume:
+        if d.main:
+            ckpt.remove_stale_temps(run_dir)
+        latest = ckpt.latest_complete(run_dir)
+        if latest is None:
+            say("resume: no complete checkpoint; starting at step 0")
+        else:
+            step, interval = restore(run, latest, say=say)
+            say(f"resume: restored {latest} (step {step})")
+        if d.main:
+            truncate_log(run_dir / LOG_NAME, step)
+    log = MetricLog(run_dir, d.main)
+    wb = Wandb(cfg, run_dir, d.main, state.read().get("wandb_id") if resume else None)
+    wandb_id, wandb_url = wb.location
+    state.update(status="running", last_step=step, wandb_id=wandb_id, wandb_url=wandb_url)
+    if wandb_url:
+        say(f"wandb: {wandb_url}")
+
+    status, exit_code = "finished", 1
+    t_interval = time.time()
+    try:
+        while step < run.total_steps:
+            loss, grad_norm, lr = train_step(run, step, interval)
+            step += 1
+            for key, value in (("loss", loss), ("grad_norm", grad_norm), ("steps", 1.0)):
+                interval[key] = interval.get(key, 0.0) + value
+            last = step == run.total_steps
+            if step == 1 or step % cfg.log.log_every == 0 or last:
+                record = log_record(run, step, interval, time.time() - t_interval, lr)
+                log.write(record)
+                wb.log(record)
+                say(progress_line(record, run.total_steps))
+                state.update(last_step=step)
+                interval, t_interval = {}, time.time()
+            stopping = any_rank(stop.requested or step == stop_after, d.device)
+            if step % cfg.checkpoint.every == 0 or last or stopping:
+                save_checkpoint(run, run_dir, step, interval)
+                say(f"checkpoint: step_{step}")
+            if stopping:
+                status = "stopped"
+                say(f"stopped at step {step} on request")
+                break
+        exit_code = 0
+    finally:
+        log.close()
+        wb.finish(exit_code)
+        state.update(last_step=step)
+    return status
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workload.train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="run config (YAML)")
+    p.add_argument("--run-dir", required=True, help="where logs, state and checkpoints go")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop after this step with a checkpoint, as if asked to (resumable)")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set loss.gamma=7 (YAML-typed)")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = load_config(args.config, args.set)
+        return train(cfg, Path(args.run_dir), resume=args.resume, stop_after=args.stop_after)
+    except (ConfigError, UsageError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
