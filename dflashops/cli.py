@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import typer
 
-from dflashops.commands import exec_cmd, hosts, push, run_script, setup
+from dflashops.commands import (
+    archive,
+    ckpts,
+    compare,
+    diff,
+    eval_cmd,
+    exec_cmd,
+    hosts,
+    launch,
+    logs,
+    pull_ckpt,
+    push,
+    resume,
+    run_script,
+    setup,
+    status,
+    stop,
+)
 from dflashops.context import Context
 
 app = typer.Typer(
@@ -38,6 +55,20 @@ def global_options(
 
 
 for module in (hosts, exec_cmd, push, run_script, setup):
+    module.register(app)
+for module in (
+    launch,
+    status,
+    logs,
+    stop,
+    resume,
+    ckpts,
+    compare,
+    diff,
+    archive,
+    pull_ckpt,
+    eval_cmd,
+):
     module.register(app)
 
 

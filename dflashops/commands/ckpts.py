@@ -1,0 +1,82 @@
+"""`ckpts [RUN] [--verify]`: a run's checkpoints, complete (MANIFEST.sha256 present) or not."""
+
+from __future__ import annotations
+
+import typer
+
+from dflashops import context, runs
+from dflashops.errors import ExitCode
+from dflashops.render import console, duration, human_bytes, table
+from dflashops.runs import Checkpoint, RunView
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("ckpts")
+    @context.command
+    def ckpts(
+        ctx: typer.Context,
+        run: str = typer.Argument(None, help="A run (default: the newest running one)."),
+        verify: bool = typer.Option(
+            False, "--verify", help="Check every file's sha256 against the manifest (reads all)."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """List a run's checkpoints: step, complete or not, size (and --verify their hashes)."""
+        opts = context.get(ctx)
+        session = opts.session()
+        if opts.dry_run:
+            runs.survey(session, names=[run] if run else None, archive=True, checkpoints=True)
+            return
+        view = runs.resolve(session, run, records="none")
+        if verify:
+            context.note(f"{view.name}: hashing every checkpoint file on {view.target}")
+        view = runs.reread(session, view, records="none", checkpoints=True, verify=verify)
+        points = view.checkpoints
+        if opts.json or json_out:
+            opts.emit({"run": view.name, "target": view.target, "dir": view.dir,
+                       "checkpoints": [as_json(c) for c in points]})  # fmt: skip
+        else:
+            show(view, points, verify)
+        if verify and any(c.verified is False for c in points):
+            raise typer.Exit(int(ExitCode.FAILED))
+
+
+def as_json(c: Checkpoint) -> dict:
+    return {
+        "step": c.step,
+        "name": c.name,
+        "complete": c.complete,
+        "bytes": c.bytes,
+        "files": c.files,
+        "mtime": c.mtime,
+        "verified": c.verified,
+        "problem": c.problem,
+    }
+
+
+def state_of(c: Checkpoint) -> str:
+    if c.temporary:
+        return "[yellow]being written[/]"
+    if not c.complete:
+        return "[red]incomplete (no manifest)[/]"
+    if c.verified is False:
+        return f"[red]CORRUPT: {c.problem}[/]"
+    return "[green]complete, verified[/]" if c.verified else "[green]complete[/]"
+
+
+def show(view: RunView, points: list[Checkpoint], verify: bool) -> None:
+    out = console()
+    if not points:
+        out.print(f"{view.name} ({view.target}:{view.dir}): no checkpoints yet")
+        return
+    grid = table("STEP", "STATE", "SIZE", "FILES", "WRITTEN", "DIR",
+                 title=f"{view.name} on {view.target} ({view.state})")  # fmt: skip
+    for c in points:
+        age = f"{duration(view.now - c.mtime)} ago"
+        grid.add_row(str(c.step), state_of(c), human_bytes(c.bytes), str(c.files), age, c.name)
+    out.print(grid)
+    total = sum(c.bytes for c in points)
+    complete = sum(1 for c in points if c.complete)
+    out.print(f"{complete} complete of {len(points)}, {human_bytes(total)} in all")
+    if not verify:
+        out.print("(complete = MANIFEST.sha256 present; --verify checks every hash)")

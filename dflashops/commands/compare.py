@@ -1,0 +1,216 @@
+"""`compare RUN RUN... [--steps 100,500,1000] [--metrics acc,dds8,loss,streak] [--plot FILE.png]`
+
+The runs' metrics at the same steps, wherever they live (any target, runs/ or archive/): one
+table per metric, runs down, steps across, the best value of each column marked. The value at
+step S is the record with the largest step <= S ("@N" marks a record from an earlier step N);
+"-" means the run never got to S.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dflashops import context, runs
+from dflashops.commands.status import warn_logs
+from dflashops.errors import NotFoundError, UnreachableError, UsageError
+from dflashops.render import console, metric, table
+from dflashops.runs import RunView
+from dflashops.yamlfile import did_you_mean
+
+RULE = "value at step S = the record with the largest step <= S; null when the run never reached S"
+HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
+DEFAULT_STEP_COUNT = 6
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compare")
+    @context.command
+    def compare(
+        ctx: typer.Context,
+        names: list[str] = typer.Argument(..., metavar="RUN RUN...", help="Runs to compare."),
+        steps: str = typer.Option(
+            None, "--steps", help="Comma-separated steps (default: a few spread over the runs)."
+        ),
+        metrics: str = typer.Option(
+            "acc,dds8,loss,streak", "--metrics", help="Comma-separated train_log.jsonl keys."
+        ),
+        plot: Path = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw the curves."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """Compare runs' metrics at the same steps, across targets and archives."""
+        opts = context.get(ctx)
+        if plot is not None and importlib.util.find_spec("matplotlib") is None:
+            raise UsageError(
+                "--plot needs matplotlib, which is not installed here: pip install matplotlib"
+            )
+        wanted = parse_steps(steps)
+        keys = [k.strip() for k in metrics.split(",") if k.strip()]
+        if not keys:
+            raise UsageError("--metrics: name at least one key, e.g. acc,dds8,loss,streak")
+        for name in names:
+            runs.check_name(name)
+        session = opts.session()
+        found = runs.survey(session, names=list(names), archive=True, records="all")
+        if opts.dry_run:
+            return
+        views = pick_runs(found, names)
+        warn_logs(views)
+        chosen = wanted or default_steps(views)
+        table_doc = values(views, chosen, keys)
+        if opts.json or json_out:
+            opts.emit({"rule": RULE, "steps": chosen, "metrics": keys, "runs": table_doc})
+        else:
+            show(views, chosen, keys, table_doc)
+        if plot is not None:
+            draw(views, keys, chosen, plot)
+            context.note(f"wrote {plot}")
+
+
+def parse_steps(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        steps = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(
+            f"--steps {text}: expected comma-separated integers, e.g. 100,500"
+        ) from None
+    if any(s < 0 for s in steps):
+        raise UsageError(f"--steps {text}: steps are >= 0")
+    return steps
+
+
+def pick_runs(found: runs.Survey, names: list[str]) -> list[RunView]:
+    by_name: dict[str, list[RunView]] = {}
+    for view in found.runs():
+        by_name.setdefault(view.name, []).append(view)
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        found.warn_errors()
+        known = found.all_names()
+        hint = did_you_mean(missing[0], known)
+        exc = UnreachableError if found.errors else NotFoundError
+        raise exc(f"no run {', '.join(missing)} on any target read{hint}")
+    doubles = {n: v for n, v in by_name.items() if len(v) > 1}
+    if doubles:
+        name, views = next(iter(doubles.items()))
+        places = ", ".join(f"{v.target}:{v.where}/{name}" for v in views)
+        raise UsageError(f"run {name!r} exists in more than one place ({places})")
+    return [by_name[n][0] for n in dict.fromkeys(names)]
+
+
+def default_steps(views: list[RunView]) -> list[int]:
+    """A few steps spread over the logged ones, always with the largest."""
+    logged = sorted({r["step"] for v in views for r in v.records})
+    if len(logged) <= DEFAULT_STEP_COUNT:
+        return logged
+    k = DEFAULT_STEP_COUNT
+    return sorted({logged[round(i * (len(logged) - 1) / (k - 1))] for i in range(k)})
+
+
+def value_at(view: RunView, step: int) -> dict[str, Any] | None:
+    best = None
+    for r in view.records:
+        if r["step"] <= step and (best is None or r["step"] >= best["step"]):
+            best = r
+    last = view.records[-1]["step"] if view.records else None
+    if last is None or last < step:
+        return None
+    return best
+
+
+def values(views: list[RunView], steps: list[int], keys: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for v in views:
+        table_of: dict[str, dict[str, Any]] = {k: {} for k in keys}
+        for s in steps:
+            rec = value_at(v, s)
+            for k in keys:
+                table_of[k][str(s)] = (
+                    None
+                    if rec is None or rec.get(k) is None
+                    else {"value": rec[k], "step": rec["step"]}
+                )
+        out.append(
+            {
+                "run": v.name,
+                "target": v.target,
+                "where": v.where,
+                "state": v.state,
+                "last_step": v.records[-1]["step"] if v.records else None,
+                "values": table_of,
+            }
+        )
+    return out
+
+
+def show(views: list[RunView], steps: list[int], keys: list[str], doc: list[dict]) -> None:
+    out = console()
+    for v in views:
+        where = "archive" if v.where == "archive" else v.state
+        last = v.records[-1]["step"] if v.records else "-"
+        out.print(f"{v.name}: {v.target} ({where}), last logged step {last}")
+    for k in keys:
+        out.print()
+        grid = table(k, *(f"step {s}" for s in steps))
+        best = best_per_step(doc, k, steps)
+        for row in doc:
+            cells = [row["run"]]
+            for s in steps:
+                cell = row["values"][k][str(s)]
+                cells.append(format_cell(cell, k, s, best.get(s)))
+            grid.add_row(*cells)
+        out.print(grid)
+    out.print()
+    out.print("values at step S are from the last record at or before S (@N: from step N); "
+              "- : the run never reached S; bold: the best of the column")  # fmt: skip
+
+
+def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, float]:
+    higher = HIGHER_IS_BETTER.get(key)
+    if higher is None or len(doc) < 2:
+        return {}
+    best = {}
+    for s in steps:
+        found = [row["values"][key][str(s)] for row in doc]
+        nums = [c["value"] for c in found if c is not None]
+        if len(nums) >= 2:
+            best[s] = max(nums) if higher else min(nums)
+    return best
+
+
+def format_cell(cell: dict | None, key: str, step: int, best: float | None) -> str:
+    if cell is None:
+        return "-"
+    text = metric(cell["value"], key)
+    if cell["step"] != step:
+        text += f" @{cell['step']}"
+    return f"[bold]{text}[/]" if best is not None and cell["value"] == best else text
+
+
+def draw(views: list[RunView], keys: list[str], steps: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        for v in views:
+            points = [(r["step"], r[key]) for r in v.records if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, label=f"{v.name} ({v.target})")
+        for s in steps:
+            ax.axvline(s, color="grey", linewidth=0.5, linestyle=":")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="best", fontsize="small")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,191 @@
+"""`diff RUN RUN... [--all]`: the runs' configs side by side, with a recipe audit column.
+
+A run's config is the trainer's resolved.yaml (every key, defaults filled in), else the
+run.yaml that launch wrote. The audit column comes from each run's audit.json (the trainer's
+recipe audit): the recipe's value and why it matters; a value the audit flagged is marked
+* (differs from the recipe), ! (warning) or !! (error). Keys with warnings or errors are always
+shown; other keys only when the runs differ (all of them with --all).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+import yaml
+
+from dflashops import context, runs
+from dflashops.commands.compare import pick_runs
+from dflashops.render import console, table
+from dflashops.runs import RunView
+
+FILES = ["resolved.yaml", "run.yaml", "audit.json"]
+MARKS = {"info": "*", "warn": "!", "error": "!!"}
+UNSET = "(unset)"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("diff")
+    @context.command
+    def diff(
+        ctx: typer.Context,
+        names: list[str] = typer.Argument(..., metavar="RUN RUN...", help="Runs to compare."),
+        all_: bool = typer.Option(False, "--all", "-a", help="Every key, not just differing ones."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """Show the runs' resolved configs side by side, with the recipe audit."""
+        opts = context.get(ctx)
+        for name in names:
+            runs.check_name(name)
+        found = runs.survey(
+            opts.session(), names=list(names), archive=True, records="none", files=FILES
+        )
+        if opts.dry_run:
+            return
+        views = pick_runs(found, names)
+        configs = {v.name: read_config(v) for v in views}
+        audits = {v.name: read_audit(v) for v in views}
+        rows = build_rows(views, configs, audits, all_)
+        if opts.json or json_out:
+            opts.emit(
+                {
+                    "runs": [
+                        {"run": v.name, "target": v.target, "source": configs[v.name][1]}
+                        for v in views
+                    ],
+                    "rows": rows,
+                }
+            )
+            return
+        show(views, configs, rows, all_)
+
+
+def read_config(view: RunView) -> tuple[dict[str, Any], str]:
+    """(flattened config, the file it came from)."""
+    files = view.raw.get("files") or {}
+    for name in ("resolved.yaml", "run.yaml"):
+        text = files.get(name)
+        if text is None:
+            continue
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError:
+            context.note(f"warning: {view.name}: {name} is not valid YAML; skipped")
+            continue
+        if isinstance(data, dict):
+            return flatten(data), name
+    context.note(f"warning: {view.name}: neither resolved.yaml nor run.yaml in {view.dir}")
+    return {}, "-"
+
+
+def read_audit(view: RunView) -> dict[str, dict[str, Any]]:
+    """key -> the audit item of the most severe level for that key."""
+    text = (view.raw.get("files") or {}).get("audit.json")
+    if not text:
+        return {}
+    try:
+        items = json.loads(text)
+    except ValueError:
+        context.note(f"warning: {view.name}: audit.json is not valid JSON; no audit shown")
+        return {}
+    order = list(MARKS)
+    out: dict[str, dict[str, Any]] = {}
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict) or "key" not in item:
+            continue
+        old = out.get(item["key"])
+        rank = order.index(item.get("level", "info")) if item.get("level") in order else 0
+        if old is None or rank > order.index(old.get("level", "info")):
+            out[item["key"]] = item
+    return out
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def text_of(value: Any) -> str:
+    if value is UNSET:
+        return UNSET
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def build_rows(
+    views: list[RunView],
+    configs: dict[str, tuple[dict[str, Any], str]],
+    audits: dict[str, dict[str, dict[str, Any]]],
+    all_: bool,
+) -> list[dict[str, Any]]:
+    keys: list[str] = []
+    for v in views:
+        keys += [k for k in configs[v.name][0] if k not in keys]
+    keys += sorted({k for a in audits.values() for k in a if k not in keys})
+    rows = []
+    for key in keys:
+        vals = {v.name: configs[v.name][0].get(key, UNSET) for v in views}
+        differs = len({text_of(x) for x in vals.values()}) > 1
+        items = {n: audits[n][key] for n in audits if key in audits[n]}
+        severe = any(i.get("level") in ("warn", "error") for i in items.values())
+        if not (all_ or differs or severe):
+            continue
+        rows.append(
+            {
+                "key": key,
+                "differs": differs,
+                "values": {n: None if x is UNSET else x for n, x in vals.items()},
+                "unset": [n for n, x in vals.items() if x is UNSET],
+                "audit": items,
+            }
+        )
+    return rows
+
+
+def audit_cell(items: dict[str, dict[str, Any]]) -> str:
+    if not items:
+        return ""
+    first = next(iter(items.values()))
+    worst = max(items.values(), key=lambda i: list(MARKS).index(i.get("level", "info")))
+    note = worst.get("note", "")
+    recipe = first.get("recipe")
+    level = worst.get("level", "info")
+    colour = {"warn": "yellow", "error": "red"}.get(level)
+    text = f"recipe {text_of(recipe)}: {note}" if recipe is not None else note
+    return f"[{colour}]{text}[/]" if colour else text
+
+
+def show(
+    views: list[RunView],
+    configs: dict[str, tuple[dict[str, Any], str]],
+    rows: list[dict[str, Any]],
+    all_: bool,
+) -> None:
+    out = console()
+    for v in views:
+        out.print(f"{v.name}: {v.target}:{v.dir}/{configs[v.name][1]} ({v.state})")
+    out.print()
+    if not rows:
+        out.print("the configs are the same" + ("" if all_ else " (--all shows every key)"))
+        return
+    grid = table("KEY", *(v.name for v in views), "RECIPE AUDIT")
+    for row in rows:
+        cells = [row["key"]]
+        for v in views:
+            value = UNSET if v.name in row["unset"] else row["values"][v.name]
+            item = row["audit"].get(v.name)
+            mark = f" {MARKS.get(item.get('level', 'info'), '*')}" if item else ""
+            cells.append(text_of(value) + mark)
+        grid.add_row(*cells, audit_cell(row["audit"]))
+    out.print(grid)
+    out.print()
+    out.print("* differs from the recipe, ! warning, !! error (from each run's audit.json)"
+              + ("" if all_ else "; only differing keys and warnings shown (--all: every key)"))  # fmt: skip

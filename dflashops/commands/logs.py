@@ -1,0 +1,122 @@
+"""`logs [RUN] [--tail N] [--follow]`: a run's console.log; following resumes at the byte it
+had reached when the connection drops, and ends when the run does (Ctrl-C only detaches)."""
+
+from __future__ import annotations
+
+import posixpath
+import sys
+import threading
+import time
+
+import typer
+
+from dflashops import context, runs
+from dflashops.errors import ExitCode, NotFoundError, OpsError
+from dflashops.runs import RunView
+from dflashops.targets.base import Machine
+
+RETRY_S = 3.0
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("logs")
+    @context.command
+    def logs(
+        ctx: typer.Context,
+        run: str = typer.Argument(None, help="A run (default: the newest running one)."),
+        tail: int = typer.Option(0, "--tail", "-n", metavar="N", help="Only the last N lines."),
+        follow: bool = typer.Option(
+            False, "--follow", "-f", help="Keep printing until the run ends (Ctrl-C detaches)."
+        ),
+    ) -> None:
+        """Print a run's console.log (everything the trainer printed)."""
+        opts = context.get(ctx)
+        session = opts.session()
+        if opts.dry_run:
+            runs.survey(session, names=[run] if run else None, archive=True, records="none")
+            return
+        view = runs.resolve(session, run, records="none")
+        machine = session.machine(view.target)
+        try:
+            stream_log(machine, view, tail=max(0, tail), follow=follow)
+        except KeyboardInterrupt:
+            context.note(f"detached; {view.name} goes on on {view.target}")
+            raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+
+
+class _Held:
+    """A stdin that stays open (and sends nothing) until released: the remote follower exits
+    when it closes, i.e. when we go away."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def read(self, size: int = -1) -> bytes:
+        self.released.wait()
+        return b""
+
+    read1 = read
+
+
+class _Sinks:
+    """stdout to ours, counted; stderr parsed for the follower's offset lines."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.received = 0
+        self.pending = b""
+
+    @property
+    def position(self) -> int:
+        return self.start + self.received
+
+    def out(self, chunk: bytes) -> None:
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.flush()
+        self.received += len(chunk)
+
+    def err(self, chunk: bytes) -> None:
+        self.pending += chunk
+        *lines, self.pending = self.pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"offset="):
+                self.start, self.received = int(line[7:]), 0
+            elif line.strip():
+                context.note(line.decode("utf-8", "replace"))
+
+
+def stream_log(machine: Machine, view: RunView, *, tail: int, follow: bool) -> None:
+    path = posixpath.join(view.dir, "console.log")
+    state = posixpath.join(view.dir, "state.json")
+    sinks = _Sinks()
+    offset = -1
+    while True:
+        argv = ["python3", "-c", runs.helper_source("follow.py"), path]
+        argv += [
+            runs.tmux_session(view.name),
+            state,
+            str(offset),
+            str(tail),
+            "1" if follow else "0",
+        ]
+        held = _Held() if follow else None
+        try:
+            result = machine.run(argv, stdin=held, stdout=sinks.out, stderr=sinks.err)
+        except OpsError as exc:
+            if not follow:
+                raise
+            result = None
+            context.note(f"{view.target}: {exc.message}; reconnecting in {RETRY_S:.0f}s")
+        finally:
+            if held is not None:
+                held.released.set()
+        if result is not None and result.returncode == 4:
+            raise NotFoundError(f"{view.name}: no console.log in {view.target}:{view.dir}")
+        if result is not None and result.ok:
+            return
+        if result is not None and not follow:
+            raise OpsError(f"{view.target}: reading {path} failed: {result.error_text}")
+        if result is not None:
+            context.note(f"{view.target}: the log stream broke ({result.error_text}); resuming")
+        offset = sinks.position
+        time.sleep(RETRY_S)

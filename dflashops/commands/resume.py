@@ -1,0 +1,67 @@
+"""`resume RUN`: start a stopped or failed run again from its newest complete checkpoint, with
+the same tmux session and launch script as `launch` (the trainer's --resume)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+from dflashops import context, runs, transfer
+from dflashops.commands import launch as launching
+from dflashops.commands.setup import sync_workload
+from dflashops.errors import NotFoundError, UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("resume")
+    @context.command
+    def resume(
+        ctx: typer.Context,
+        run: str = typer.Argument(..., help="A stopped or failed run."),
+        secrets: list[str] = typer.Option(
+            None, "--secret", metavar="NAME", help="Replace the run's secrets (see launch)."
+        ),
+        follow: bool = typer.Option(False, "--follow", "-f", help="Then watch it (status -f)."),
+        wait: float = typer.Option(
+            900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """Start a run again from its newest complete checkpoint."""
+        opts = context.get(ctx)
+        env_file = launching.secret_file(secrets or [])
+        with runs.sessions(opts) as (reader, writer):
+            view = runs.find(reader, run, checkpoints=True, records="none")
+            if view.where == "archive":
+                raise UsageError(f"{run} is archived ({view.target}:{view.dir}); it cannot resume")
+            if view.running:
+                raise UsageError(f"{run} is {view.state} on {view.target}; nothing to resume")
+            steps = view.complete_steps()
+            if not steps:
+                raise NotFoundError(f"{run} has no complete checkpoint to resume from")
+            machine = writer.machine(view.target)
+            context.note(f"{view.target}: syncing the workload")
+            sync_workload(machine)
+            with tempfile.TemporaryDirectory(prefix="dflashops-resume-") as tmp:
+                script = Path(tmp) / launching.LAUNCH_SCRIPT
+                script.write_text(launching.launch_script(machine.target, run, view.dir))
+                script.chmod(0o755)
+                transfer.put(machine, Path(tmp), view.dir)
+            if env_file is not None:
+                launching.write_secrets(machine, view.dir, env_file)
+            reset = {"status": "launching", "exit_code": None, "finished": None}
+            runs.control(machine, "relaunch", view.dir, **reset, resumed=time.time())
+            launching.start(machine, run, view.dir, resume=True)
+            if opts.dry_run:
+                context.note("dry run: nothing was changed")
+                return
+            context.note(f"{run}: resuming from step_{max(steps)}")
+            view = launching.wait_for_life(reader.machine(view.target), run, timeout=wait)
+            launching.report(opts, view, json_out)
+            if follow:
+                from dflashops.commands.status import follow_run
+
+                raise typer.Exit(follow_run(reader, view, None, interval=5.0))

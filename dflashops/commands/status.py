@@ -1,0 +1,399 @@
+"""`status [RUN] [--follow] [--vs RUN] [--all]`: runs, their state and latest metrics.
+
+One probe per target, all in parallel. `--follow` polls the run's target every few seconds and
+returns when the run reaches a terminal state: exit 0 when it finished or was stopped, 1 when it
+failed. Ctrl-C only detaches (the run goes on) and exits 130, as every interrupted command does.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from dflashops import context, runs
+from dflashops.errors import ExitCode, OpsError
+from dflashops.render import console, duration, metric, table
+from dflashops.runs import RunView
+
+COLOURS = {
+    "running": "green",
+    "starting": "cyan",
+    "finished": "blue",
+    "stopped": "yellow",
+    "failed": "red",
+    "archived": "dim",
+    "unknown": "magenta",
+}
+ROW_METRICS = ("loss", "acc", "streak", "dds8", "tok_s")
+HISTORY_METRICS = ("loss", "acc", "streak", "dds8", "lr", "noise", "grad_norm", "tok_s")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("status")
+    @context.command
+    def status(
+        ctx: typer.Context,
+        run: str = typer.Argument(
+            None, help="A run (default: every run; with --follow, the newest running one)."
+        ),
+        follow: bool = typer.Option(
+            False, "--follow", "-f", help="Watch until the run ends (Ctrl-C detaches)."
+        ),
+        vs: str = typer.Option(
+            None, "--vs", metavar="RUN", help="Show another run beside it at the same steps."
+        ),
+        all_: bool = typer.Option(False, "--all", "-a", help="Include finished and archived runs."),
+        interval: float = typer.Option(
+            5.0, "--interval", metavar="SECONDS", help="Polling period of --follow."
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    ) -> None:
+        """Runs across the inventory: state, step, loss, acc, streak, dds8, tok/s, ETA."""
+        opts = context.get(ctx)
+        as_json = opts.json or json_out
+        session = opts.session()
+        if opts.dry_run:
+            runs.survey(session, archive=all_)
+            return
+        if follow:
+            view = runs.resolve(session, run, records="recent")
+            other = runs.find(session, vs, records="all") if vs else None
+            emit = opts.emit if as_json else None
+            code = follow_run(session, view, other, interval=max(1.0, interval), emit=emit)
+            raise typer.Exit(code)
+        if vs:
+            view = runs.resolve(session, run, records="all")
+            other = runs.find(session, vs, records="all")
+            show_vs(view, other, as_json, opts)
+            return
+        if run:
+            view = runs.find(session, run, records="recent", checkpoints=True)
+            show_one(view, as_json, opts)
+            return
+        found = runs.survey(session, archive=all_, records="recent")
+        show_all(found, all_, as_json, opts)
+        raise typer.Exit(found.exit_code())
+
+
+# ---------------------------------------------------------------- one-shot views
+
+
+def show_all(found: runs.Survey, all_: bool, as_json: bool, opts: context.Context) -> None:
+    views = sorted(found.runs(), key=lambda r: (-(r.started or 0), r.target, r.name))
+    shown = [v for v in views if all_ or v.state not in ("finished", "archived")]
+    hidden = len(views) - len(shown)
+    if as_json:
+        opts.emit(
+            {
+                "runs": [v.summary() for v in shown],
+                "hidden": hidden,
+                "errors": {t: e.message for t, e in found.errors.items()},
+            }
+        )
+    else:
+        warn_logs(shown)
+        out = console()
+        if shown:
+            out.print(runs_table(shown))
+        else:
+            out.print("no runs" + (" running" if hidden else ""))
+        if hidden:
+            out.print(f"({hidden} finished or archived run(s) not shown: --all shows them)")
+    found.warn_errors()
+
+
+def show_one(view: RunView, as_json: bool, opts: context.Context) -> None:
+    if as_json:
+        doc = view.summary()
+        doc["checkpoints"] = [
+            {"step": c.step, "complete": c.complete, "bytes": c.bytes} for c in view.checkpoints
+        ]
+        doc["records"] = view.records
+        opts.emit(doc)
+        return
+    warn_logs([view])
+    out = console()
+    out.print(runs_table([view]))
+    out.print()
+    for label, value in details(view):
+        out.print(f"{label + ':':<13}{value}")
+    if view.records:
+        out.print()
+        out.print(history_table(view.records[-8:]))
+
+
+def details(view: RunView) -> list[tuple[str, str]]:
+    st = view.status
+    rows = [("dir", f"{view.target}:{view.dir}")]
+    if view.raw.get("tmux"):
+        rows.append(("tmux", f"{runs.tmux_session(view.name)} (on {view.target})"))
+    if st.get("pid"):
+        rows.append(("pid", str(st["pid"])))
+    if view.started:
+        rows.append(("started", f"{duration(view.now - view.started)} ago"))
+    if st.get("finished"):
+        rows.append(("ended", f"{duration(view.now - st['finished'])} ago"))
+    if view.exit_code is not None:
+        rows.append(("exit code", str(view.exit_code)))
+    if view.note:
+        rows.append(("note", view.note))
+    if st.get("wandb_url"):
+        rows.append(("wandb", st["wandb_url"]))
+    ckpts = view.checkpoints
+    if ckpts:
+        names = [c.name + ("" if c.complete else " (incomplete)") for c in ckpts]
+        rows.append(("checkpoints", ", ".join(names)))
+    else:
+        rows.append(("checkpoints", "none yet"))
+    return rows
+
+
+def warn_logs(views: list[RunView]) -> None:
+    for view in views:
+        for warning in view.warnings:
+            context.note(f"warning: {view.name} ({view.target}): {warning}")
+
+
+def state_cell(view: RunView) -> str:
+    colour = COLOURS.get(view.state, "white")
+    return f"[{colour}]{view.state}[/]"
+
+
+def step_cell(view: RunView) -> str:
+    step, total = view.step, view.total_steps
+    if step is None:
+        return "-"
+    return f"{step}/{total}" if total else str(step)
+
+
+def runs_table(views: list[RunView]):  # noqa: ANN201 (rich Table)
+    notes = any(v.note for v in views)
+    columns = ["RUN", "TARGET", "STATE", "STEP", "LOSS", "ACC", "STREAK", "DDS8", "TOK/S"]
+    columns += ["ETA", "LAST LOG"] + (["NOTE"] if notes else [])
+    out = table(*columns)
+    for v in views:
+        last = v.last or {}
+        cells = [v.name, v.target, state_cell(v), step_cell(v)]
+        cells += [metric(last.get(k), k) for k in ROW_METRICS]
+        cells += [duration(v.eta), f"{duration(v.age)} ago" if v.age is not None else "-"]
+        if notes:
+            cells.append(v.note or "")
+        out.add_row(*cells)
+    return out
+
+
+def history_table(records: list[dict[str, Any]], title: str | None = "recent log lines"):  # noqa: ANN201
+    keys = [k for k in HISTORY_METRICS if any(k in r for r in records)]
+    out = table(
+        "STEP", *(k.upper().replace("_", "/" if k == "tok_s" else " ") for k in keys), title=title
+    )
+    for r in records:
+        out.add_row(str(r["step"]), *(metric(r.get(k), k) for k in keys))
+    return out
+
+
+# ---------------------------------------------------------------- --vs: two runs at the same steps
+
+
+def value_at(records: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    """The record with the largest step <= `step` (None when the run has none so early)."""
+    best = None
+    for r in records:
+        if r["step"] <= step and (best is None or r["step"] >= best["step"]):
+            best = r
+    return best
+
+
+def vs_rows(a: RunView, b: RunView, count: int = 12) -> list[dict[str, Any]]:
+    steps = sorted({r["step"] for r in a.records})[-count:]
+    rows = []
+    for s in steps:
+        ra, rb = value_at(a.records, s), value_at(b.records, s)
+        last_b = b.records[-1]["step"] if b.records else None
+        if last_b is not None and last_b < s:
+            rb = None  # the other run has not reached this step
+        rows.append({"step": s, a.name: ra, b.name: rb})
+    return rows
+
+
+def vs_table(a: RunView, b: RunView):  # noqa: ANN201
+    columns = ["STEP"]
+    for k in runs.METRICS:
+        columns += [f"{k.upper()} {a.name}", f"{k.upper()} {b.name}"]
+    out = table(*columns, title=f"{a.name} ({a.target}) vs {b.name} ({b.target})")
+    for row in vs_rows(a, b):
+        cells = [str(row["step"])]
+        for k in runs.METRICS:
+            for name in (a.name, b.name):
+                rec = row[name]
+                cells.append(_at(rec, k, row["step"]))
+        out.add_row(*cells)
+    return out
+
+
+def _at(rec: dict[str, Any] | None, key: str, step: int) -> str:
+    if rec is None:
+        return "-"
+    text = metric(rec.get(key), key)
+    return text if rec["step"] == step else f"{text} @{rec['step']}"
+
+
+def show_vs(a: RunView, b: RunView, as_json: bool, opts: context.Context) -> None:
+    if as_json:
+        opts.emit(
+            {
+                "runs": [a.summary(), b.summary()],
+                "rule": "value at step S = the record with the largest step <= S",
+                "rows": vs_rows(a, b),
+            }
+        )
+        return
+    warn_logs([a, b])
+    out = console()
+    out.print(vs_table(a, b))
+    out.print("(values at each step are from the last record at or before it; @N marks step N)")
+
+
+# ---------------------------------------------------------------- --follow
+
+
+def follow_run(
+    session: Any,
+    view: RunView,
+    other: RunView | None,
+    *,
+    interval: float,
+    emit: Callable[[Any], None] | None = None,
+) -> int:
+    """Poll until the run is in a terminal state; the exit code of `status --follow`.
+    `emit` (for --json) receives the final summary instead of the lines and the live view."""
+    live = sys.stdout.isatty() and emit is None
+    context.note(f"following {view.name} on {view.target} (Ctrl-C detaches; the run goes on)")
+    try:
+        if live:
+            view = _follow_live(session, view, other, interval)
+        else:
+            printer = _PlainPrinter(view, quiet=emit is not None)
+            view = _follow_plain(session, view, other, interval, printer)
+    except KeyboardInterrupt:
+        context.note(f"detached; {view.name} goes on ({view.state}) on {view.target}")
+        return int(ExitCode.INTERRUPTED)
+    if emit is not None:
+        emit(view.summary())
+    else:
+        context.note(f"{view.name}: {view.state} at step {view.step}{_end_note(view)}")
+    return 1 if view.state == "failed" else 0
+
+
+def _end_note(view: RunView) -> str:
+    parts = []
+    if view.exit_code is not None:
+        parts.append(f"exit code {view.exit_code}")
+    if view.note:
+        parts.append(view.note)
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _poll(
+    session: Any, view: RunView, other: RunView | None, since: int | None
+) -> tuple[RunView, RunView | None]:
+    """Fresh views of the followed run (and the --vs one), read in parallel."""
+    wanted = [(view, {"records": "all", "since": since} if since is not None else {})]
+    if other is not None:
+        wanted.append((other, {"records": "all"}))
+
+    def read(item: tuple[RunView, dict]) -> RunView | None:
+        old, request = item
+        answer = runs.probe(session.machine(old.target), names=[old.name], archive=True, **request)
+        return next((r for r in answer.runs if r.name == old.name), None)
+
+    fresh = session.each(read, wanted)
+    for got in fresh:
+        if isinstance(got, OpsError):
+            raise got
+    new_other = (fresh[1] or other) if other is not None else None
+    return fresh[0] or view, new_other
+
+
+def _follow_plain(
+    session: Any, view: RunView, other: RunView | None, interval: float, printer: _PlainPrinter
+) -> RunView:
+    recent = view.records[-5:]
+    since = recent[0]["step"] - 1 if recent else -1
+    while True:
+        try:
+            view, other = _poll(session, view, other, since)
+        except OpsError as exc:
+            context.note(f"{view.target}: {exc.message}; retrying in {interval:.0f}s")
+            time.sleep(interval)
+            continue
+        since = printer.show(view, other, since)
+        if view.state in runs.TERMINAL:
+            return view
+        time.sleep(interval)
+
+
+def _follow_live(session: Any, view: RunView, other: RunView | None, interval: float) -> RunView:
+    from rich.console import Group
+    from rich.live import Live
+
+    def render(v: RunView, o: RunView | None) -> Any:
+        top = runs_table([v] + ([o] if o else []))
+        return Group(top, vs_table(v, o) if o else history_table(v.records[-10:], title=None))
+
+    with Live(render(view, other), console=console(), refresh_per_second=2) as live:
+        while view.state not in runs.TERMINAL:
+            time.sleep(interval)
+            try:
+                view, other = _poll(session, view, other, None)
+            except OpsError as exc:
+                context.note(f"{view.target}: {exc.message}; retrying")
+                continue
+            live.update(render(view, other))
+    return view
+
+
+class _PlainPrinter:
+    """Without a terminal: one line per new log record, and a line when the state changes."""
+
+    def __init__(self, view: RunView, *, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.state: str | None = None
+        self.warned: set[str] = set()
+
+    def write(self, line: str) -> None:
+        if not self.quiet:
+            context.say(line)
+
+    def show(self, view: RunView, other: RunView | None, since: int) -> int:
+        for w in view.warnings:
+            if w not in self.warned:
+                self.warned.add(w)
+                context.note(f"warning: {view.name} ({view.target}): {w}")
+        for rec in view.records:
+            if rec["step"] > since:
+                self.write(self.line(view, rec, other))
+                since = rec["step"]
+        if view.state != self.state and view.state not in runs.TERMINAL:
+            self.write(f"{view.name}: {view.state} on {view.target}")
+        self.state = view.state
+        return since
+
+    @staticmethod
+    def line(view: RunView, rec: dict[str, Any], other: RunView | None) -> str:
+        total = view.total_steps
+        step = f"{rec['step']}/{total}" if total else str(rec["step"])
+        parts = [f"{view.name} step {step}"]
+        parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW_METRICS if k in rec]
+        if other is not None:
+            orec = value_at(other.records, rec["step"])
+            if orec is not None:
+                theirs = " ".join(
+                    f"{k} {metric(orec.get(k), k)}" for k in runs.METRICS if k in orec
+                )
+                parts.append(f"| {other.name} @{orec['step']}: {theirs}")
+        return "  ".join(parts)

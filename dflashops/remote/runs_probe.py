@@ -1,0 +1,355 @@
+"""Runs inside a target with its python3 (stdlib only): everything about its runs, one JSON.
+
+stdin: a JSON request {"ws": workspace, "names": [run, ...] or null for all, "archive": bool,
+"records": "none" | "recent" | "all", "since": step or null, "at": [step, ...],
+"files": [name, ...], "console": bytes of console.log's tail, "checkpoints": bool,
+"verify": bool, "dirs": [path, ...], "paths": [path, ...]}.
+stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "tmux": [...] or null,
+"runs": [...], "dirs": {path: ...}, "paths": {path: kind}}; see dflashops/runs.py for the
+fields of a run. train_log.jsonl is read as the contract says: numeric values only, a partial
+last line ignored, a malformed line skipped with a warning naming its line number.
+"""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+LOG = "train_log.jsonl"
+MANIFEST = "MANIFEST.sha256"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TEMP_DIR = re.compile(r"^\.tmp-step_(\d+)-")
+PROGRESS = re.compile(rb"^step (\d+)/(\d+) ", re.M)
+PLANNED = re.compile(rb"^drafter: .*?, (\d+) steps,", re.M)
+RECENT = 20
+FILE_LIMIT = 1 << 20
+
+
+def listdir(path):
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_text(path, limit=FILE_LIMIT):
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def tmux_sessions():
+    try:
+        out = subprocess.run(
+            ["tmux", "list-sessions", "-F", "#{session_name}"],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return []  # no server running: no sessions
+    return out.stdout.decode("utf-8", "replace").split()
+
+
+def session_name(run):
+    """tmux turns '.' and ':' in session names into '_'."""
+    return "dflash-" + run.replace(".", "_").replace(":", "_")
+
+
+def trainer_alive(pid):
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"workload.train" in f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def numeric(obj):
+    out = {}
+    for key, value in obj.items():
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            out[key] = value
+    return out
+
+
+def parse_log(data):
+    """(records, warnings, partial) from the bytes of a train_log.jsonl."""
+    lines = data.split(b"\n")
+    partial = lines.pop() != b""
+    records, warnings = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            warnings.append(f"{LOG}:{number}: malformed line skipped")
+            continue
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            warnings.append(f"{LOG}:{number}: no integer 'step'; line skipped")
+            continue
+        records.append(numeric(obj))
+    return records, warnings, partial
+
+
+def at_steps(records, steps):
+    """For each step S: the record with the largest step <= S (None when there is none)."""
+    out = {}
+    for s in steps:
+        best = None
+        for rec in records:
+            if rec["step"] <= s and (best is None or rec["step"] >= best["step"]):
+                best = rec
+        out[str(s)] = best
+    return out
+
+
+def log_info(run_dir, req):
+    path = os.path.join(run_dir, LOG)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        st = os.stat(path)
+    except OSError:
+        return None
+    records, warnings, partial = parse_log(data)
+    info = {
+        "count": len(records),
+        "warnings": warnings,
+        "partial_last_line": partial,
+        "mtime": st.st_mtime,
+        "size": st.st_size,
+        "first": records[0] if records else None,
+        "last": records[-1] if records else None,
+    }
+    mode = req.get("records", "recent")
+    since = req.get("since")
+    chosen = records if since is None else [r for r in records if r["step"] > since]
+    if mode == "recent":
+        info["records"] = chosen[-RECENT:]
+    elif mode == "all":
+        info["records"] = chosen
+    if req.get("at"):
+        info["at"] = at_steps(records, req["at"])
+    return info
+
+
+def console_info(run_dir, tail):
+    path = os.path.join(run_dir, "console.log")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            f.seek(max(0, size - max(tail, 1 << 16)))
+            end = f.read()
+        mtime = os.path.getmtime(path)
+    except OSError:
+        return None
+    info = {"size": size, "mtime": mtime, "total_steps": None}
+    found = PROGRESS.findall(end) or PLANNED.findall(head)
+    if found:
+        last = found[-1]
+        info["total_steps"] = int(last[1] if isinstance(last, tuple) else last)
+    if tail:
+        info["tail"] = end[-tail:].decode("utf-8", "replace")
+    return info
+
+
+def tree_size(path):
+    total, files = 0, 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+                files += 1
+            except OSError:
+                pass
+    return total, files
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return digest.hexdigest()
+            digest.update(chunk)
+
+
+def manifest_entries(text):
+    entries = {}
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name:
+            return None
+        entries[name.lstrip("*")] = digest
+    return entries or None
+
+
+def verify_dir(path):
+    """(ok, problem): the manifest lists exactly the other files, and every hash matches."""
+    text = read_text(os.path.join(path, MANIFEST))
+    if text is None:
+        return False, "no MANIFEST.sha256"
+    entries = manifest_entries(text)
+    if entries is None:
+        return False, "MANIFEST.sha256 is malformed"
+    present = set()
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/")
+            if rel != MANIFEST:
+                present.add(rel)
+    missing, extra = sorted(set(entries) - present), sorted(present - set(entries))
+    if missing:
+        return False, "missing: " + ", ".join(missing)
+    if extra:
+        return False, "not in the manifest: " + ", ".join(extra)
+    bad = [
+        name
+        for name, digest in sorted(entries.items())
+        if sha256(os.path.join(path, name)) != digest
+    ]
+    if bad:
+        return False, "sha256 mismatch: " + ", ".join(bad)
+    return True, None
+
+
+def dir_info(path, verify):
+    if not os.path.isdir(path):
+        return {"exists": False}
+    size, files = tree_size(path)
+    manifest = read_text(os.path.join(path, MANIFEST))
+    info = {"exists": True, "bytes": size, "files": files, "manifest": manifest}
+    info["complete"] = manifest is not None
+    if verify:
+        info["verified"], info["problem"] = verify_dir(path)
+    return info
+
+
+def checkpoints(run_dir, verify):
+    root = os.path.join(run_dir, "checkpoints")
+    out = []
+    for name in listdir(root):
+        path = os.path.join(root, name)
+        m = STEP_DIR.match(name) or TEMP_DIR.match(name)
+        if not m or not os.path.isdir(path):
+            continue
+        size, files = tree_size(path)
+        manifest = os.path.join(path, MANIFEST)
+        item = {
+            "step": int(m.group(1)),
+            "name": name,
+            "complete": name.startswith("step_") and os.path.isfile(manifest),
+            "temporary": not name.startswith("step_"),
+            "bytes": size,
+            "files": files,
+            "mtime": os.path.getmtime(path),
+        }
+        if item["complete"]:
+            item["files"] = files - 1
+            item["manifest"] = read_text(manifest)
+            if verify:
+                item["verified"], item["problem"] = verify_dir(path)
+        out.append(item)
+    out.sort(key=lambda c: (c["step"], c["temporary"]))
+    return out
+
+
+def exit_file(run_dir):
+    text = read_text(os.path.join(run_dir, "exit_code"), 64)
+    try:
+        return int(text.strip()) if text else None
+    except ValueError:
+        return None
+
+
+def run_info(ws, where, name, req, sessions):
+    run_dir = os.path.join(ws, where, name)
+    state = read_json(os.path.join(run_dir, "state.json"))
+    info = {
+        "name": name,
+        "where": where,
+        "dir": run_dir,
+        "state": state if isinstance(state, dict) else None,
+        "exit_file": exit_file(run_dir),
+        "tmux": None if sessions is None else session_name(name) in sessions,
+        "pid_alive": trainer_alive((state or {}).get("pid")) if isinstance(state, dict) else None,
+        "log": log_info(run_dir, req),
+        "console": console_info(run_dir, int(req.get("console") or 0)),
+        "mtime": os.path.getmtime(run_dir),
+    }
+    if req.get("checkpoints"):
+        info["checkpoints"] = checkpoints(run_dir, req.get("verify"))
+    files = {}
+    for fname in req.get("files") or []:
+        files[fname] = read_text(os.path.join(run_dir, fname))
+    info["files"] = files
+    return info
+
+
+def path_kind(path):
+    if os.path.isdir(path):
+        return "dir"
+    if os.path.isfile(path):
+        return "file"
+    return "missing" if not os.path.lexists(path) else "other"
+
+
+def main():
+    req = json.load(sys.stdin)
+    ws = req["ws"]
+    names = {"runs": [], "archive": []}
+    for where in names:
+        base = os.path.join(ws, where)
+        names[where] = [n for n in listdir(base) if os.path.isdir(os.path.join(base, n))]
+    wanted = req.get("names")
+    sessions = tmux_sessions()
+    runs = []
+    for where in ("runs", "archive") if req.get("archive") else ("runs",):
+        for name in names[where]:
+            if wanted is not None and name not in wanted:
+                continue
+            try:
+                runs.append(run_info(ws, where, name, req, sessions))
+            except OSError as exc:
+                runs.append({"name": name, "where": where, "error": str(exc)})
+    out = {
+        "now": time.time(),
+        "names": names,
+        "tmux": sessions,
+        "runs": runs,
+        "dirs": {p: dir_info(p, req.get("verify")) for p in req.get("dirs") or []},
+        "paths": {p: path_kind(p) for p in req.get("paths") or []},
+    }
+    json.dump(out, sys.stdout)
+
+
+main()
