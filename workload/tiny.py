@@ -208,10 +208,10 @@ def build_model(kind: str, tokenizer, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "dense":
         config = Qwen3Config(
-            hidden_size=192,
-            intermediate_size=512,
+            hidden_size=128,
+            intermediate_size=384,
             num_hidden_layers=6,
-            num_attention_heads=6,
+            num_attention_heads=4,
             **common,
         )
         return Qwen3ForCausalLM(config)
@@ -358,7 +358,7 @@ def pattern_accuracy(model, tokenizer, r: random.Random, n: int = 90) -> dict[st
 
 # ----------------------------------------------------------------------------- outputs
 
-DEFAULT_STEPS = {"dense": 1200, "hybrid": 600}
+DEFAULT_STEPS = {"dense": 600, "hybrid": 400}
 TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "runs" / "tiny.yaml"
 
 
@@ -402,25 +402,56 @@ def build(
     conversations: int = 3000,
     prompts: int = 64,
     regenerate_replies: bool = True,
+    threads: int = 1,
 ) -> dict:
     """Build the tiny target, data and run config under `out`; returns a summary (also written
-    to out/tiny.json)."""
-    t0 = time.time()
-    out = Path(out).resolve()
-    (out / "target").mkdir(parents=True, exist_ok=True)
-    steps = DEFAULT_STEPS[kind] if steps is None else steps
-    random.seed(seed)
-    torch.manual_seed(seed)
+    to out/tiny.json). One torch thread by default: a model this small gains little from two,
+    and on shared cores two threads run up to 30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _build(Path(out), kind, steps, seed, conversations, prompts, regenerate_replies)
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_corpus(seed: int, conversations: int, prompts: int) -> tuple[list, list[dict]]:
+    """Training conversations, and eval prompts (held out from them where the task allows)."""
     r = random.Random(seed)
     convs = [conversation(r)[0] for _ in range(conversations)]
     seen = {m["content"] for c in convs for m in c if m["role"] == "user"}
     pr = random.Random(seed + 1)
     evals: list[dict] = []
-    while len(evals) < prompts:
-        messages, name, ref = prompt(pr, sorted(TASKS)[len(evals) % len(TASKS)])
-        if messages[0]["content"] not in seen:
-            evals.append({"messages": messages, "task": name, "reference": ref})
+    for k in range(prompts):
+        # tasks with few distinct prompts (phrases, spelling) may have none left unseen
+        for _ in range(50):
+            messages, name, ref = prompt(pr, sorted(TASKS)[k % len(TASKS)])
+            if messages[0]["content"] not in seen:
+                break
+        evals.append({"messages": messages, "task": name, "reference": ref})
+    return convs, evals
 
+
+def write_outputs(out: Path, kind: str, model, tokenizer, convs, evals, seed: int) -> None:
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out / "target")
+    tokenizer.save_pretrained(out / "target")
+    _write_jsonl(out / "data.jsonl", ({"messages": c} for c in convs))
+    _write_jsonl(out / "prompts.jsonl", evals)
+    cfg = run_config(out, kind, tokenizer, model.config.num_hidden_layers, seed)
+    (out / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def _build(out: Path, kind: str, steps: int | None, seed: int, conversations: int,
+           prompts: int, regenerate_replies: bool) -> dict:  # fmt: skip
+    t0 = time.time()
+    out = out.resolve()
+    (out / "target").mkdir(parents=True, exist_ok=True)
+    steps = DEFAULT_STEPS[kind] if steps is None else steps
+    random.seed(seed)
+    torch.manual_seed(seed)
+    convs, evals = make_corpus(seed, conversations, prompts)
     tokenizer = build_tokenizer([chatml(c) for c in convs], vocab_size=1024)
     say(f"tokenizer: {len(tokenizer)} tokens, <|MASK|> = {tokenizer.mask_token_id}")
     model = build_model(kind, tokenizer, seed)
@@ -433,34 +464,19 @@ def build(
     say(f"trained {steps} steps in {train_s:.0f}s, final loss {loss:.4f}")
     acc = pattern_accuracy(model, tokenizer, random.Random(seed + 2))
     say("greedy exact match: " + ", ".join(f"{k} {v:.2f}" for k, v in acc.items()))
-
-    unfinished = 0
+    unfinished, t2 = 0, time.time()
     if regenerate_replies:
         longest = max(sum(e.loss_mask) for e in examples)
         unfinished = regenerate(model, tokenizer, convs, max_new_tokens=longest + longest // 4)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out / "target")
-    tokenizer.save_pretrained(out / "target")
-    _write_jsonl(out / "data.jsonl", ({"messages": c} for c in convs))
-    _write_jsonl(out / "prompts.jsonl", evals)
-    num_layers = model.config.num_hidden_layers
-    (out / "run.yaml").write_text(
-        yaml.safe_dump(run_config(out, kind, tokenizer, num_layers, seed), sort_keys=False)
-    )
+    regen_s = time.time() - t2
+    write_outputs(out, kind, model, tokenizer, convs, evals, seed)
     summary = {
-        "kind": kind,
-        "steps": steps,
-        "seed": seed,
-        "final_loss": loss,
-        "exact_match": acc,
-        "params": n_params,
-        "conversations": len(convs),
-        "regenerated": regenerate_replies,
-        "unfinished_replies": unfinished,
-        "train_seconds": round(train_s, 1),
+        "kind": kind, "steps": steps, "seed": seed, "final_loss": round(loss, 4),
+        "exact_match": acc, "params": n_params, "conversations": len(convs),
+        "regenerated": regenerate_replies, "unfinished_replies": unfinished,
+        "train_seconds": round(train_s, 1), "regenerate_seconds": round(regen_s, 1),
         "build_seconds": round(time.time() - t0, 1),
-    }
+    }  # fmt: skip
     (out / "tiny.json").write_text(json.dumps(summary, indent=2) + "\n")
     say(f"wrote {out} in {summary['build_seconds']}s")
     return summary
@@ -476,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=3000)
     p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
         "--no-regenerate",
         action="store_true",
@@ -491,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         conversations=a.conversations,
         prompts=a.prompts,
         regenerate_replies=not a.no_regenerate,
+        threads=a.threads,
     )
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -337,3 +338,28 @@ def test_data_path_is_cheap_at_4096_tokens():
         sample_anchors(b.loss_mask, b.doc_ids, num_anchors=512, generator=g)
     per_step = (time.perf_counter() - t) / 10
     assert per_step < 0.05, f"{per_step * 1000:.1f} ms per step"
+
+
+def test_parallel_rendering_matches_sequential(chat_tokenizer, tmp_path):
+    from workload import tiny
+
+    r = __import__("random").Random(3)
+    convs = [tiny.conversation(r)[0] for _ in range(2100)]
+    path = _write(tmp_path / "chat.jsonl", [_line(c) for c in convs])
+    one = load_examples(path, chat_tokenizer, max_length=64, workers=1)
+    two = load_examples(path, chat_tokenizer, max_length=64, workers=2)
+    assert one == two and len(one) == 2100
+    assert [e.source for e in two[:3]] == [f"{path}:{i}" for i in (1, 2, 3)]
+
+
+def test_inspect_data_marks_supervised_tokens(tiny_dense, capsys):
+    from workload.inspect_data import main
+
+    assert main(["--config", str(tiny_dense / "run.yaml"), "--n", "2", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    spans = re.findall(r"\[\[(.*?)\]\]", out, re.S)
+    assert spans and all(s.endswith("<|im_end|>") and "<|im_start|>" not in s for s in spans)
+    assert out.count("--- example") == 2
+    assert re.search(r"supervised: \d+\.\d% of tokens", out)
+    assert "supervised turn openers (<|im_start|>): 0" in out
+    assert main(["--config", str(tiny_dense / "run.yaml"), "--index", "999999"]) == 2
