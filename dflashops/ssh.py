@@ -20,6 +20,24 @@ WINDOW = 16 << 20
 PACKET = 1 << 15
 
 
+def load_paramiko():  # noqa: ANN201
+    """Import paramiko without the `invoke` package it pulls in (a third of its import time,
+    used only for `Match exec` in ~/.ssh/config, which then reports that invoke is missing)."""
+    import sys
+
+    if "paramiko" in sys.modules:
+        return sys.modules["paramiko"]
+    blocked = "invoke" not in sys.modules
+    if blocked:
+        sys.modules["invoke"] = None  # type: ignore[assignment]
+    try:
+        import paramiko
+    finally:
+        if blocked and sys.modules.get("invoke", 0) is None:
+            del sys.modules["invoke"]
+    return paramiko
+
+
 def pinned_keys_file() -> Path:
     """Where `hosts trust` pins keys when a host names no known_hosts file of its own."""
     return Path.home() / ".config" / "dflashops" / "known_hosts"
@@ -47,7 +65,7 @@ class Resolved:
 
 
 def resolve(endpoint: Endpoint) -> Resolved:
-    import paramiko
+    paramiko = load_paramiko()
 
     config_path = Path.home() / ".ssh" / "config"
     found: dict = {}
@@ -129,7 +147,7 @@ class Connection:
         return self.transport().open_session(window_size=WINDOW, max_packet_size=PACKET)
 
     def _open(self) -> paramiko.SSHClient:
-        import paramiko
+        paramiko = load_paramiko()
 
         _quiet_paramiko()
 
@@ -193,7 +211,7 @@ class Connection:
                     f"{target.label}: jump host {target.jump} could not reach it: {exc}"
                 ) from None
         if target.proxy_command:
-            import paramiko
+            paramiko = load_paramiko()
 
             return paramiko.ProxyCommand(target.proxy_command)
         return self._dial(target)
@@ -208,7 +226,7 @@ class Connection:
 
     def server_key(self) -> paramiko.PKey:
         """Fetch the host's key without authenticating (for `hosts trust`)."""
-        import paramiko
+        paramiko = load_paramiko()
 
         target = self.resolved
         sock = self._socket(target)
@@ -230,7 +248,7 @@ class Connection:
 
 def _transport(sock, **kwargs):  # noqa: ANN001, ANN202
     """A transport that prefers AES-GCM: no separate MAC pass, much faster bulk copies."""
-    import paramiko
+    paramiko = load_paramiko()
 
     transport = paramiko.Transport(sock, **kwargs)
     options = transport.get_security_options()

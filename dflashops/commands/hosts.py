@@ -215,9 +215,9 @@ def _dash(value: object) -> str:
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001
-    import paramiko
+    from dflashops.ssh import host_key_files, load_paramiko, pinned_keys_file
 
-    from dflashops.ssh import host_key_files, pinned_keys_file
+    paramiko = load_paramiko()
 
     conn = session.connection(endpoint)
     resolved = conn.resolved
