@@ -232,17 +232,27 @@ def noise_std(cfg: RunConfig, step: int) -> float:
     return n.start + (n.end - n.start) * min(1.0, step / n.steps)
 
 
-def setup(cfg: RunConfig, d: Dist, *, say=print) -> tuple[Run, list]:
-    """Load the target and data, build drafter, optimizer and schedule; run the recipe audit."""
+def setup(
+    cfg: RunConfig,
+    d: Dist,
+    *,
+    say=print,
+    target: nn.Module | None = None,
+    tokenizer: Any = None,
+    examples: list | None = None,
+) -> tuple[Run, list]:
+    """Load the target and data (unless given), build drafter, optimizer and schedule, and run
+    the recipe audit (UsageError on its errors). Returns the run and the audit items."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    target, tokenizer = load_target(
-        cfg.target.path,
-        dtype=cfg.target.dtype,
-        device=d.device,
-        attn_implementation=cfg.target.attn_implementation,
-    )
+    if target is None:
+        target, tokenizer = load_target(
+            cfg.target.path,
+            dtype=cfg.target.dtype,
+            device=d.device,
+            attn_implementation=cfg.target.attn_implementation,
+        )
     facts = target_facts(target, tokenizer)
     resolve_target_settings(cfg, facts, tokenizer)
     items = audit(cfg, facts)
@@ -258,12 +268,13 @@ def setup(cfg: RunConfig, d: Dist, *, say=print) -> tuple[Run, list]:
     layer_ids = list(cfg.drafter.target_layer_ids)
     fc_ids = layer_ids[:-1] if cfg.drafter.fc_layers == "all_but_last" else layer_ids
     say(f"target: {cfg.target.path} ({facts.num_layers} layers, {facts.embedding_rows} rows)")
-    examples = load_examples(
-        cfg.data.path,
-        tokenizer,
-        max_length=cfg.data.max_length,
-        chat_template=cfg.data.chat_template,
-    )
+    if examples is None:
+        examples = load_examples(
+            cfg.data.path,
+            tokenizer,
+            max_length=cfg.data.max_length,
+            chat_template=cfg.data.chat_template,
+        )
     stream = BatchStream(
         examples,
         batch_size=cfg.optim.batch_size,
@@ -272,7 +283,7 @@ def setup(cfg: RunConfig, d: Dist, *, say=print) -> tuple[Run, list]:
         seed=cfg.data.seed,
         rank=d.rank,
         world_size=d.world,
-        pad_id=tokenizer.pad_token_id or 0,
+        pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
     )
     torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
     drafter = build_drafter(cfg, target, fc_ids).to(d.device)

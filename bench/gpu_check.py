@@ -1,0 +1,285 @@
+"""One unattended GPU check of the trainer (a single H200): about 5 minutes, results as JSON.
+
+    python bench/gpu_check.py --out gpu_check.json [--budget 330]
+    python bench/gpu_check.py --cpu-smoke --out smoke.json      # the same code paths, tiny, CPU
+
+Sections (each in try/except: a failure is recorded with its traceback tail and the next runs):
+  env        torch/CUDA/transformers/fla/triton versions, device name and memory
+  dense_1b   bf16 training steps of a 5-layer drafter against a random 1B-class Qwen3 target
+             (hidden 2048, 16 layers, vocab 151936), one 4096-token row, 512 anchors, block 16:
+             attention flex vs dense mask (and chunked if time allows); step time split into
+             target forward / drafter forward+backward / optimizer, tokens/s, peak memory
+  hybrid     the same on a small Qwen3.5-style hybrid target (Gated DeltaNet + full attention)
+             whose linear layers run fla's kernels on CUDA; and the fla forward against the
+             torch reference (float32, on CPU) on the same weights and tokens
+Sections stop starting new measurements when the time budget is spent. Needs torch with CUDA,
+transformers >= 5, and for `hybrid` flash-linear-attention with triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FULL = {
+    "dense": dict(hidden=2048, layers=16, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936),
+    "hybrid": dict(hidden=1024, layers=8, heads=8, kv=2, head_dim=128, inter=3072, vocab=32000),
+    "seq_len": 4096, "anchors": 512, "block": 16, "draft_layers": 5, "steps": 5, "warmup": 2,
+    "impls": ["flex", "dense", "chunked"],
+}  # fmt: skip
+SMOKE = {
+    "dense": dict(hidden=64, layers=4, heads=4, kv=2, head_dim=16, inter=128, vocab=512),
+    "hybrid": dict(hidden=64, layers=4, heads=4, kv=2, head_dim=16, inter=128, vocab=512),
+    "seq_len": 256, "anchors": 32, "block": 16, "draft_layers": 2, "steps": 2, "warmup": 1,
+    "impls": ["dense", "chunked"],
+}  # fmt: skip
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- sections
+
+
+def section_env(device) -> dict:
+    import torch
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "cuda": torch.version.cuda,
+           "device": str(device)}  # fmt: skip
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(name=props.name, memory_gib=props.total_memory / 2**30,
+                   capability=f"{props.major}.{props.minor}")  # fmt: skip
+    for mod in ("fla", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001 - a missing kernel library is a finding
+            out[mod] = f"unavailable: {exc}"
+    return out
+
+
+def _target(kind: str, size: dict, device):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(hidden_size=size["hidden"], intermediate_size=size["inter"],
+                  num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                  num_key_value_heads=size["kv"], head_dim=size["head_dim"],
+                  vocab_size=size["vocab"], max_position_embeddings=8192,
+                  tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "dense":
+        config, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    else:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (size["layers"] // 4)
+        config = Qwen3_5TextConfig(**common, layer_types=layer_types, linear_num_key_heads=4,
+                                   linear_num_value_heads=8, linear_key_head_dim=64,
+                                   linear_value_head_dim=64, linear_conv_kernel_dim=4)  # fmt: skip
+        cls = Qwen3_5ForCausalLM
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    from workload.targets import force_torch_fallback_off_gpu
+
+    force_torch_fallback_off_gpu(model)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _examples(spec: dict, vocab: int, n: int = 4) -> list:
+    import torch
+
+    from workload.data import Example
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(4, vocab - 1, (spec["seq_len"],), generator=g).tolist()
+        out.append(Example(ids, [0] * 16 + [1] * (spec["seq_len"] - 16)))
+    return out
+
+
+def _measure(target, spec: dict, size: dict, impl: str, d, budget: Budget) -> dict:
+    import torch
+
+    from workload import train as T
+    from workload.config import load_config
+
+    cfg = load_config(None, [
+        "target.path=in-memory", "data.path=in-memory",
+        f"drafter.num_layers={spec['draft_layers']}", f"drafter.block_size={spec['block']}",
+        f"drafter.mask_token_id={size['vocab'] - 1}", f"data.max_length={spec['seq_len']}",
+        f"data.num_anchors={spec['anchors']}", "optim.batch_size=1", "optim.max_steps=100",
+        f"attention={impl}", "optim.precision=auto",
+    ])  # fmt: skip
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1, mask_token_id=None)
+    run, _ = T.setup(cfg, d, say=lambda m: None, target=target, tokenizer=tok,
+                     examples=_examples(spec, size["vocab"]))  # fmt: skip
+    run.timing = True
+    cuda = d.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    steps, rows = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        if i >= spec["warmup"] and budget.left() < 0:
+            break
+        run.times.clear()
+        sums: dict = {}
+        start = time.perf_counter()
+        loss, grad_norm, _ = T.train_step(run, i, sums)
+        wall = time.perf_counter() - start
+        if i == 0:
+            first = wall
+        if i >= spec["warmup"]:
+            steps.append({**run.times, "step": wall, "tokens": sums.get("tokens", 0.0)})
+            rows.append({"loss": loss, "grad_norm": grad_norm, **_metrics(sums)})
+    out = {"impl": impl, "first_step_s": first, "timed_steps": len(steps),
+           "drafter_params_m": sum(p.numel() for p in run.drafter.parameters()) / 1e6}  # fmt: skip
+    if steps:
+        for key in ("target_forward", "drafter_fwd_bwd", "optimizer", "step"):
+            out[f"{key}_ms"] = 1000 * sorted(s[key] for s in steps)[len(steps) // 2]
+        out["tok_s"] = sum(s["tokens"] for s in steps) / sum(s["step"] for s in steps)
+        out["last"] = rows[-1]
+    if cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["wall_s"] = time.perf_counter() - t0
+    del run
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _metrics(sums: dict) -> dict:
+    from workload.metrics import finalize
+
+    return finalize(sums) if sums.get("blocks") else {}
+
+
+def section_train(kind: str, spec: dict, d, budget: Budget) -> dict:
+    size = spec[kind]
+    t0 = time.time()
+    target = _target(kind, size, d.device)
+    out: dict = {"size": size, "seq_len": spec["seq_len"], "anchors": spec["anchors"],
+                 "target_params_m": sum(p.numel() for p in target.parameters()) / 1e6,
+                 "build_s": time.time() - t0, "impls": {}}  # fmt: skip
+    impls = spec["impls"] if kind == "dense" else spec["impls"][:1]
+    for impl in impls:
+        if budget.left() < 30:
+            out["impls"][impl] = {"skipped": "time budget spent"}
+            continue
+        say(f"{kind}: attention={impl}")
+        try:
+            out["impls"][impl] = _measure(target, spec, size, impl, d, budget)
+            say(f"{kind}: {impl}: {_short(out['impls'][impl])}")
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            out["impls"][impl] = _failure(exc)
+            say(f"{kind}: {impl} FAILED: {exc}")
+    if kind == "hybrid" and budget.left() > 20:
+        try:
+            out["fla_vs_torch"] = _fla_vs_torch(target, size)
+        except Exception as exc:  # noqa: BLE001
+            out["fla_vs_torch"] = _failure(exc)
+    return out
+
+
+def _fla_vs_torch(target, size: dict) -> dict:
+    """Final hidden states of the same hybrid target: device kernels vs the torch reference."""
+    import copy
+
+    import torch
+
+    ids = torch.randint(4, size["vocab"] - 1, (1, 512), generator=torch.Generator().manual_seed(1))
+    device = next(target.parameters()).device
+    with torch.no_grad():
+        ref_model = copy.deepcopy(target).float().cpu()
+        ref = ref_model.model(input_ids=ids).last_hidden_state
+        fast_model = copy.deepcopy(target).float().to(device)
+        fast = fast_model.model(input_ids=ids.to(device)).last_hidden_state.cpu()
+    err = (fast - ref).abs()
+    return {"device": str(device), "max_abs": float(err.max()), "mean_abs": float(err.mean()),
+            "ref_rms": float(ref.pow(2).mean().sqrt())}  # fmt: skip
+
+
+def _short(r: dict) -> str:
+    keys = ("step_ms", "target_forward_ms", "drafter_fwd_bwd_ms", "optimizer_ms", "tok_s",
+            "peak_gib", "first_step_s")  # fmt: skip
+    return ", ".join(f"{k} {r[k]:.1f}" for k in keys if k in r)
+
+
+def _failure(exc: BaseException) -> dict:
+    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--budget", type=float, default=330.0, help="seconds for all sections")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no flex, no fla)")
+    a = p.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    from workload import train as T
+
+    spec = SMOKE if a.cpu_smoke else FULL
+    if not a.cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
+        return 2
+    if not dist.is_initialized():
+        backend = "gloo" if a.cpu_smoke else "nccl"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    d = T.init_distributed()
+    if a.cpu_smoke:
+        d.device = torch.device("cpu")
+    budget = Budget(a.budget)
+    results: dict = {"mode": "cpu-smoke" if a.cpu_smoke else "gpu", "started": time.time()}
+    sections = [("env", lambda: section_env(d.device)),
+                ("dense_1b", lambda: section_train("dense", spec, d, budget)),
+                ("hybrid", lambda: section_train("hybrid", spec, d, budget))]  # fmt: skip
+    for name, fn in sections:
+        say(f"section {name} ({budget.left():.0f}s left)")
+        try:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001
+            results[name] = _failure(exc)
+            say(f"section {name} FAILED: {exc}")
+        Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    results["wall_s"] = time.time() - results["started"]
+    Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    say(f"wrote {a.out} in {results['wall_s']:.0f}s")
+    failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
