@@ -25,7 +25,7 @@ WORKLOAD = Path(__file__).resolve().parents[2] / "workload"
 # Small enough for a test session, trained enough that greedy replies follow the task patterns.
 FIXTURE_BUILDS = {
     "dense": {"kind": "dense", "steps": 300, "conversations": 1200, "prompts": 24, "seed": 0},
-    "hybrid": {"kind": "hybrid", "steps": 120, "conversations": 600, "prompts": 24, "seed": 0},
+    "hybrid": {"kind": "hybrid", "steps": 150, "conversations": 600, "prompts": 24, "seed": 0},
 }
 
 
@@ -39,7 +39,7 @@ def build_key(options: dict) -> str:
     import transformers
 
     h = hashlib.sha256()
-    for name in ("tiny.py", "data.py"):
+    for name in ("tiny.py", "data.py", "targets.py"):
         h.update((WORKLOAD / name).read_bytes())
     h.update(repr(sorted(options.items())).encode())
     h.update(f"{torch.__version__} {transformers.__version__}".encode())
