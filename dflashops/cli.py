@@ -29,6 +29,7 @@ app = typer.Typer(
     help="Train and evaluate DFlash drafters on Proxmox GPU servers.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )

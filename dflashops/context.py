@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import click
 import typer
 
 from dflashops.errors import ExitCode, OpsError
@@ -81,6 +83,15 @@ def command(fn: F) -> F:
             fail(exc.message, int(exc.code))
         except KeyboardInterrupt:
             fail("interrupted", int(ExitCode.INTERRUPTED))
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+            raise
+        except Exception as exc:  # a bug of ours: still one line, the details on request
+            if ctx is not None and get(ctx).verbose:
+                traceback.print_exc()
+            fail(
+                f"internal error: {type(exc).__name__}: {exc} (rerun with -v for details)",
+                int(ExitCode.FAILED),
+            )
         finally:
             if ctx is not None:
                 get(ctx).close()

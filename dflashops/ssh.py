@@ -25,17 +25,19 @@ def load_paramiko():  # noqa: ANN201
     used only for `Match exec` in ~/.ssh/config, which then reports that invoke is missing)."""
     import sys
 
-    if "paramiko" in sys.modules:
-        return sys.modules["paramiko"]
-    blocked = "invoke" not in sys.modules
-    if blocked:
-        sys.modules["invoke"] = None  # type: ignore[assignment]
-    try:
-        import paramiko
-    finally:
-        if blocked and sys.modules.get("invoke", 0) is None:
-            del sys.modules["invoke"]
+    with _IMPORT_LOCK:
+        blocked = "invoke" not in sys.modules
+        if blocked:
+            sys.modules["invoke"] = None  # type: ignore[assignment]
+        try:
+            import paramiko
+        finally:
+            if blocked and sys.modules.get("invoke", 0) is None:
+                del sys.modules["invoke"]
     return paramiko
+
+
+_IMPORT_LOCK = threading.Lock()
 
 
 def pinned_keys_file() -> Path:

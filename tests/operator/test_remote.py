@@ -267,6 +267,7 @@ def test_hosts_table_and_json(inventory, home, testbed, make_container, tmp_path
     ct201 = next(t for t in doc["targets"] if t["name"] == "ct201")
     assert ct201["disk_free_bytes"] > 0 and ct201["python"] is True
     table = dflashops("hosts", inventory=inv, home=home)
+    assert table.code == 0, table.err
     assert "stopped" in table.out and "missing" in table.out
 
 
