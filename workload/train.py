@@ -23,6 +23,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -569,21 +570,26 @@ class Wandb:
 
 
 class StopFlag:
-    """SIGINT/SIGTERM ask for a clean stop at the end of the step; a second one exits now."""
+    """SIGINT/SIGTERM ask for a clean stop at the end of the step; a second one exits now.
+    The previous handlers come back on `restore()` (the trainer may run inside a test)."""
 
     def __init__(self) -> None:
         self.requested = False
-        self.signum = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             os._exit(128 + signum)
         self.requested = True
-        self.signum = signum
-        print(f"received {signal.Signals(signum).name}: stopping after this step "
-              "(again to exit now)", flush=True)  # fmt: skip
+        name = signal.Signals(signum).name
+        print(f"received {name}: stopping after this step (again to exit now)", flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
@@ -720,20 +726,21 @@ def train(
     `stop_after`: stop (with a checkpoint) after this step, as if asked to."""
     owns_group = not dist.is_initialized()
     d = init_distributed()
+    stop = StopFlag()
     try:
-        if d.main and (run_dir / LOG_NAME).exists() and not resume:
+        used = d.main and (run_dir / LOG_NAME).exists() and not resume
+        if any_rank(used, d.device):  # rank 0's file system decides, every rank stops
             raise UsageError(
                 f"{run_dir / LOG_NAME} exists: this run directory was used; "
                 "pass --resume to continue it, or choose a new --run-dir"
             )
-        dist.barrier()
         state = RunState(run_dir, d.main)
         if d.main:
             run_dir.mkdir(parents=True, exist_ok=True)
             state.update(pid=os.getpid(), started=time.time(), finished=None, exit_code=None,
                          status="starting", world_size=d.world)  # fmt: skip
         try:
-            status = _train(cfg, run_dir, resume, d, state, stop_after)
+            status = _train(cfg, run_dir, resume, d, state, stop, stop_after)
         except UsageError:
             state.update(status="failed", finished=time.time(), exit_code=2)
             raise
@@ -743,18 +750,24 @@ def train(
         state.update(status=status, finished=time.time(), exit_code=0)
         return 0
     finally:
+        stop.restore()
         if owns_group:
             dist.destroy_process_group()
 
 
 def _train(
-    cfg: RunConfig, run_dir: Path, resume: bool, d: Dist, state: RunState, stop_after: int | None
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    d: Dist,
+    state: RunState,
+    stop: StopFlag,
+    stop_after: int | None,
 ) -> str:
     def say(msg: str) -> None:
         if d.main:
             print(msg, flush=True)
 
-    stop = StopFlag()
     run, items = setup(cfg, d, say=say)
     for item in items:
         say(f"recipe audit: {item.line()}")

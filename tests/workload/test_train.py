@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from safetensors.torch import load_file
 
 from workload import checkpoint as ckpt
@@ -20,6 +21,7 @@ from workload import train as T
 from workload.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO / "templates" / "runs" / "tiny.yaml"
 # A small, fast configuration of the tiny template (the tests' runs take seconds per step).
 SMALL = [
     "drafter.num_layers=1",
@@ -42,8 +44,24 @@ def group():
     return T.init_distributed()
 
 
+def build_settings(build: Path) -> list[str]:
+    """What `workload.tiny` filled into its run.yaml, as overrides of the current template
+    (the cached build's run.yaml may come from an older template)."""
+    made = yaml.safe_load((build / "run.yaml").read_text())
+    return [
+        f"target.path={made['target']['path']}",
+        f"data.path={made['data']['path']}",
+        f"drafter.mask_token_id={made['drafter']['mask_token_id']}",
+        f"data.pack={str(made['data'].get('pack', False)).lower()}",
+    ]
+
+
+def tiny_config(build: Path, *overrides: str):
+    return load_config(TEMPLATE, [*build_settings(build), *overrides])
+
+
 def config(build: Path, *overrides: str):
-    return load_config(build / "run.yaml", [*SMALL, *overrides])
+    return tiny_config(build, *SMALL, *overrides)
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -55,8 +73,8 @@ def read_state(run_dir: Path) -> dict:
 
 
 def cli(build: Path, run_dir: Path, *args: str, launcher=(sys.executable,), **kw):
-    small = [a for item in SMALL for a in ("--set", item)]
-    cmd = [*launcher, "-m", "workload.train", "--config", str(build / "run.yaml"),
+    small = [a for item in (*build_settings(build), *SMALL) for a in ("--set", item)]
+    cmd = [*launcher, "-m", "workload.train", "--config", str(TEMPLATE),
            "--run-dir", str(run_dir), *small, *args]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, **kw)
@@ -168,8 +186,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dense, tmp_path):
     run_dir = tmp_path / "run"
     cmd_args = ["--set", "optim.max_steps=1000", "--set", "checkpoint.every=1000"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    # the build's own run.yaml, as `python -m workload.tiny` wrote it (the contract's path)
+    sets = [a for s in SMALL for a in ("--set", s)]
     cmd = [sys.executable, "-m", "workload.train", "--config", str(tiny_dense / "run.yaml"),
-           "--run-dir", str(run_dir)] + [a for s in SMALL for a in ("--set", s)] + cmd_args  # fmt: skip
+           "--run-dir", str(run_dir), *sets, *cmd_args]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -222,10 +242,7 @@ def test_wandb_offline_run_lands_in_state(tiny_dense, tmp_path, group, monkeypat
 
 
 def _learns(build: Path, run_dir: Path, steps: int, *extra: str) -> tuple[dict, dict]:
-    cfg = load_config(
-        build / "run.yaml",
-        [f"optim.max_steps={steps}", "log.log_every=10", f"checkpoint.every={steps}", *extra],
-    )
+    cfg = tiny_config(build, f"optim.max_steps={steps}", f"checkpoint.every={steps}", *extra)
     assert T.train(cfg, run_dir) == 0
     records = read_log(run_dir)
     first, last = records[0], records[-1]
