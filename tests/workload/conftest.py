@@ -59,8 +59,9 @@ def cached_tiny(options: dict) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "tiny.json").is_file():
             return final
+        for stale in root.glob(f"{final.name}.tmp-*"):  # left by a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f"{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         rng_state, py_state = torch.get_rng_state(), random.getstate()
         t0 = time.time()
         try:

@@ -139,3 +139,24 @@ def test_build_is_deterministic(tmp_path):
     ):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert tiny.make_corpus(8, 40, 3) != tiny.make_corpus(7, 40, 3)
+
+
+def test_multimodal_qwen35_checkpoint_loads_as_its_text_model(tiny_hybrid, tmp_path):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(vocab_size=704, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                layer_types=["linear_attention"] * 3 + ["full_attention"],
+                linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+                linear_value_head_dim=16)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    vlm.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_hybrid / "target").save_pretrained(tmp_path)
+    model, _ = load_target(tmp_path)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert text_config(model.config).num_hidden_layers == 4 and embedding_rows(model) == 704
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, vlm(input_ids=ids).logits)
