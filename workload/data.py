@@ -210,6 +210,10 @@ def load_examples(
     """Render every conversation of a chat JSONL file (see the module doc for the error policy).
     `workers` > 1 renders in forked processes; the result is the same, in file order."""
     template = resolve_chat_template(chat_template)
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{path}: the target's tokenizer has no chat template; set data.chat_template"
+        )
     items = read_conversations(path)
     n = _workers(len(items), workers)
     chunks = [items[i::n] for i in range(n)] if n > 1 else [items]
