@@ -64,11 +64,11 @@ def register(app: typer.Typer) -> None:
             view = runs.find(reader, run, records="none")
             pull(reader, writer, view, step, dest)
             machine = writer.machine(dest)
-            context.note(f"{dest.name}: syncing the workload")
-            sync_workload(machine)
             argv = eval_argv(
                 reader.machine(dest), machine, run, step, prompts, reference, sets or []
             )
+            context.note(f"{dest.name}: syncing the workload")
+            sync_workload(machine)
             if max_new_tokens is not None:
                 argv += ["--max-new-tokens", str(max_new_tokens)]
             if max_prompts is not None:

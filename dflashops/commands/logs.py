@@ -114,9 +114,9 @@ def stream_log(machine: Machine, view: RunView, *, tail: int, follow: bool) -> N
             raise NotFoundError(f"{view.name}: no console.log in {view.target}:{view.dir}")
         if result is not None and result.ok:
             return
-        if result is not None and not follow:
+        if result is not None and (not follow or result.returncode > 0):
             raise OpsError(f"{view.target}: reading {path} failed: {result.error_text}")
-        if result is not None:
-            context.note(f"{view.target}: the log stream broke ({result.error_text}); resuming")
+        if result is not None:  # the connection dropped (no exit status): resume
+            context.note(f"{view.target}: the log stream broke; resuming at byte {sinks.position}")
         offset = sinks.position
         time.sleep(RETRY_S)

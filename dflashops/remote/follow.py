@@ -62,8 +62,9 @@ def alive(session, state_path):
 
 
 def watch_stdin(done):
+    # os.read, not sys.stdin: a thread blocked in a buffered read holds a lock at exit
     try:
-        while sys.stdin.buffer.read(CHUNK):
+        while os.read(0, CHUNK):
             pass
     except OSError:
         pass

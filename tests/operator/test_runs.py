@@ -1,0 +1,331 @@
+"""The run lifecycle on the fake Proxmox bed: real sshd, a faithful pct, ns containers whose
+python is this test venv's, real tmux and a real (tiny, few-step) training on CPU.
+
+Two containers on two hosts: `train` (CT 951 on pve1) trains, `evalbox` (CT 952 on pve2)
+receives checkpoints and evaluates. The tiny target is built once per cache key and pushed
+into both containers with `dflashops push`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.operator.cli import Ran, dflashops
+
+pytestmark = pytest.mark.testbed
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_OPTIONS = ["--steps", "1", "--conversations", "120", "--prompts", "3", "--no-regenerate"]
+TRAIN_VMID, EVAL_VMID = 951, 952
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def tiny_build() -> Path:
+    """A tiny target (barely trained: only its format matters here), cached by code and options."""
+    key = hashlib.sha256()
+    for name in ("tiny.py", "data.py"):
+        key.update((ROOT / "workload" / name).read_bytes())
+    key.update(repr(TINY_OPTIONS).encode())
+    root = Path(
+        os.environ.get("DFLASHOPS_TEST_CACHE") or Path(tempfile.gettempdir()) / "dflashops-tests"
+    )
+    out = root / f"ops-tiny-{key.hexdigest()[:16]}"
+    if not (out / "run.yaml").is_file():
+        tmp = root / f"{out.name}.tmp{os.getpid()}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "workload.tiny", "--out", str(tmp), *TINY_OPTIONS]
+        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
+        os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def bed(testbed):
+    """Two fresh containers on two hosts, removed (with their processes) afterwards."""
+    train = testbed["pve1"].add_container(TRAIN_VMID, "ns")
+    evalbox = testbed["pve2"].add_container(EVAL_VMID, "ns")
+    try:
+        yield {"train": train, "evalbox": evalbox}
+    finally:
+        testbed["pve1"].remove_container(TRAIN_VMID)
+        testbed["pve2"].remove_container(EVAL_VMID)
+
+
+@pytest.fixture(scope="module")
+def inv(testbed, bed, tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("inv")
+    return testbed.write_inventory(
+        where / "hosts.yaml", dict(bed), extra_defaults={"python": sys.executable}
+    )
+
+
+@pytest.fixture(scope="module")
+def cli(inv, home):
+    def run(*args: str, timeout: float = 240, **kw) -> Ran:
+        return dflashops(*args, inventory=inv, home=home, timeout=timeout, **kw)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def config(cli, tmp_path_factory) -> Path:
+    """The tiny build in both containers, and a run config pointing at it there."""
+    tiny = tiny_build()
+    for target in ("train", "evalbox"):
+        pushed = cli("push", target, str(tiny), "/workspace/tiny")
+        assert pushed.code == 0, pushed.err
+    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
+    cfg["target"]["path"] = "/workspace/tiny/target"
+    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
+    cfg["optim"].update(max_steps=8, batch_size=4)
+    cfg["log"]["log_every"] = 2
+    cfg["checkpoint"].update(every=4, keep_last=3)
+    path = tmp_path_factory.mktemp("cfg") / "tiny-run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(cli, config):
+    """r-main (8 steps, checkpoints 4 and 8) and r-kl (kl loss, 4 steps), both to the end."""
+    main = cli("launch", "r-main", "--host", "train", "--config", str(config))
+    assert main.code == 0, main.err
+    kl = cli(
+        "launch", "r-kl", "--host", "train", "--config", str(config),
+        "--set", "loss.type=kl", "--set", "optim.max_steps=4", "--set", "checkpoint.every=2",
+    )  # fmt: skip
+    assert kl.code == 0, kl.err
+    follows = {}
+    for run in ("r-main", "r-kl"):
+        follows[run] = cli("status", run, "--follow", "--interval", "1")
+        assert follows[run].code == 0, follows[run].err
+    return {"launch": main, "follow": follows}
+
+
+def status(cli, run: str) -> dict:
+    ran = cli("--json", "status", run)
+    assert ran.code == 0, ran.err
+    return json.loads(ran.out)
+
+
+# ---------------------------------------------------------------- launch, status, follow
+
+
+def test_launch_runs_detached_then_status_follows_it_to_the_end(cli, trained, bed):
+    launched = trained["launch"]
+    assert "r-main: running on train (tmux dflash-r-main" in launched.out
+    assert "starting on train" in launched.err
+    follow = trained["follow"]["r-main"]
+    steps = [line.split()[2] for line in follow.out.splitlines() if line.startswith("r-main step")]
+    assert steps[-1] == "8/8" and len(steps) >= 2
+    assert "r-main: finished at step 8 (exit code 0)" in follow.err
+    doc = status(cli, "r-main")
+    assert doc["state"] == "finished" and doc["step"] == 8 and doc["total_steps"] == 8
+    assert set(doc["metrics"]) >= {"loss", "acc", "streak", "dds8", "tok_s"}
+    run_dir = bed["train"].host_path("/workspace/runs/r-main")
+    assert (run_dir / "run.yaml").read_text().startswith("# run.yaml of run r-main")
+    assert json.loads((run_dir / "state.json").read_text())["tmux"] == "dflash-r-main"
+    table = cli("status", "--all")
+    assert table.code == 0, table.err
+    row = next(line for line in table.out.splitlines() if line.startswith("r-main "))
+    assert row.split()[1:4] == ["train", "finished", "8/8"]
+
+
+def test_status_hides_finished_runs_unless_all(cli, trained):
+    ran = cli("--json", "status")
+    doc = json.loads(ran.out)
+    assert ran.code == 0 and doc["hidden"] >= 2
+    assert {"r-main", "r-kl"}.isdisjoint(r["run"] for r in doc["runs"])
+
+
+def test_duplicate_run_name_is_refused_on_any_target(cli, trained, bed):
+    ran = cli("launch", "r-main", "--host", "evalbox", "--config", "tiny")
+    assert ran.code == 2
+    assert "run name 'r-main' is taken (train:runs/r-main)" in ran.err
+    assert not bed["evalbox"].host_path("/workspace/runs/r-main").exists()
+
+
+def test_config_error_from_the_trainer_is_one_line_and_exit_2(cli, config):
+    ran = cli(
+        "launch", "r-bad", "--host", "train", "--config", str(config), "--set", "loss.type=nonsense"
+    )
+    assert ran.code == 2, ran.err
+    errors = [line for line in ran.err.splitlines() if line.startswith("dflashops: error:")]
+    assert len(errors) == 1 and "r-bad: the trainer refused to start" in errors[0]
+    assert "loss.type" in errors[0] and "Traceback" not in ran.err
+    assert status(cli, "r-bad")["state"] == "failed"
+
+
+def test_logs_tail_and_follow_of_a_finished_run(cli, trained):
+    tail = cli("logs", "r-main", "--tail", "2")
+    assert tail.code == 0, tail.err
+    lines = tail.out.splitlines()
+    assert len(lines) == 2 and lines[-1].endswith("exit code 0")
+    whole = cli("logs", "r-main", "--follow")
+    assert whole.code == 0 and "step 8/8" in whole.out and whole.out.endswith(tail.out)
+
+
+# ---------------------------------------------------------------- compare and diff
+
+
+def test_compare_two_runs_at_steps(cli, trained):
+    ran = cli("--json", "compare", "r-main", "r-kl", "--steps", "3,4,8")
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    main, kl = doc["runs"]
+    assert (main["run"], kl["run"]) == ("r-main", "r-kl")
+    assert main["values"]["acc"]["3"]["step"] == 2  # the last record at or before step 3
+    assert main["values"]["loss"]["8"]["step"] == 8
+    assert kl["values"]["loss"]["4"]["step"] == 4 and kl["values"]["loss"]["8"] is None
+    text = cli("compare", "r-main", "r-kl", "--steps", "3,8").out
+    kl_row = next(line for line in text.splitlines() if line.startswith("r-kl ") and "@2" in line)
+    assert kl_row.split()[-1] == "-"  # never reached step 8
+
+
+def test_diff_shows_the_differing_key_with_its_audit(cli, trained):
+    ran = cli("diff", "r-main", "r-kl")
+    assert ran.code == 0, ran.err
+    row = next(line for line in ran.out.splitlines() if line.startswith("loss.type"))
+    assert row.split()[1:4] == ["ce", "kl", "*"] and "recipe ce" in row
+    doc = json.loads(cli("--json", "diff", "r-main", "r-kl").out)
+    keys = {r["key"]: r for r in doc["rows"]}
+    assert keys["optim.max_steps"]["values"] == {"r-main": 8, "r-kl": 4}
+
+
+# ---------------------------------------------------------------- checkpoints across hosts
+
+
+def test_pull_ckpt_to_another_host_is_verified_and_idempotent(cli, trained, bed, testbed):
+    ran = cli("--json", "pull-ckpt", "8", "--to", "evalbox", "--run", "r-main")
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    assert doc["copied"] and doc["from"] == "train" and doc["files"] == 3
+    src = bed["train"].host_path("/workspace/runs/r-main/checkpoints/step_8")
+    dst = bed["evalbox"].host_path("/workspace/ckpts/r-main/step_8")
+    assert _hashes(dst) == _hashes(src)
+    assert (dst.parent / "run.yaml").read_text().startswith("# run.yaml of run r-main")
+    again = json.loads(cli("--json", "pull-ckpt", "8", "--to", "evalbox", "--run", "r-main").out)
+    assert again["copied"] is False
+    # damage the copy there: the next pull notices and copies it again
+    blob = dst / "model.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[1000] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    healed = cli("pull-ckpt", "8", "--to", "evalbox", "--run", "r-main")
+    assert healed.code == 0 and "does not verify (sha256 mismatch: model.safetensors)" in healed.err
+    assert _hashes(dst) == _hashes(src)
+
+
+def test_pull_ckpt_corrupted_in_flight_keeps_nothing(cli, trained, bed, testbed):
+    testbed["pve2"].set_faults(corrupt_exec_stdin_at=300_000)
+    ran = cli("pull-ckpt", "4", "--to", "evalbox", "--run", "r-main")
+    assert ran.code == 1, ran.err
+    assert "does not match its MANIFEST.sha256" in ran.err or "receiving" in ran.err
+    ckpts = bed["evalbox"].host_path("/workspace/ckpts/r-main")
+    left = [p.name for p in ckpts.iterdir()] if ckpts.exists() else []
+    assert "step_4" not in left and not [n for n in left if n.startswith(".tmp")]
+
+
+def test_pull_ckpt_missing_or_incomplete_step(cli, trained, bed):
+    missing = cli("pull-ckpt", "5", "--to", "evalbox", "--run", "r-main")
+    assert missing.code == 4 and "complete steps: 4, 8" in missing.err
+    partial = bed["train"].host_path("/workspace/runs/r-kl/checkpoints/step_3")
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    refused = cli("pull-ckpt", "3", "--to", "evalbox", "--run", "r-kl")
+    assert refused.code == 2 and "incomplete" in refused.err
+
+
+def test_eval_on_another_target_writes_the_contract_keys(cli, trained, bed):
+    ran = cli(
+        "--json", "eval", "r-main", "--step", "8", "--on", "evalbox",
+        "--max-new-tokens", "12", "--max-prompts", "2",
+    )  # fmt: skip
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    assert set(doc) >= {"tau", "ddtree", "per_position", "histogram", "n_prompts", "max_new_tokens"}
+    assert doc["n_prompts"] == 2 and doc["max_new_tokens"] == 12 and "8" in doc["ddtree"]
+    assert "prompt 2/2" in ran.err  # the evaluator's progress, streamed
+    kept = bed["evalbox"].host_path("/workspace/evals/r-main/step_8.json")
+    assert json.loads(kept.read_text())["tau"] == doc["tau"]
+    table = cli("eval", "r-main", "--step", "8", "--on", "evalbox", "--max-new-tokens", "8",
+                "--max-prompts", "1")  # fmt: skip
+    assert table.code == 0 and table.out.startswith("DRAFTER") and "r-main step_8" in table.out
+
+
+def test_eval_says_when_the_target_model_is_missing_there(cli, trained):
+    ran = cli("eval", "r-main", "--step", "8", "--on", "evalbox", "--set", "target.path=/models/x")
+    assert ran.code == 4
+    assert "evalbox: not there: target.path (the target model) /models/x" in ran.err
+    assert len(ran.err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- stop and resume
+
+
+def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
+    args = ["--config", str(config), "--set", "optim.max_steps=300", "--set", "log.log_every=1"]
+    started = cli("launch", "r-stop", "--host", "train", *args)
+    assert started.code == 0, started.err
+    refused = cli("archive", "r-stop")
+    assert refused.code == 2 and "stop it first" in refused.err
+    stopped = cli("stop", "r-stop")
+    assert stopped.code == 0, stopped.err
+    first = status(cli, "r-stop")
+    assert first["state"] == "stopped" and first["exit_code"] == 0
+    assert f"newest checkpoint step_{first['step']}" in stopped.out
+    ckpts = json.loads(cli("--json", "ckpts", "r-stop", "--verify").out)["checkpoints"]
+    assert [(c["step"], c["complete"], c["verified"]) for c in ckpts] == [
+        (first["step"], True, True)
+    ]
+    resumed = cli("resume", "r-stop")
+    assert resumed.code == 0, resumed.err
+    assert f"resuming from step_{first['step']}" in resumed.err
+    stopped = cli("--json", "stop", "r-stop")
+    doc = json.loads(stopped.out)
+    assert doc["state"] == "stopped" and doc["checkpoint"] > first["step"]
+    log = bed["train"].host_path("/workspace/runs/r-stop/train_log.jsonl").read_text()
+    steps = [json.loads(line)["step"] for line in log.splitlines()]
+    assert steps == list(range(1, doc["checkpoint"] + 1))  # rewound to the checkpoint, then on
+
+
+# ---------------------------------------------------------------- dry run
+
+
+def test_dry_run_prints_host_argv_and_changes_nothing(cli, trained, bed):
+    ran = cli("--dry-run", "launch", "r-dry", "--host", "train", "--config", "tiny")
+    assert ran.code == 0, ran.err
+    tmux = next(line for line in ran.out.splitlines() if "tmux new-session" in line)
+    assert tmux.startswith(f"pve1: pct exec {TRAIN_VMID} -- /usr/bin/env -i PATH=")
+    assert "-s dflash-r-dry -c /workspace/runs/r-dry" in tmux
+    assert not bed["train"].host_path("/workspace/runs/r-dry").exists()
+    pulled = cli("--dry-run", "pull-ckpt", "4", "--to", "evalbox", "--run", "r-kl")
+    assert pulled.code == 0, pulled.err
+    assert any(
+        line.startswith("pve1: pct exec") and " tar -C " in line for line in pulled.out.splitlines()
+    )
+    assert not bed["evalbox"].host_path("/workspace/ckpts/r-kl").exists()
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
