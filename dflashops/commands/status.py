@@ -86,6 +86,7 @@ def show_all(found: runs.Survey, all_: bool, as_json: bool, opts: context.Contex
     views = sorted(found.runs(), key=lambda r: (-(r.started or 0), r.target, r.name))
     shown = [v for v in views if all_ or v.state not in ("finished", "archived")]
     hidden = len(views) - len(shown)
+    warn_logs(shown)
     if as_json:
         opts.emit(
             {
@@ -95,7 +96,6 @@ def show_all(found: runs.Survey, all_: bool, as_json: bool, opts: context.Contex
             }
         )
     else:
-        warn_logs(shown)
         out = console()
         if shown:
             out.print(runs_table(shown))
@@ -107,6 +107,7 @@ def show_all(found: runs.Survey, all_: bool, as_json: bool, opts: context.Contex
 
 
 def show_one(view: RunView, as_json: bool, opts: context.Context) -> None:
+    warn_logs([view])
     if as_json:
         doc = view.summary()
         doc["checkpoints"] = [
@@ -115,7 +116,6 @@ def show_one(view: RunView, as_json: bool, opts: context.Context) -> None:
         doc["records"] = view.records
         opts.emit(doc)
         return
-    warn_logs([view])
     out = console()
     out.print(runs_table([view]))
     out.print()
@@ -243,6 +243,7 @@ def _at(rec: dict[str, Any] | None, key: str, step: int) -> str:
 
 
 def show_vs(a: RunView, b: RunView, as_json: bool, opts: context.Context) -> None:
+    warn_logs([a, b])
     if as_json:
         opts.emit(
             {
@@ -252,7 +253,6 @@ def show_vs(a: RunView, b: RunView, as_json: bool, opts: context.Context) -> Non
             }
         )
         return
-    warn_logs([a, b])
     out = console()
     out.print(vs_table(a, b))
     out.print("(values at each step are from the last record at or before it; @N marks step N)")

@@ -1,0 +1,300 @@
+"""Run commands on the `local` target: run directories laid out as the trainer writes them
+(contract sections 2-4), read and changed through the real command line; the launch script
+run by real tmux with a stand-in interpreter, so no training is needed here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.operator.cli import Ran, dflashops
+
+
+@pytest.fixture
+def ws(tmp_path) -> Path:
+    return tmp_path / "ws"
+
+
+@pytest.fixture
+def tmux_dir(tmp_path):
+    """A private tmux server for the test (TMUX_TMPDIR), killed afterwards."""
+    path = tmp_path / "tmux"
+    path.mkdir()
+    yield path
+    env = {**os.environ, "TMUX_TMPDIR": str(path)}
+    subprocess.run(["tmux", "kill-server"], env=env, capture_output=True)
+
+
+@pytest.fixture
+def fake_python(tmp_path) -> Path:
+    """A stand-in for the trainer's interpreter: shows what the launch script gave it, then
+    behaves as $FAKE_MODE says (config error, hard death, or a few log lines)."""
+    path = tmp_path / "fakepy"
+    path.write_text(
+        "#!/bin/sh\n"
+        'echo "argv: $*"\n'
+        'echo "secret: ${DFO_TEST_SECRET:-unset} pythonpath: $PYTHONPATH"\n'
+        'case "$FAKE_MODE" in\n'
+        "  config) echo 'error: run.yaml:3: loss.type: expected one of ce, kl' >&2; exit 2 ;;\n"
+        "  die) kill -9 $$ ;;\n"
+        "esac\n"
+        "exit 0\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def inventory(tmp_path, ws, tmux_dir, fake_python) -> Path:
+    path = tmp_path / "hosts.yaml"
+    env = json.dumps({"TMUX_TMPDIR": str(tmux_dir)})
+    path.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {fake_python}, env: {env}}}\n"
+    )
+    return path
+
+
+@pytest.fixture
+def cli(inventory):
+    def run(*args: str, **kw) -> Ran:
+        return dflashops(*args, inventory=inventory, **kw)
+
+    return run
+
+
+def make_run(
+    ws: Path,
+    name: str,
+    records: list[dict] | None = None,
+    *,
+    where: str = "runs",
+    ckpts: tuple[int, ...] = (),
+    log_text: str | None = None,
+    status: str = "finished",
+) -> Path:
+    """A run directory as the trainer leaves it."""
+    run = ws / where / name
+    (run / "checkpoints").mkdir(parents=True)
+    now = time.time()
+    records = records or [{"step": s, "time": now - 100 + s, "loss": 5.0 / s, "acc": s / 100}
+                          for s in (10, 20, 30)]  # fmt: skip
+    text = log_text if log_text is not None else "".join(json.dumps(r) + "\n" for r in records)
+    (run / "train_log.jsonl").write_text(text)
+    state = {"status": status, "exit_code": 0, "started": now - 100, "finished": now,
+             "last_step": records[-1]["step"], "pid": 999999}  # fmt: skip
+    (run / "state.json").write_text(json.dumps(state))
+    (run / "run.yaml").write_text("loss: {type: ce}\noptim: {max_steps: 30}\n")
+    (run / "console.log").write_text("step 30/30 loss 0.1\n")
+    for step in ckpts:
+        write_checkpoint(run / "checkpoints" / f"step_{step}", step)
+    return run
+
+
+def write_checkpoint(path: Path, step: int, *, complete: bool = True) -> None:
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(os.urandom(1000 + step))
+    (path / "config.json").write_text(json.dumps({"step": step}))
+    if complete:
+        lines = [
+            f"{hashlib.sha256((path / n).read_bytes()).hexdigest()}  {n}\n"
+            for n in ("config.json", "model.safetensors")
+        ]
+        (path / "MANIFEST.sha256").write_text("".join(lines))
+
+
+# ---------------------------------------------------------------- reading train_log.jsonl
+
+
+def test_log_with_a_malformed_line_and_a_partial_last_line(cli, ws):
+    good = [
+        json.dumps({"step": s, "time": time.time(), "loss": 1.0 / s, "acc": 0.5}) for s in (1, 2, 3)
+    ]
+    text = good[0] + "\n{not json\n" + good[1] + '\n{"step": "x"}\n' + good[2] + '\n{"step": 4, "lo'
+    make_run(ws, "messy", log_text=text)
+    ran = cli("--json", "status", "messy")
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    assert doc["step"] == 3 and doc["metrics"]["loss"] == pytest.approx(1 / 3)
+    assert "train_log.jsonl:2: malformed line skipped" in ran.err
+    assert "train_log.jsonl:4: no integer 'step'" in ran.err
+    assert ":6" not in ran.err  # the partial last line is ignored quietly
+    assert doc["warnings"] == [
+        "train_log.jsonl:2: malformed line skipped",
+        "train_log.jsonl:4: no integer 'step'; line skipped",
+    ]
+    compared = cli("--json", "compare", "messy", "messy", "--steps", "2,3")
+    assert compared.code == 0, compared.err
+    values = json.loads(compared.out)["runs"][0]["values"]["acc"]
+    assert values["3"] == {"value": 0.5, "step": 3}
+
+
+def test_readers_keep_any_numeric_key_and_drop_the_rest(cli, ws):
+    rec = {"step": 5, "time": time.time(), "loss": 0.5, "my_metric": 7, "tag": "text", "flag": True}
+    make_run(ws, "extra", [rec])
+    doc = json.loads(cli("--json", "status", "extra").out)
+    assert doc["metrics"] == {"loss": 0.5, "my_metric": 7}
+    compared = json.loads(cli("--json", "compare", "extra", "extra", "--metrics", "my_metric").out)
+    assert compared["runs"][0]["values"]["my_metric"]["5"]["value"] == 7
+
+
+# ---------------------------------------------------------------- status views
+
+
+def test_status_table_vs_and_names(cli, ws):
+    now = time.time()
+    make_run(ws, "a1", [{"step": s, "time": now, "acc": s / 10} for s in (2, 4, 6)])
+    make_run(ws, "a2", [{"step": s, "time": now, "acc": s / 20} for s in (3, 6)], status="stopped")
+    table = cli("status")
+    assert table.code == 0, table.err
+    assert [line.split()[0] for line in table.out.splitlines()[1:2]] == ["a2"]
+    assert "a1 " not in table.out and "1 finished or archived run(s) not shown" in table.out
+    vs = cli("status", "a1", "--vs", "a2")
+    assert vs.code == 0, vs.err
+    row4 = next(line for line in vs.out.splitlines() if line.startswith("4 "))
+    assert "0.400" in row4 and "0.150 @3" in row4
+    missing = cli("status", "a1x")
+    assert missing.code == 4 and "did you mean 'a1'" in missing.err.lower()
+    bad = cli("status", "bad name")
+    assert bad.code == 2
+
+
+def test_follow_of_a_finished_run_returns_at_once(cli, ws):
+    make_run(ws, "done")
+    ran = cli("status", "done", "--follow", "--interval", "1", timeout=30)
+    assert ran.code == 0, ran.err
+    assert ran.out.splitlines()[-1].startswith("done step 30")
+    assert "done: finished at step 30" in ran.err
+
+
+# ---------------------------------------------------------------- launch machinery
+
+
+def test_launch_script_sources_secrets_and_a_config_error_is_exit_2(cli, ws, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("loss:\n  type: ce\n")
+    env = {"DFO_TEST_SECRET": "s3cr3t-value", "FAKE_MODE": "config"}
+    ran = cli("launch", "sec", "--host", "local", "--config", str(cfg), "--secret", "DFO_TEST_SECRET",
+              "--set", "optim.max_steps=5", env=env)  # fmt: skip
+    assert ran.code == 2, ran.err
+    assert ran.err.strip().splitlines()[-1] == (
+        "dflashops: error: sec: the trainer refused to start: run.yaml:3: loss.type: expected one "
+        "of ce, kl"
+    )
+    run = ws / "runs" / "sec"
+    secrets = run / "secrets.env"
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    assert "DFO_TEST_SECRET=s3cr3t-value" in secrets.read_text()
+    console = (run / "console.log").read_text()
+    assert "secret: s3cr3t-value" in console and f"pythonpath: {ws}/dflashops" in console
+    for name in ("launch.sh", "run.yaml", "state.json", "console.log"):
+        assert "s3cr3t" not in (run / name).read_text().replace("secret: s3cr3t-value", "")
+    assert "s3cr3t" not in ran.out + ran.err
+    assert "max_steps: 5" in (run / "run.yaml").read_text()
+    state = json.loads((run / "state.json").read_text())
+    assert state["exit_code"] == 2 and state["status"] == "failed"
+    dry = cli("--dry-run", "launch", "sec2", "--host", "local", "--config", str(cfg),
+              "--secret", "DFO_TEST_SECRET", env=env)  # fmt: skip
+    assert dry.code == 0 and "s3cr3t" not in dry.out + dry.err
+    assert not (ws / "runs" / "sec2").exists()
+
+
+def test_a_trainer_killed_hard_still_has_its_exit_code_recorded(cli, ws, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 1\n")
+    ran = cli("launch", "dies", "--host", "local", "--config", str(cfg), env={"FAKE_MODE": "die"})
+    assert ran.code == 1 and "the trainer failed (exit code 137)" in ran.err
+    state = json.loads((ws / "runs" / "dies" / "state.json").read_text())
+    assert state["exit_code"] == 137 and state["status"] == "failed"
+    assert json.loads(cli("--json", "status", "dies").out)["state"] == "failed"
+
+
+def test_launch_refuses_bad_input_before_touching_anything(cli, ws, tmp_path):
+    cases = [
+        (("launch", "bad/name", "--host", "local", "--config", "tiny"), 2, "run name"),
+        (("launch", "ok", "--host", "nowhere", "--config", "tiny"), 4, "no target 'nowhere'"),
+        (("launch", "ok", "--host", "local"), 2, "give --config FILE or a template name (qwen36-27b, tiny)"),
+        (("launch", "ok", "--host", "local", "--config", "nope"), 2, "no such file, nor a template"),
+        (("launch", "ok", "--host", "local", "--config", "tiny", "--set", "drafter"), 2, "KEY=VALUE"),
+        (("launch", "ok", "--host", "local", "--config", "tiny", "--secret", "NOT_SET_ANYWHERE"), 2,
+         "not set in your environment"),
+    ]  # fmt: skip
+    for args, code, message in cases:
+        ran = cli(*args)
+        assert ran.code == code and message in ran.err, (args, ran.err)
+    assert not (ws / "runs").exists()
+
+
+# ---------------------------------------------------------------- checkpoints and archive
+
+
+def test_ckpts_lists_complete_incomplete_and_corrupt(cli, ws):
+    run = make_run(ws, "ck", ckpts=(10, 20))
+    write_checkpoint(run / "checkpoints" / "step_30", 30, complete=False)
+    doc = json.loads(cli("--json", "ckpts", "ck").out)
+    assert [(c["step"], c["complete"]) for c in doc["checkpoints"]] == [
+        (10, True),
+        (20, True),
+        (30, False),
+    ]
+    blob = run / "checkpoints" / "step_20" / "model.safetensors"
+    blob.write_bytes(b"x" + blob.read_bytes()[1:])
+    verified = cli("--json", "ckpts", "ck", "--verify")
+    assert verified.code == 1
+    marks = {
+        c["step"]: (c["verified"], c["problem"]) for c in json.loads(verified.out)["checkpoints"]
+    }
+    assert marks[10] == (True, None) and marks[20] == (False, "sha256 mismatch: model.safetensors")
+
+
+def test_archive_moves_and_prunes_by_policy(cli, ws):
+    run = make_run(ws, "old", ckpts=(10, 20, 30, 40))
+    write_checkpoint(run / "checkpoints" / "step_50", 50, complete=False)
+    dry = cli("--dry-run", "archive", "old", "--keep-last", "1", "--keep-every", "20")
+    assert dry.code == 0, dry.err
+    actions = {
+        line.split()[0]: line.split()[-1]
+        for line in dry.out.splitlines()
+        if line.startswith("step_")
+    }
+    assert actions == {"step_10": "remove", "step_20": "keep", "step_30": "remove",
+                       "step_40": "keep", "step_50": "(incomplete)"}  # fmt: skip
+    assert "python3 -c '<program:" in dry.out and (run / "checkpoints" / "step_10").is_dir()
+    ran = cli("--json", "archive", "old", "--keep-last", "1", "--keep-every", "20")
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    assert sorted(doc["removed"]) == ["step_10", "step_30", "step_50"] and doc["freed_bytes"] > 2000
+    moved = ws / "archive" / "old" / "checkpoints"
+    assert not run.exists() and sorted(p.name for p in moved.iterdir()) == ["step_20", "step_40"]
+    listed = json.loads(cli("--json", "status", "--all").out)["runs"]
+    assert [(r["run"], r["state"]) for r in listed] == [("old", "archived")]
+    assert cli("--json", "compare", "old", "old").code == 0
+    again = cli("launch", "old", "--host", "local", "--config", "tiny")
+    assert again.code == 2 and "local:archive/old" in again.err
+    assert cli("archive", "old").code == 2
+
+
+def test_archive_never_removes_the_newest_complete_checkpoint(cli, ws):
+    make_run(ws, "keep", ckpts=(10, 20))
+    doc = json.loads(cli("--json", "archive", "keep", "--keep-last", "0").out)
+    assert doc["removed"] == ["step_10"] and doc["kept"] == ["step_20"]
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(cli, ws, tmp_path):
+    make_run(ws, "p1")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        ran = cli("compare", "p1", "p1", "--plot", str(tmp_path / "x.png"))
+        assert ran.code == 2 and "pip install matplotlib" in ran.err
+        assert len(ran.err.strip().splitlines()) == 1
+    else:
+        ran = cli("compare", "p1", "p1", "--plot", str(tmp_path / "x.png"))
+        assert ran.code == 0 and (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
