@@ -145,7 +145,9 @@ class RunView:
         return max(0.0, self.now - console["mtime"]) if console else None
 
     def seconds_per_step(self) -> float | None:
+        since = self.status.get("started") or 0  # a resumed run's older lines paused
         recs = [r for r in self.records if isinstance(r.get("time"), (int, float))]
+        recs = [r for r in recs if r["time"] >= since]
         if len(recs) < 2:
             return None
         a, b = recs[max(0, len(recs) - 11)], recs[-1]
@@ -209,6 +211,8 @@ def derive_state(raw: dict[str, Any]) -> tuple[str, str | None]:
     if status == "failed":
         return "failed", None
     if status in ("running", "starting", "launching"):
+        if code == 0:
+            return "failed", "exit code 0, but the trainer never said it finished"
         return "failed", "the trainer is gone without recording an exit code"
     return "unknown", "no state.json"
 

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
     @context.command
     def archive(
         ctx: typer.Context,
-        run: str = typer.Argument(..., help="A run that is not running."),
+        run: str = typer.Argument(..., metavar="RUN", help="A run that is not running."),
         keep_last: int = typer.Option(
             None, "--keep-last", metavar="N", help="Keep the newest N complete checkpoints."
         ),

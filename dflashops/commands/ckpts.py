@@ -15,7 +15,9 @@ def register(app: typer.Typer) -> None:
     @context.command
     def ckpts(
         ctx: typer.Context,
-        run: str = typer.Argument(None, help="A run (default: the newest running one)."),
+        run: str = typer.Argument(
+            None, metavar="RUN", help="A run (default: the newest running one)."
+        ),
         verify: bool = typer.Option(
             False, "--verify", help="Check every file's sha256 against the manifest (reads all)."
         ),

@@ -33,9 +33,9 @@ def register(app: typer.Typer) -> None:
     @context.command
     def eval_(
         ctx: typer.Context,
-        run: str = typer.Argument(..., help="The run whose checkpoint to evaluate."),
-        step: int = typer.Option(..., "--step", help="The checkpoint's step."),
-        on: str = typer.Option(..., "--on", help="The target to evaluate on."),
+        run: str = typer.Argument(..., metavar="RUN", help="The run whose checkpoint to evaluate."),
+        step: int = typer.Option(..., "--step", metavar="STEP", help="The checkpoint's step."),
+        on: str = typer.Option(..., "--on", metavar="TARGET", help="The target to evaluate on."),
         prompts: str = typer.Option(
             None,
             "--prompts",

@@ -41,10 +41,15 @@ def register(app: typer.Typer) -> None:
     @context.command
     def launch(
         ctx: typer.Context,
-        run: str = typer.Argument(..., help="A new run name, unique across the inventory."),
-        host: str = typer.Option(..., "--host", help="The target to train on."),
+        run: str = typer.Argument(
+            ..., metavar="RUN", help="A new run name, unique across the inventory."
+        ),
+        host: str = typer.Option(..., "--host", metavar="TARGET", help="The target to train on."),
         config: str = typer.Option(
-            None, "--config", help="A run config: a YAML file, or a template of templates/runs/."
+            None,
+            "--config",
+            metavar="FILE|TEMPLATE",
+            help="A run config: a YAML file, or a template of templates/runs/.",
         ),
         sets: list[str] = typer.Option(
             None,

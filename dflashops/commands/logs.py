@@ -23,7 +23,9 @@ def register(app: typer.Typer) -> None:
     @context.command
     def logs(
         ctx: typer.Context,
-        run: str = typer.Argument(None, help="A run (default: the newest running one)."),
+        run: str = typer.Argument(
+            None, metavar="RUN", help="A run (default: the newest running one)."
+        ),
         tail: int = typer.Option(0, "--tail", "-n", metavar="N", help="Only the last N lines."),
         follow: bool = typer.Option(
             False, "--follow", "-f", help="Keep printing until the run ends (Ctrl-C detaches)."

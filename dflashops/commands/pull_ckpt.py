@@ -37,9 +37,13 @@ def register(app: typer.Typer) -> None:
     @context.command
     def pull_ckpt(
         ctx: typer.Context,
-        step: int = typer.Argument(..., help="The checkpoint's step (checkpoints/step_STEP)."),
-        to: str = typer.Option(..., "--to", help="The target to copy it to."),
-        run: str = typer.Option(None, "--run", help="The run (default: the newest running one)."),
+        step: int = typer.Argument(
+            ..., metavar="STEP", help="The checkpoint's step (checkpoints/step_STEP)."
+        ),
+        to: str = typer.Option(..., "--to", metavar="TARGET", help="The target to copy it to."),
+        run: str = typer.Option(
+            None, "--run", metavar="RUN", help="The run (default: the newest running one)."
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
     @context.command
     def resume(
         ctx: typer.Context,
-        run: str = typer.Argument(..., help="A stopped or failed run."),
+        run: str = typer.Argument(..., metavar="RUN", help="A stopped or failed run."),
         secrets: list[str] = typer.Option(
             None, "--secret", metavar="NAME", help="Replace the run's secrets (see launch)."
         ),

@@ -38,7 +38,9 @@ def register(app: typer.Typer) -> None:
     def status(
         ctx: typer.Context,
         run: str = typer.Argument(
-            None, help="A run (default: every run; with --follow, the newest running one)."
+            None,
+            metavar="RUN",
+            help="A run (default: every run; with --follow, the newest running one).",
         ),
         follow: bool = typer.Option(
             False, "--follow", "-f", help="Watch until the run ends (Ctrl-C detaches)."

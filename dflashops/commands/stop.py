@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     @context.command
     def stop(
         ctx: typer.Context,
-        run: str = typer.Argument(..., help="A running run."),
+        run: str = typer.Argument(..., metavar="RUN", help="A running run."),
         timeout: float = typer.Option(
             900, "--timeout", metavar="SECONDS", help="How long to wait for the checkpoint."
         ),
