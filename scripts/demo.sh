@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The main job end to end on the `local` target of the shipped hosts.yaml, on CPU:
+# set up .venv, build a tiny target model, train a drafter for it, watch it, compare it with a
+# deliberately wrong run (the soft KL loss of the old runs), diff their configs, pull the last
+# checkpoint and evaluate its acceptance length (tau). About 10 minutes on 2 cores.
+#
+# Knobs (environment): DEMO_RUN (run name; default demo-<time>), DEMO_STEPS (150),
+# DEMO_BUGGY_STEPS (60), DEMO_TINY_STEPS (300: the tiny target's own training),
+# DEMO_SKIP_SETUP=1 (use .venv as it is).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUN=${DEMO_RUN:-demo-$(date +%Y%m%d-%H%M%S)}
+BUGGY=$RUN-kl
+STEPS=${DEMO_STEPS:-150}
+BUGGY_STEPS=${DEMO_BUGGY_STEPS:-60}
+TINY_STEPS=${DEMO_TINY_STEPS:-300}
+TINY=.dflashops/tiny-$TINY_STEPS
+T0=$SECONDS
+
+say() {
+  if [ -t 1 ]; then printf '\n\033[1;34m==> %s\033[0m\n' "$*"; else printf '\n==> %s\n' "$*"; fi
+}
+
+say "1/9 setting up .venv (./scripts/setup-dev.sh)"
+if [ "${DEMO_SKIP_SETUP:-0}" != 1 ]; then ./scripts/setup-dev.sh; fi
+# The local target runs `python3`: the venv's, once its bin/ leads PATH.
+export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
+dflashops() { python -m dflashops.cli --inventory hosts.yaml "$@"; }
+
+say "2/9 the inventory: one target, this machine"
+dflashops hosts
+
+say "3/9 building the tiny target model, its chat data and a run config (python -m workload.tiny)"
+if [ -f "$TINY/run.yaml" ]; then
+  echo "already built: $TINY"
+else
+  python -m workload.tiny --out "$TINY" --steps "$TINY_STEPS" --conversations 1200 --prompts 16
+fi
+
+say "4/9 launching $RUN: a drafter for it, $STEPS steps on CPU, in a detached tmux session"
+dflashops launch "$RUN" --host local --config "$TINY/run.yaml" \
+  --set optim.max_steps="$STEPS" --set checkpoint.every=50 --set log.log_every=10
+
+say "5/9 launching $BUGGY: the same recipe, but with the old runs' soft KL loss (a bug to catch)"
+dflashops launch "$BUGGY" --host local --config "$TINY/run.yaml" \
+  --set optim.max_steps="$BUGGY_STEPS" --set loss.type=kl --set checkpoint.every="$BUGGY_STEPS" \
+  --set log.log_every=10
+
+say "6/9 watching $RUN until it is done (dflashops status $RUN --follow; Ctrl-C would only detach)"
+dflashops status "$RUN" --follow --interval 5
+dflashops status "$BUGGY" --follow --interval 5 >/dev/null
+dflashops status --all
+
+say "7/9 comparing the two runs at the same steps, then their configs"
+MID=$(( BUGGY_STEPS / 3 ))
+dflashops compare "$RUN" "$BUGGY" --steps "10,$MID,$BUGGY_STEPS,$STEPS"
+dflashops diff "$RUN" "$BUGGY"
+
+say "8/9 pulling $RUN's last checkpoint (step_$STEPS), verified against its MANIFEST.sha256"
+dflashops ckpts "$RUN"
+dflashops pull-ckpt "$STEPS" --to local --run "$RUN"
+
+say "9/9 evaluating it: acceptance length tau (chain and DDTree) on the tiny target's prompts"
+dflashops eval "$RUN" --step "$STEPS" --on local --max-new-tokens 64 --max-prompts 8
+
+say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the eval in .dflashops/workspace/evals/$RUN/"
