@@ -158,16 +158,18 @@ def show(views: list[RunView], steps: list[int], keys: list[str], doc: list[dict
         out.print()
         grid = table(k, *(f"step {s}" for s in steps))
         best = best_per_step(doc, k, steps)
-        for row in doc:
+        base = doc[0]["values"][k]
+        for i, row in enumerate(doc):
             cells = [row["run"]]
             for s in steps:
                 cell = row["values"][k][str(s)]
-                cells.append(format_cell(cell, k, s, best.get(s)))
+                text = format_cell(cell, k, s, best.get(s))
+                cells.append(text + (relative(cell, base[str(s)]) if i else ""))
             grid.add_row(*cells)
         out.print(grid)
     out.print()
     out.print("values at step S are from the last record at or before S (@N: from step N); "
-              "- : the run never reached S; bold: the best of the column")  # fmt: skip
+              f"-: the run never reached S; (+N%): against {views[0].name}; bold: the best")  # fmt: skip
 
 
 def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, float]:
@@ -181,6 +183,13 @@ def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, floa
         if len(nums) >= 2:
             best[s] = max(nums) if higher else min(nums)
     return best
+
+
+def relative(cell: dict | None, base: dict | None) -> str:
+    """' (+12%)': how far a value is from the first run's at the same step."""
+    if cell is None or base is None or not base["value"]:
+        return ""
+    return f" ({100 * (cell['value'] - base['value']) / abs(base['value']):+.0f}%)"
 
 
 def format_cell(cell: dict | None, key: str, step: int, best: float | None) -> str:

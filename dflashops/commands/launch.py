@@ -64,7 +64,9 @@ def register(app: typer.Typer) -> None:
             help="Pass NAME from your environment (e.g. WANDB_API_KEY) to the trainer through "
             "a 0600 file; never on a command line.",
         ),
-        follow: bool = typer.Option(False, "--follow", "-f", help="Then watch it (status -f)."),
+        follow: bool = typer.Option(
+            False, "--follow", "-f", help="Then watch it, as status --follow does."
+        ),
         wait: float = typer.Option(
             900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
         ),
@@ -90,11 +92,22 @@ def register(app: typer.Typer) -> None:
                 context.note("dry run: nothing was changed")
                 return
             view = wait_for_life(reader.machine(target), run, timeout=wait)
-            report(opts, view, json_out)
-            if follow:
-                from dflashops.commands.status import follow_run
+            then_follow(opts, reader, view, json_out, follow)
 
-                raise typer.Exit(follow_run(reader, view, None, interval=5.0))
+
+def then_follow(
+    opts: context.Context, reader: Any, view: RunView, json_out: bool, follow: bool
+) -> None:
+    """Report the started run; with --follow, go on as `status --follow` (one JSON document
+    at the end under --json)."""
+    as_json = opts.json or json_out
+    if not (follow and as_json):
+        report(opts, view, json_out)
+    if follow:
+        from dflashops.commands.status import follow_run
+
+        emit = opts.emit if as_json else None
+        raise typer.Exit(follow_run(reader, view, None, interval=5.0, emit=emit))
 
 
 def report(opts: context.Context, view: RunView, json_out: bool) -> None:

@@ -28,7 +28,10 @@ def register(app: typer.Typer) -> None:
         ),
         tail: int = typer.Option(0, "--tail", "-n", metavar="N", help="Only the last N lines."),
         follow: bool = typer.Option(
-            False, "--follow", "-f", help="Keep printing until the run ends (Ctrl-C detaches)."
+            False,
+            "--follow",
+            "-f",
+            help="Keep printing until the run ends (Ctrl-C detaches, exit 130; the run goes on).",
         ),
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
@@ -42,7 +45,7 @@ def register(app: typer.Typer) -> None:
         try:
             stream_log(machine, view, tail=max(0, tail), follow=follow)
         except KeyboardInterrupt:
-            context.note(f"detached; {view.name} goes on on {view.target}")
+            context.note(f"detached; {view.name} keeps running on {view.target}")
             raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
 
 

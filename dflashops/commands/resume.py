@@ -24,7 +24,9 @@ def register(app: typer.Typer) -> None:
         secrets: list[str] = typer.Option(
             None, "--secret", metavar="NAME", help="Replace the run's secrets (see launch)."
         ),
-        follow: bool = typer.Option(False, "--follow", "-f", help="Then watch it (status -f)."),
+        follow: bool = typer.Option(
+            False, "--follow", "-f", help="Then watch it, as status --follow does."
+        ),
         wait: float = typer.Option(
             900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
         ),
@@ -60,8 +62,4 @@ def register(app: typer.Typer) -> None:
                 return
             context.note(f"{run}: resuming from step_{max(steps)}")
             view = launching.wait_for_life(reader.machine(view.target), run, timeout=wait)
-            launching.report(opts, view, json_out)
-            if follow:
-                from dflashops.commands.status import follow_run
-
-                raise typer.Exit(follow_run(reader, view, None, interval=5.0))
+            launching.then_follow(opts, reader, view, json_out, follow)

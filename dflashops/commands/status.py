@@ -43,7 +43,10 @@ def register(app: typer.Typer) -> None:
             help="A run (default: every run; with --follow, the newest running one).",
         ),
         follow: bool = typer.Option(
-            False, "--follow", "-f", help="Watch until the run ends (Ctrl-C detaches)."
+            False,
+            "--follow",
+            "-f",
+            help="Watch until the run ends (Ctrl-C detaches, exit 130; the run goes on).",
         ),
         vs: str = typer.Option(
             None, "--vs", metavar="RUN", help="Show another run beside it at the same steps."
@@ -54,7 +57,10 @@ def register(app: typer.Typer) -> None:
         ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
-        """Runs across the inventory: state, step, loss, acc, streak, dds8, tok/s, ETA."""
+        """Runs across the inventory: state, step, loss, acc, streak, dds8, tok/s, ETA.
+
+        --follow exits 0 when the run finishes or is stopped, 1 when it fails, and 130 on
+        Ctrl-C, which only detaches: the run goes on."""
         opts = context.get(ctx)
         as_json = opts.json or json_out
         session = opts.session()
@@ -282,7 +288,7 @@ def follow_run(
             printer = _PlainPrinter(view, quiet=emit is not None)
             view = _follow_plain(session, view, other, interval, printer)
     except KeyboardInterrupt:
-        context.note(f"detached; {view.name} goes on ({view.state}) on {view.target}")
+        context.note(f"detached; {view.name} keeps running ({view.state}) on {view.target}")
         return int(ExitCode.INTERRUPTED)
     if emit is not None:
         emit(view.summary())
@@ -376,13 +382,13 @@ class _PlainPrinter:
             if w not in self.warned:
                 self.warned.add(w)
                 context.note(f"warning: {view.name} ({view.target}): {w}")
+        if view.state != self.state and view.state not in runs.TERMINAL:
+            self.write(f"{view.name}: {view.state} on {view.target}")
+        self.state = view.state
         for rec in view.records:
             if rec["step"] > since:
                 self.write(self.line(view, rec, other))
                 since = rec["step"]
-        if view.state != self.state and view.state not in runs.TERMINAL:
-            self.write(f"{view.name}: {view.state} on {view.target}")
-        self.state = view.state
         return since
 
     @staticmethod

@@ -127,6 +127,7 @@ def status(cli, run: str) -> dict:
 # ---------------------------------------------------------------- launch, status, follow
 
 
+@pytest.mark.slow  # shares the module's two real trainings (about a minute)
 def test_launch_runs_detached_then_status_follows_it_to_the_end(cli, trained, bed):
     launched = trained["launch"]
     assert "r-main: running on train (tmux dflash-r-main" in launched.out
@@ -147,6 +148,7 @@ def test_launch_runs_detached_then_status_follows_it_to_the_end(cli, trained, be
     assert row.split()[1:4] == ["train", "finished", "8/8"]
 
 
+@pytest.mark.slow
 def test_status_hides_finished_runs_unless_all(cli, trained):
     ran = cli("--json", "status")
     doc = json.loads(ran.out)
@@ -154,6 +156,7 @@ def test_status_hides_finished_runs_unless_all(cli, trained):
     assert {"r-main", "r-kl"}.isdisjoint(r["run"] for r in doc["runs"])
 
 
+@pytest.mark.slow
 def test_duplicate_run_name_is_refused_on_any_target(cli, trained, bed):
     ran = cli("launch", "r-main", "--host", "evalbox", "--config", "tiny")
     assert ran.code == 2
@@ -172,6 +175,7 @@ def test_config_error_from_the_trainer_is_one_line_and_exit_2(cli, config):
     assert status(cli, "r-bad")["state"] == "failed"
 
 
+@pytest.mark.slow
 def test_logs_tail_and_follow_of_a_finished_run(cli, trained):
     tail = cli("logs", "r-main", "--tail", "2")
     assert tail.code == 0, tail.err
@@ -184,6 +188,7 @@ def test_logs_tail_and_follow_of_a_finished_run(cli, trained):
 # ---------------------------------------------------------------- compare and diff
 
 
+@pytest.mark.slow
 def test_compare_two_runs_at_steps(cli, trained):
     ran = cli("--json", "compare", "r-main", "r-kl", "--steps", "3,4,8")
     assert ran.code == 0, ran.err
@@ -198,6 +203,7 @@ def test_compare_two_runs_at_steps(cli, trained):
     assert kl_row.split()[-1] == "-"  # never reached step 8
 
 
+@pytest.mark.slow
 def test_diff_shows_the_differing_key_with_its_audit(cli, trained):
     ran = cli("diff", "r-main", "r-kl")
     assert ran.code == 0, ran.err
@@ -211,6 +217,7 @@ def test_diff_shows_the_differing_key_with_its_audit(cli, trained):
 # ---------------------------------------------------------------- checkpoints across hosts
 
 
+@pytest.mark.slow
 def test_pull_ckpt_to_another_host_is_verified_and_idempotent(cli, trained, bed, testbed):
     ran = cli("--json", "pull-ckpt", "8", "--to", "evalbox", "--run", "r-main")
     assert ran.code == 0, ran.err
@@ -232,6 +239,7 @@ def test_pull_ckpt_to_another_host_is_verified_and_idempotent(cli, trained, bed,
     assert _hashes(dst) == _hashes(src)
 
 
+@pytest.mark.slow
 def test_pull_ckpt_corrupted_in_flight_keeps_nothing(cli, trained, bed, testbed):
     testbed["pve2"].set_faults(corrupt_exec_stdin_at=300_000)
     ran = cli("pull-ckpt", "4", "--to", "evalbox", "--run", "r-main")
@@ -242,6 +250,7 @@ def test_pull_ckpt_corrupted_in_flight_keeps_nothing(cli, trained, bed, testbed)
     assert "step_4" not in left and not [n for n in left if n.startswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_pull_ckpt_missing_or_incomplete_step(cli, trained, bed):
     missing = cli("pull-ckpt", "5", "--to", "evalbox", "--run", "r-main")
     assert missing.code == 4 and "complete steps: 4, 8" in missing.err
@@ -252,6 +261,7 @@ def test_pull_ckpt_missing_or_incomplete_step(cli, trained, bed):
     assert refused.code == 2 and "incomplete" in refused.err
 
 
+@pytest.mark.slow
 def test_eval_on_another_target_writes_the_contract_keys(cli, trained, bed):
     ran = cli(
         "--json", "eval", "r-main", "--step", "8", "--on", "evalbox",
@@ -269,6 +279,7 @@ def test_eval_on_another_target_writes_the_contract_keys(cli, trained, bed):
     assert table.code == 0 and table.out.startswith("DRAFTER") and "r-main step_8" in table.out
 
 
+@pytest.mark.slow
 def test_eval_says_when_the_target_model_is_missing_there(cli, trained):
     ran = cli("eval", "r-main", "--step", "8", "--on", "evalbox", "--set", "target.path=/models/x")
     assert ran.code == 4
@@ -279,6 +290,7 @@ def test_eval_says_when_the_target_model_is_missing_there(cli, trained):
 # ---------------------------------------------------------------- stop and resume
 
 
+@pytest.mark.slow
 def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
     args = ["--config", str(config), "--set", "optim.max_steps=300", "--set", "log.log_every=1"]
     started = cli("launch", "r-stop", "--host", "train", *args)
@@ -308,6 +320,7 @@ def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
 # ---------------------------------------------------------------- dry run
 
 
+@pytest.mark.slow
 def test_dry_run_prints_host_argv_and_changes_nothing(cli, trained, bed):
     ran = cli("--dry-run", "launch", "r-dry", "--host", "train", "--config", "tiny")
     assert ran.code == 0, ran.err
@@ -329,3 +342,70 @@ def _hashes(directory: Path) -> dict[str, str]:
         for p in sorted(directory.iterdir())
         if p.is_file()
     }
+
+
+# ---------------------------------------------------------------- a real LXC container
+
+STAND_IN_TRAINER = """\
+#!/usr/bin/python3
+# Stands in for `python -m workload.train` where torch is not installed: the same run-dir
+# protocol (state.json, train_log.jsonl, console output, a checkpoint with its manifest on
+# SIGTERM, exit 0), so the launch machinery can be tried in a real LXC container.
+import hashlib, json, os, signal, sys, time
+run = sys.argv[sys.argv.index("--run-dir") + 1]
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+def state(**kw):
+    path = os.path.join(run, "state.json")
+    s = json.load(open(path)) if os.path.exists(path) else {}
+    s.update(kw)
+    json.dump(s, open(path + ".tmp", "w"))
+    os.replace(path + ".tmp", path)
+state(pid=os.getpid(), started=time.time(), status="running", exit_code=None, finished=None)
+step = 0
+with open(os.path.join(run, "train_log.jsonl"), "a") as log:
+    while not stop and step < 1000:
+        step += 1
+        log.write(json.dumps({"step": step, "time": time.time(), "loss": 1 / step}) + "\\n")
+        log.flush()
+        print(f"step {step}/1000 loss {1 / step:.4f}", flush=True)
+        time.sleep(0.2)
+ckpt = os.path.join(run, "checkpoints", f"step_{step}")
+os.makedirs(ckpt)
+open(os.path.join(ckpt, "model.safetensors"), "wb").write(os.urandom(4096))
+digest = hashlib.sha256(open(os.path.join(ckpt, "model.safetensors"), "rb").read()).hexdigest()
+open(os.path.join(ckpt, "MANIFEST.sha256"), "w").write(f"{digest}  model.safetensors\\n")
+state(status="stopped", finished=time.time(), exit_code=0, last_step=step)
+print(f"stopped at step {step} on request", flush=True)
+"""
+
+
+@pytest.mark.lxc
+def test_launch_in_lxc_survives_the_connection_and_stops_cleanly(lxc_ct, testbed, home, tmp_path):
+    inv = testbed.write_inventory(
+        tmp_path / "hosts.yaml", {"lxc": lxc_ct}, extra_defaults={"python": "/root/stand-in"}
+    )
+
+    def cli(*args: str) -> Ran:
+        return dflashops(*args, inventory=inv, home=home, timeout=120)
+
+    stub = tmp_path / "stand-in"
+    stub.write_text(STAND_IN_TRAINER)
+    stub.chmod(0o755)
+    assert cli("push", "lxc", str(stub), "/root/stand-in").code == 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    launched = cli("launch", "lxc-run", "--host", "lxc", "--config", str(cfg))
+    assert launched.code == 0, launched.err
+    first = json.loads(cli("--json", "status", "lxc-run").out)
+    assert first["state"] == "running" and first["tmux"] == "dflash-lxc-run"
+    again = json.loads(cli("--json", "status", "lxc-run").out)  # another connection later
+    assert again["state"] == "running" and again["step"] > first["step"]
+    stopped = cli("--json", "stop", "lxc-run")
+    assert stopped.code == 0, stopped.err
+    doc = json.loads(stopped.out)
+    assert doc["state"] == "stopped" and doc["checkpoint"] == doc["step"]
+    verified = json.loads(cli("--json", "ckpts", "lxc-run", "--verify").out)["checkpoints"]
+    assert [(c["step"], c["verified"]) for c in verified] == [(doc["step"], True)]
+    tail = cli("logs", "lxc-run", "--tail", "3")
+    assert f"stopped at step {doc['step']} on request" in tail.out
