@@ -298,3 +298,17 @@ def test_plot_without_matplotlib_is_a_one_line_error(cli, ws, tmp_path):
     else:
         ran = cli("compare", "p1", "p1", "--plot", str(tmp_path / "x.png"))
         assert ran.code == 0 and (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_missing_interpreter_points_at_setup(tmp_path, ws, tmux_dir):
+    inv = tmp_path / "nopy.yaml"
+    env = json.dumps({"TMUX_TMPDIR": str(tmux_dir)})
+    inv.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {tmp_path}/venv/bin/python, env: {env}}}\n"
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 1\n")
+    ran = dflashops("launch", "nopy", "--host", "local", "--config", str(cfg), inventory=inv)
+    assert ran.code == 1
+    assert ran.err.strip().endswith("not found on local; run `dflashops setup local` first")
