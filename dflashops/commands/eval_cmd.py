@@ -61,12 +61,13 @@ def register(app: typer.Typer) -> None:
         opts = context.get(ctx)
         dest = opts.inventory().target(on)
         with runs.sessions(opts) as (reader, writer):
-            view = runs.find(reader, run, records="none")
-            pull(reader, writer, view, step, dest)
+            view = runs.find(reader, run, records="none", files=["run.yaml"])
+            config = parse_config(view, sets or [])
             machine = writer.machine(dest)
             argv = eval_argv(
-                reader.machine(dest), machine, run, step, prompts, reference, sets or []
+                reader.machine(dest), machine, run, step, config, prompts, reference, sets or []
             )
+            pull(reader, writer, view, step, dest)
             context.note(f"{dest.name}: syncing the workload")
             sync_workload(machine)
             if max_new_tokens is not None:
@@ -89,6 +90,7 @@ def eval_argv(
     machine: Machine,
     run: str,
     step: int,
+    config: dict[str, Any],
     prompts: str | None,
     reference: str | None,
     sets: list[str],
@@ -97,7 +99,6 @@ def eval_argv(
     target = machine.target
     ckpt = runs.ckpt_copy_dir(target, run, step)
     config_path = posixpath.join(posixpath.dirname(ckpt), "run.yaml")
-    config = read_config(reader, config_path, sets)
     base = posixpath.dirname(config_path)
     model = _resolve((config.get("target") or {}).get("path"), base)
     if model is None:
@@ -131,13 +132,17 @@ def eval_argv(
     return argv
 
 
-def read_config(reader: Machine, path: str, sets: list[str]) -> dict[str, Any]:
+def parse_config(view: runs.RunView, sets: list[str]) -> dict[str, Any]:
+    """The run's run.yaml (the one pull-ckpt puts beside the checkpoint), with --set applied."""
+    text = (view.raw.get("files") or {}).get("run.yaml")
+    if text is None:
+        raise NotFoundError(f"{view.name}: no run.yaml in {view.target}:{view.dir}")
     try:
-        data = yaml.safe_load(transfer.read_text(reader, path)) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError:
-        raise UsageError(f"{reader.name}:{path}: not valid YAML") from None
+        raise UsageError(f"{view.name}: its run.yaml is not valid YAML") from None
     if not isinstance(data, dict):
-        raise UsageError(f"{reader.name}:{path}: not a run config")
+        raise UsageError(f"{view.name}: its run.yaml is not a run config")
     for item in sets:
         apply_set(data, item)
     return data
