@@ -254,6 +254,11 @@ def _convert(value: Any, tp: Any, key: str, src: _Source) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)

@@ -74,6 +74,7 @@ def test_overrides_are_yaml_typed_and_named_in_errors(tmp_path):
     assert cfg.loss.gamma == 4.0
     assert cfg.drafter.target_layer_ids == [1, 3]
     assert cfg.data.pack is True
+    assert load_config(path, ["optim.lr=3e-4"]).optim.lr == 3e-4  # YAML 1.1 reads this as text
     assert error_of(path, ["optim.lr=fast"]) == (
         "--set optim.lr=fast: optim.lr: expected a number, got 'fast'"
     )

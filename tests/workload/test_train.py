@@ -252,7 +252,7 @@ def _learns(build: Path, run_dir: Path, steps: int, *extra: str) -> tuple[dict, 
 
 @pytest.mark.slow
 def test_dense_drafter_learns(tiny_dense, tmp_path, group):
-    first, last = _learns(tiny_dense, tmp_path / "run", 200)
+    first, last = _learns(tiny_dense, tmp_path / "run", 300)
     assert first["step"] == 1
     assert last["acc"] > first["acc"] + 0.3
     assert last["streak"] > first["streak"] + 1.0
@@ -261,6 +261,6 @@ def test_dense_drafter_learns(tiny_dense, tmp_path, group):
 
 @pytest.mark.slow
 def test_hybrid_drafter_learns(tiny_hybrid, tmp_path, group):
-    first, last = _learns(tiny_hybrid, tmp_path / "run", 100)
+    first, last = _learns(tiny_hybrid, tmp_path / "run", 150)
     assert last["acc"] > first["acc"] + 0.2
     assert last["streak"] > first["streak"] + 0.5
