@@ -173,6 +173,7 @@ def test_resume_continues_exactly(tiny_dense, tmp_path, group):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-7), (ra["step"], key)
     wa, wb = _weights(straight, 8), _weights(split, 8)
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    print(f"\nresume: largest weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
     state = read_state(split)
     assert (state["status"], state["exit_code"], state["last_step"]) == ("finished", 0, 8)
