@@ -843,6 +843,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # console.log gets progress lines, not tqdm bars
     try:
         cfg = load_config(args.config, args.set)
         return train(cfg, Path(args.run_dir), resume=args.resume, stop_after=args.stop_after)
