@@ -303,9 +303,13 @@ def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
     assert first["state"] == "stopped" and first["exit_code"] == 0
     assert f"newest checkpoint step_{first['step']}" in stopped.out
     ckpts = json.loads(cli("--json", "ckpts", "r-stop", "--verify").out)["checkpoints"]
-    assert [(c["step"], c["complete"], c["verified"]) for c in ckpts] == [
-        (first["step"], True, True)
-    ]
+    # periodic checkpoints may precede it, depending on how far the run got before the stop
+    assert (ckpts[-1]["step"], ckpts[-1]["complete"], ckpts[-1]["verified"]) == (
+        first["step"],
+        True,
+        True,
+    )
+    assert all(c["complete"] and c["verified"] for c in ckpts)
     resumed = cli("resume", "r-stop")
     assert resumed.code == 0, resumed.err
     assert f"resuming from step_{first['step']}" in resumed.err
