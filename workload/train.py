@@ -792,7 +792,10 @@ def _train(
     log = MetricLog(run_dir, d.main)
     wb = Wandb(cfg, run_dir, d.main, state.read().get("wandb_id") if resume else None)
     wandb_id, wandb_url = wb.location
-    state.update(status="running", last_step=step, wandb_id=wandb_id, wandb_url=wandb_url)
+    state.update(
+        status="running", last_step=step, total_steps=run.total_steps, wandb_id=wandb_id,
+        wandb_url=wandb_url,
+    )  # fmt: skip
     if wandb_url:
         say(f"wandb: {wandb_url}")
 

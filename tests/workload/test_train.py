@@ -177,6 +177,7 @@ def test_resume_continues_exactly(tiny_dense, tmp_path, group):
     assert worst <= 1e-6, worst
     state = read_state(split)
     assert (state["status"], state["exit_code"], state["last_step"]) == ("finished", 0, 8)
+    assert state["total_steps"] == 8
 
 
 # ---------------------------------------------------------------- processes
