@@ -5,8 +5,10 @@ Input format: one JSON object per line, `{"messages": [{"role": ..., "content": 
 
 Error policy of `load_examples`: a line that is not valid JSON, has no message list, or has no
 assistant turn is an error (`DataError`, one line, `file:line: reason`): a broken data set
-should stop a run before it spends GPU hours, not shrink silently. A conversation whose
-supervised tokens all fall beyond `max_length` is skipped, with one warning that counts them.
+should stop a run before it spends GPU hours, not shrink silently. A conversation with no
+eligible anchor within `max_length` (no two consecutive supervised tokens: an empty reply, or a
+reply cut off after its first token) can teach nothing and is skipped, with one warning that
+counts them.
 """
 
 from __future__ import annotations
@@ -193,6 +195,11 @@ def _render_lines(args) -> list[Example]:
     return out
 
 
+def has_anchor(loss_mask: list[int]) -> bool:
+    """Whether some position a has loss_mask[a] and loss_mask[a + 1] (an eligible anchor)."""
+    return any(a and b for a, b in zip(loss_mask, loss_mask[1:], strict=False))
+
+
 def _workers(n_items: int, workers: int | None) -> int:
     if workers is None:  # rendering costs ~0.5-5 ms per conversation: parallel when it adds up
         workers = min(16, os.cpu_count() or 1) if n_items >= 20_000 else 1
@@ -225,10 +232,11 @@ def load_examples(
         rendered = [parts[i % n][i // n] for i in range(len(items))]
     else:
         rendered = _render_lines(jobs[0])
-    examples = [ex for ex in rendered if any(ex.loss_mask)]
+    examples = [ex for ex in rendered if has_anchor(ex.loss_mask)]
     if len(examples) < len(rendered):
         log.warning(
-            "%s: skipped %d conversations with no supervised token within max_length=%d",
+            "%s: skipped %d conversations with no eligible anchor (two consecutive supervised "
+            "tokens) within max_length=%d",
             path,
             len(rendered) - len(examples),
             max_length,
@@ -396,7 +404,8 @@ def sample_anchors(
     """Up to `num_anchors` eligible positions per document, uniformly without replacement.
 
     Returns anchors [B, N] (long, ascending per row, 0 where invalid) and valid [B, N] (bool),
-    N = the largest per-row count of this call.
+    N = the largest per-row count of this call, at least 1: a batch without any eligible
+    position gets one invalid padding block per row, so shapes stay valid downstream.
     """
     B, S = loss_mask.shape
     device = loss_mask.device
@@ -420,7 +429,7 @@ def sample_anchors(
     chosen = ok & (rank_in_group.view(B, S) < num_anchors)
 
     counts = chosen.sum(1)
-    n = int(counts.max()) if B else 0
+    n = max(int(counts.max()) if B else 0, 1)
     pos = torch.arange(S, device=device).expand(B, S)
     ranked = torch.sort(torch.where(chosen, pos, pos + S), dim=1).values[:, :n]
     valid = torch.arange(n, device=device)[None, :] < counts[:, None]

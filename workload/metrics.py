@@ -53,6 +53,13 @@ def _tree_sums(logits: Tensor, labels: Tensor, valid_len: Tensor, budgets: Seque
     ]
 
 
+def empty_sums(budgets: Sequence[int] = (8,)) -> dict[str, float]:
+    """The keys of `metric_sums`, all zero (a micro-step without a valid block has these)."""
+    sums = {"acc_correct": 0.0, "acc_count": 0.0, "streak_sum": 0.0, "blocks": 0.0}
+    sums.update({f"dds{int(b)}_sum": 0.0 for b in budgets})
+    return sums
+
+
 def metric_sums(
     logits: Tensor, labels: Tensor, valid: Tensor, budgets: Sequence[int] = (8,)
 ) -> dict[str, float]:
@@ -61,8 +68,7 @@ def metric_sums(
     Returns acc_correct, acc_count, streak_sum, blocks and dds{b}_sum for each budget.
     """
     budgets = [int(b) for b in budgets]
-    sums = {"acc_correct": 0.0, "acc_count": 0.0, "streak_sum": 0.0, "blocks": 0.0}
-    sums.update({f"dds{b}_sum": 0.0 for b in budgets})
+    sums = empty_sums(budgets)
     m, slots, vocab = logits.shape
     if m == 0 or slots == 0:
         return sums

@@ -52,7 +52,7 @@ from workload.config import (
 )
 from workload.data import Batch, BatchStream, load_examples, sample_anchors
 from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
-from workload.metrics import finalize, metric_sums
+from workload.metrics import empty_sums, finalize, metric_sums
 from workload.model import (
     DFlashDrafter,
     build_drafter_config,
@@ -422,6 +422,9 @@ def micro_step(run: Run, batch: Batch, step: int, sums: dict[str, float]) -> Ten
         teacher = None
         if cfg.loss.type != "ce":
             teacher = gather_slots(view.teacher_hidden, anchors, k)[anchor_valid]
+
+        for key, value in empty_sums(DDS_BUDGETS).items():  # the same keys on every rank
+            sums.setdefault(key, value)
 
         def hook(logits: Tensor, lab: Tensor, val: Tensor) -> None:
             for key, value in metric_sums(logits, lab, val, DDS_BUDGETS).items():

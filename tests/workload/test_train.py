@@ -135,6 +135,31 @@ def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_den
     assert "loss.teacher" in {i.key for i in items}
 
 
+# ---------------------------------------------------------------- batches without an anchor
+
+
+@pytest.mark.parametrize("attention", ["chunked", "dense"])  # flex has no CPU backward
+def test_a_batch_without_an_eligible_anchor_is_a_zero_loss_step(tiny_dense, group, attention):
+    """One supervised token per row: no anchor anywhere. The step must not crash, must add
+    nothing, and must still give every parameter a gradient (what DDP's allreduce waits for)."""
+    run, _ = T.setup(config(tiny_dense, f"attention={attention}"), group, say=lambda m: None)
+    batch = T.trim_padding(run.stream.next_batch())
+    batch.loss_mask[:] = False
+    batch.loss_mask[:, -1] = True
+    sums: dict = {}
+    loss = T.micro_step(run, batch, 0, sums)
+    assert loss.item() == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in run.drafter.parameters())
+    assert sums["blocks"] == 0 and sums["acc_count"] == 0 and "dds8_sum" in sums
+    run.optimizer.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in run.drafter.state_dict().items()}
+    run.stream.next_batch = lambda: batch  # two whole steps through DDP on such batches
+    for step in range(2):
+        loss_value, grad_norm, _ = T.train_step(run, step, {})
+        assert (loss_value, grad_norm) == (0.0, 0.0)
+    assert all(torch.equal(before[k], v) for k, v in run.drafter.state_dict().items())
+
+
 # ---------------------------------------------------------------- run directory rules
 
 
