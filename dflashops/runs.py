@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-from dflashops import context
+from dflashops import context, remote
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UnreachableError, UsageError
-from dflashops.inventory import Target
+from dflashops.inventory import NAME_RE, Target
 from dflashops.session import Session
 from dflashops.targets.base import Machine
 from dflashops.yamlfile import did_you_mean
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TERMINAL = ("finished", "failed", "stopped", "archived")
 METRICS = ("loss", "acc", "streak", "dds8")
 
@@ -53,11 +49,6 @@ def ckpt_copy_dir(target: Target, run: str, step: int) -> str:
 
 def eval_result_path(target: Target, run: str, step: int) -> str:
     return posixpath.join(target.workspace, "evals", run, f"step_{step}.json")
-
-
-@cache
-def helper_source(name: str) -> str:
-    return (Path(__file__).parent / "remote" / name).read_text()
 
 
 @dataclass
@@ -238,7 +229,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
     """Run the probe once in `machine` (see remote/runs_probe.py for the request's keys)."""
     target = machine.target
     request = {"ws": target.workspace, **request}
-    argv = ["python3", "-c", helper_source("runs_probe.py")]
+    argv = remote.argv("runs_probe.py")
     result = machine.run(argv, stdin=json.dumps(request).encode())
     if machine.dry_run:
         return Probe(target, 0.0, {"runs": [], "archive": []}, None, [], {}, {})
@@ -368,7 +359,7 @@ def sessions(opts: context.Context) -> Iterator[tuple[Session, Session]]:
 
 def control(machine: Machine, action: str, run_path: str, **request: Any) -> dict[str, Any]:
     """One change to a run directory through remote/runctl.py (printed only under --dry-run)."""
-    argv = ["python3", "-c", helper_source("runctl.py"), action, run_path]
+    argv = remote.argv("runctl.py", action, run_path)
     result = machine.run(argv, stdin=json.dumps(request).encode())
     if machine.dry_run:
         return {}

@@ -15,9 +15,9 @@ import stat
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
+from dflashops import remote
 from dflashops.errors import OpsError, TransferError, UsageError
 from dflashops.targets.base import CHUNK, Machine
 
@@ -46,11 +46,6 @@ class Sent:
     @property
     def files(self) -> int:
         return sum(1 for e in self.entries if e.kind == "f")
-
-
-@cache
-def _helper_source(name: str = "hashtree.py") -> str:
-    return (Path(__file__).parent / "remote" / name).read_text()
 
 
 def remote_path(machine: Machine, path: str) -> str:
@@ -124,7 +119,7 @@ def _file_blocks(entry: Entry, progress: Progress | None) -> Iterator[bytes]:
 
 def describe_remote(machine: Machine, base: str, rels: list[str] | None) -> dict[str, dict]:
     """Hash paths under `base` inside the target (all of them when `rels` is None)."""
-    argv = ["python3", "-c", _helper_source(), base]
+    argv = remote.argv("hashtree.py", base)
     if rels is None:
         argv.append("--all")
     result = machine.run(argv, stdin=json.dumps(rels or []).encode())
@@ -157,7 +152,7 @@ def put(
         name = local.name if remote.endswith("/") else posixpath.basename(dest)
         base = dest if remote.endswith("/") else posixpath.dirname(dest)
         entries = [_entry(local, name, local.lstat())]
-    receive = ["python3", "-c", _helper_source("receive.py"), base]
+    receive = remote.argv("receive.py", base)
     result = machine.run(receive, stdin=prefetch(tar_stream(entries, progress)))
     sent = Sent(entries, sum(e.size for e in entries))
     if machine.dry_run:

@@ -10,7 +10,7 @@ import time
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context, remote, runs
 from dflashops.errors import ExitCode, NotFoundError, OpsError
 from dflashops.runs import RunView
 from dflashops.targets.base import Machine
@@ -96,7 +96,7 @@ def stream_log(machine: Machine, view: RunView, *, tail: int, follow: bool) -> N
     sinks = _Sinks()
     offset = -1
     while True:
-        argv = ["python3", "-c", runs.helper_source("follow.py"), path]
+        argv = remote.argv("follow.py", path)
         argv += [
             runs.tmux_session(view.name),
             state,
