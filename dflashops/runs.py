@@ -13,9 +13,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashops import context, remote
+from dflashops import context
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UnreachableError, UsageError
 from dflashops.inventory import NAME_RE, Target
+from dflashops.remote import argv as helper_argv
 from dflashops.session import Session
 from dflashops.targets.base import Machine
 from dflashops.yamlfile import did_you_mean
@@ -229,7 +230,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
     """Run the probe once in `machine` (see remote/runs_probe.py for the request's keys)."""
     target = machine.target
     request = {"ws": target.workspace, **request}
-    argv = remote.argv("runs_probe.py")
+    argv = helper_argv("runs_probe.py")
     result = machine.run(argv, stdin=json.dumps(request).encode())
     if machine.dry_run:
         return Probe(target, 0.0, {"runs": [], "archive": []}, None, [], {}, {})
@@ -359,7 +360,7 @@ def sessions(opts: context.Context) -> Iterator[tuple[Session, Session]]:
 
 def control(machine: Machine, action: str, run_path: str, **request: Any) -> dict[str, Any]:
     """One change to a run directory through remote/runctl.py (printed only under --dry-run)."""
-    argv = remote.argv("runctl.py", action, run_path)
+    argv = helper_argv("runctl.py", action, run_path)
     result = machine.run(argv, stdin=json.dumps(request).encode())
     if machine.dry_run:
         return {}

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashops import remote
 from dflashops.errors import OpsError, TransferError, UsageError
+from dflashops.remote import argv as helper_argv
 from dflashops.targets.base import CHUNK, Machine
 
 Progress = Callable[[int], None]
@@ -119,7 +119,7 @@ def _file_blocks(entry: Entry, progress: Progress | None) -> Iterator[bytes]:
 
 def describe_remote(machine: Machine, base: str, rels: list[str] | None) -> dict[str, dict]:
     """Hash paths under `base` inside the target (all of them when `rels` is None)."""
-    argv = remote.argv("hashtree.py", base)
+    argv = helper_argv("hashtree.py", base)
     if rels is None:
         argv.append("--all")
     result = machine.run(argv, stdin=json.dumps(rels or []).encode())
@@ -152,7 +152,7 @@ def put(
         name = local.name if remote.endswith("/") else posixpath.basename(dest)
         base = dest if remote.endswith("/") else posixpath.dirname(dest)
         entries = [_entry(local, name, local.lstat())]
-    receive = remote.argv("receive.py", base)
+    receive = helper_argv("receive.py", base)
     result = machine.run(receive, stdin=prefetch(tar_stream(entries, progress)))
     sent = Sent(entries, sum(e.size for e in entries))
     if machine.dry_run:

@@ -10,8 +10,9 @@ import time
 
 import typer
 
-from dflashops import context, remote, runs
+from dflashops import context, runs
 from dflashops.errors import ExitCode, NotFoundError, OpsError
+from dflashops.remote import argv as helper_argv
 from dflashops.runs import RunView
 from dflashops.targets.base import Machine
 
@@ -96,7 +97,7 @@ def stream_log(machine: Machine, view: RunView, *, tail: int, follow: bool) -> N
     sinks = _Sinks()
     offset = -1
     while True:
-        argv = remote.argv("follow.py", path)
+        argv = helper_argv("follow.py", path)
         argv += [
             runs.tmux_session(view.name),
             state,

@@ -21,9 +21,10 @@ from typing import Any
 
 import typer
 
-from dflashops import context, remote, runs, transfer
+from dflashops import context, runs, transfer
 from dflashops.errors import NotFoundError, OpsError, TransferError, UsageError
 from dflashops.inventory import Target
+from dflashops.remote import argv as helper_argv
 from dflashops.render import BIG_TRANSFER, Stopwatch, human_bytes, progress
 from dflashops.runs import Checkpoint, RunView
 from dflashops.session import Session
@@ -143,7 +144,7 @@ def stream_tree(
 ) -> dict[str, Any]:
     """`tar -c` of `names` in `src` piped into the receiver in `dst`; the receiver's report."""
     tar = ["tar", "-C", src_dir, "--format=pax", "-cf", "-", "--", *names]
-    receive = remote.argv("receive.py", dst_dir)
+    receive = helper_argv("receive.py", dst_dir)
     pipe = _Pipe(advance)
     produced: dict[str, Any] = {}
 
