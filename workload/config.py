@@ -31,6 +31,10 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WANDB_MODES = ("online", "offline", "disabled")
+# Target attentions that keep packed documents apart from position_ids alone (checked against
+# per-document forwards in tests, sliding windows included). flash_attention_2/3 only detect
+# packing for a batch of one row, and are not verified here.
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 class ConfigError(ValueError):
@@ -334,6 +338,13 @@ def _check(cfg: RunConfig, src: _Source) -> None:
     at_least("drafter.intermediate_size", 1, optional=True)
     _check_layers(cfg, fail)
     at_least("data.num_anchors", 1)
+    if cfg.data.pack and cfg.target.attn_implementation not in PACKED_ATTENTION:
+        fail(
+            "data.pack",
+            f"true needs target.attn_implementation {' or '.join(PACKED_ATTENTION)} (with "
+            f"{cfg.target.attn_implementation!r} packed documents could see each other); "
+            "set data.pack: false or change the attention",
+        )
     if cfg.data.max_length < cfg.drafter.block_size + 1:
         fail("data.max_length", f"must be > drafter.block_size ({cfg.drafter.block_size})")
     if cfg.loss.gamma <= 0:

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from workload import checkpoint as ckpt
 from workload.config import (
+    PACKED_ATTENTION,
     ConfigError,
     RunConfig,
     TargetFacts,
@@ -261,6 +262,12 @@ def setup(
     if errors:
         raise UsageError("; ".join(f"{e.key}: {e.note}" for e in errors))
     hybrid = is_hybrid(target)
+    attn = getattr(text_config(target.config), "_attn_implementation", None)
+    if cfg.data.pack and attn not in PACKED_ATTENTION:
+        raise UsageError(
+            f"data.pack: true with the target's attention {attn!r} is not supported (documents "
+            f"could see each other); use target.attn_implementation {' or '.join(PACKED_ATTENTION)}"
+        )
     if hybrid and cfg.data.pack:
         raise UsageError(
             "data.pack: true is not supported for hybrid (linear-attention) targets: documents "
@@ -335,23 +342,19 @@ def decoder_body(target: nn.Module) -> nn.Module:
     return target.model if hasattr(target, "model") else target.get_decoder()
 
 
-def packed_mask(doc_ids: Tensor) -> Tensor:
-    """[B, 1, S, S] bool: causal within each document (padding sees itself)."""
-    s = doc_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same & causal)[:, None]
-
-
 @torch.no_grad()
 def target_forward(run: Run, batch: Batch) -> TeacherView:
-    """The frozen target's clean forward: fc features and the teacher (before any noise)."""
+    """The frozen target's clean forward: fc features and the teacher (before any noise).
+
+    No attention mask: transformers (5.x) builds the causal mask itself, with each layer's
+    sliding window, and when position_ids restart inside a row (packed documents) it keeps the
+    documents apart (`find_packed_sequence_indices`; sdpa, eager and flex_attention; padding
+    continues the last document's positions, so it is that document's tail)."""
     body = decoder_body(run.target)
-    mask = packed_mask(batch.doc_ids) if run.cfg.data.pack else None
     out = body(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
-        attention_mask=mask,
+        attention_mask=None,
         output_hidden_states=True,
         use_cache=False,
     )

@@ -135,6 +135,82 @@ def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_den
     assert "loss.teacher" in {i.key for i in items}
 
 
+# ---------------------------------------------------------------- packed rows
+
+
+def _sliding_target(impl: str):
+    """A random Qwen3 target whose first layer has a sliding window of 4 (as gpt-oss has)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_hidden_layers=4, vocab_size=128, intermediate_size=96, sliding_window=4,
+                      use_sliding_window=True, max_window_layers=4,
+                      layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def _packed_run(build: Path | None, impl: str, group) -> T.Run:
+    packed = [f"target.attn_implementation={impl}", "data.pack=true", "data.max_length=96"]
+    if build is not None:
+        run, _ = T.setup(config(build, *packed), group, say=lambda m: None)
+        return run
+    from types import SimpleNamespace
+
+    from workload.data import Example
+
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(12):
+        n = int(torch.randint(5, 30, (1,), generator=g))
+        examples.append(
+            Example(torch.randint(2, 127, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2))
+        )
+    cfg = load_config(TEMPLATE, ["target.path=in-memory", "data.path=in-memory",
+                                 "drafter.mask_token_id=127", *SMALL, *packed])  # fmt: skip
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1, mask_token_id=None)
+    run, _ = T.setup(cfg, group, say=lambda m: None, target=_sliding_target(impl),
+                     tokenizer=tok, examples=examples)  # fmt: skip
+    return run
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "flex_attention"])
+@pytest.mark.parametrize("target", ["tiny_dense", "sliding"])
+def test_packed_rows_give_each_document_its_own_forward(target, impl, group, request):
+    """Features and teacher tokens of a packed row equal those of each document run alone."""
+    build = request.getfixturevalue("tiny_dense") if target == "tiny_dense" else None
+    run = _packed_run(build, impl, group)
+    batch = T.trim_padding(run.stream.next_batch())
+    view = T.target_forward(run, batch)
+    body, head = T.decoder_body(run.target), run.target.get_output_embeddings()
+    docs = 0
+    for b in range(batch.input_ids.shape[0]):
+        for doc in batch.doc_ids[b].unique().tolist():
+            if doc < 0:
+                continue
+            at = (batch.doc_ids[b] == doc).nonzero()[:, 0]
+            with torch.no_grad():
+                alone = body(input_ids=batch.input_ids[b, at][None], output_hidden_states=True,
+                             use_cache=False)  # fmt: skip
+            features = T.select_target_features(alone.hidden_states, run.fc_ids)[0]
+            torch.testing.assert_close(view.features[b, at], features, atol=1e-4, rtol=1e-4)
+            assert torch.equal(
+                view.greedy[b, at], T.greedy_tokens(alone.last_hidden_state, head)[0]
+            )
+            docs += 1
+    assert docs >= 3  # rows did hold several documents
+
+
+def test_packed_rows_refuse_attention_that_would_mix_documents(tiny_dense, group):
+    from workload.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.pack") as info:
+        config(tiny_dense, "data.pack=true", "target.attn_implementation=flash_attention_2")
+    assert "\n" not in str(info.value) and "sdpa" in str(info.value)
+
+
 # ---------------------------------------------------------------- batches without an anchor
 
 
