@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import click
 import typer
 
 from dflashops.errors import ExitCode, OpsError
@@ -37,8 +37,17 @@ class Context:
         if self._session is None:
             from dflashops.session import Session
 
-            self._session = Session(self.inventory(), dry_run=self.dry_run, announce=say)
+            self._session = Session(self.inventory(), dry_run=self.dry_run, announce=self.announce)
         return self._session
+
+    def want_json(self, flag: bool = False) -> bool:
+        """True when JSON was asked for, globally or by the command's own --json."""
+        self.json = self.json or flag
+        return self.json
+
+    def announce(self, line: str) -> None:
+        """A --dry-run line: stdout, unless stdout is reserved for the JSON document."""
+        (note if self.json else say)(line)
 
     def close(self) -> None:
         if self._session is not None:
@@ -66,6 +75,28 @@ def fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def stream_sink(stream) -> Callable[[bytes], None]:  # noqa: ANN001
+    """Bytes to one of our own streams, flushed at once (remote output, followed logs)."""
+    buffer = stream.buffer
+
+    def write(chunk: bytes) -> None:
+        buffer.write(chunk)
+        buffer.flush()
+
+    return write
+
+
+def _quiet_broken_pipe() -> None:
+    """Our reader went away (`... | head`): stop quietly, as Unix tools do (141 = 128+SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    raise typer.Exit(141)
+
+
+# typer vendors click from 0.26 on; its ClickException is wherever BadParameter's base is
+_CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def get(ctx: typer.Context) -> Context:
     obj = ctx.find_root().obj
     return obj if isinstance(obj, Context) else Context()
@@ -83,7 +114,9 @@ def command(fn: F) -> F:
             fail(exc.message, int(exc.code))
         except KeyboardInterrupt:
             fail("interrupted", int(ExitCode.INTERRUPTED))
-        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        except BrokenPipeError:
+            _quiet_broken_pipe()
+        except (typer.Exit, typer.Abort, _CLICK_EXCEPTION):
             raise
         except Exception as exc:  # a bug of ours: still one line, the details on request
             if ctx is not None and get(ctx).verbose:

@@ -54,7 +54,12 @@ def run_streaming(machine, argv: list[str], *, env=None, cwd=None) -> Result:  #
     """Run with our stdin (when it is not a terminal) and our stdout/stderr attached."""
     stdin = None if sys.stdin is None or sys.stdin.isatty() else _FdReader(sys.stdin.fileno())
     result = machine.run(
-        argv, stdin=stdin, env=env, cwd=cwd, stdout=_writer(sys.stdout), stderr=_writer(sys.stderr)
+        argv,
+        stdin=stdin,
+        env=env,
+        cwd=cwd,
+        stdout=context.stream_sink(sys.stdout),
+        stderr=context.stream_sink(sys.stderr),
     )
     return result
 
@@ -69,13 +74,3 @@ class _FdReader:
         return os.read(self.fd, size)
 
     read = read1
-
-
-def _writer(stream):  # noqa: ANN001, ANN202
-    buffer = stream.buffer
-
-    def write(chunk: bytes) -> None:
-        buffer.write(chunk)
-        buffer.flush()
-
-    return write

@@ -104,8 +104,8 @@ class Machine:
         err = _Tail(limit=None if stderr is None else TAIL)
         held = _Holdback(stderr, self.is_way_in_error) if stderr is not None else None
         readers = [
-            _pump(proc.read_stdout, stdout or out.append),
-            _pump(proc.read_stderr, err.tee(held.take if held else None)),
+            _Pump(proc.read_stdout, stdout or out.append, proc),
+            _Pump(proc.read_stderr, err.tee(held.take if held else None), proc),
         ]
         feeder = _Feeder(proc, stdin)
         try:
@@ -193,17 +193,31 @@ class _Holdback:
             self.held = b""
 
 
-def _pump(read: Callable[[int], bytes], sink: Sink) -> threading.Thread:
-    def loop() -> None:
-        while True:
-            chunk = read(CHUNK)
-            if not chunk:
-                return
-            sink(chunk)
+class _Pump:
+    """Drains one output stream into a sink on its own thread. If the sink fails (our stdout
+    closed, a full disk), the command is stopped, the stream is still drained so the command
+    can exit, and the sink's error is raised by `join`."""
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    return thread
+    def __init__(self, read: Callable[[int], bytes], sink: Sink, proc: Process) -> None:
+        self.read, self.sink, self.proc = read, sink, proc
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def loop(self) -> None:
+        while chunk := self.read(CHUNK):
+            if self.error is not None:
+                continue
+            try:
+                self.sink(chunk)
+            except BaseException as exc:  # noqa: BLE001 (raised again by join)
+                self.error = exc
+                self.proc.kill()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class _Feeder:
