@@ -170,8 +170,11 @@ def target_facts(target: nn.Module, tokenizer: Any) -> TargetFacts:
 
 
 def resolve_target_settings(cfg: RunConfig, facts: TargetFacts, tokenizer: Any) -> None:
-    """Fill what null means in the config from the target: mask token and layer ids."""
+    """Fill what null means in the config: the mask token (the start drafter's, else the
+    tokenizer's) and the layer ids (from the target)."""
     d = cfg.drafter
+    if d.mask_token_id is None and d.init_from:
+        d.mask_token_id = start_drafter_mask(d.init_from)
     if d.mask_token_id is None:
         d.mask_token_id = getattr(tokenizer, "mask_token_id", None)
     if d.target_layer_ids is None:
@@ -183,14 +186,54 @@ def is_hybrid(target: nn.Module) -> bool:
     return "linear_attention" in (getattr(text_config(target.config), "layer_types", None) or [])
 
 
+def start_drafter_mask(init_from: str) -> int | None:
+    """The mask token in the start drafter's config.json (None when it has none)."""
+    path = Path(init_from) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"drafter.init_from: {path}: {exc.strerror}") from None
+    except ValueError:
+        raise UsageError(f"drafter.init_from: {path}: not valid JSON") from None
+    return (config.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
+
+
+def init_mismatches(cfg: RunConfig, drafter: DFlashDrafter, fc_ids: list[int]) -> list[str]:
+    """The drafter settings of the config that the start drafter does not have."""
+    d, c = cfg.drafter, drafter.config
+    types = list(d.layer_types or ["full_attention"] * d.num_layers)
+    start_types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    window = d.sliding_window if "sliding_attention" in types else None
+    start_window = c.sliding_window if "sliding_attention" in start_types else None
+    pairs = [
+        ("target_layer_ids (fc inputs)", fc_ids, drafter.target_layer_ids),
+        ("block_size", d.block_size, drafter.block_size),
+        ("num_layers", d.num_layers, c.num_hidden_layers),
+        ("layer_types", types, start_types),
+        ("sliding_window", window, start_window),
+        ("mask_token_id", d.mask_token_id, drafter.mask_token_id),
+    ]
+    if d.intermediate_size is not None:
+        pairs.append(("intermediate_size", d.intermediate_size, c.intermediate_size))
+    return [f"drafter.{key} {want!r} (start drafter: {got!r})"
+            for key, want, got in pairs if want != got]  # fmt: skip
+
+
 def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlashDrafter:
     d = cfg.drafter
     if d.init_from:
         drafter = DFlashDrafter.from_pretrained(d.init_from, dtype=torch.float32)
-        if drafter.target_layer_ids != fc_ids or drafter.block_size != d.block_size:
+        if drafter.mask_token_id is None:  # e.g. a SpecForge init config: take the config's
+            drafter.mask_token_id = d.mask_token_id
+            drafter.config.dflash_config = {
+                **(getattr(drafter.config, "dflash_config", None) or {}),
+                "mask_token_id": d.mask_token_id,
+            }
+        wrong = init_mismatches(cfg, drafter, fc_ids)
+        if wrong:
             raise UsageError(
-                f"drafter.init_from: {d.init_from} reads layers {drafter.target_layer_ids} with "
-                f"block {drafter.block_size}; the config asks for {fc_ids} with {d.block_size}"
+                f"drafter.init_from: {d.init_from} does not match the config: {'; '.join(wrong)}; "
+                "set these keys to the start drafter's values"
             )
         return drafter
     config = build_drafter_config(

@@ -135,6 +135,54 @@ def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_den
     assert "loss.teacher" in {i.key for i in items}
 
 
+# ---------------------------------------------------------------- drafter.init_from
+
+
+def _start_drafter(path: Path, run: T.Run, *, mask, **settings) -> str:
+    """Save a drafter for run's target with the run's layers and block, and `settings`."""
+    from workload.model import DFlashDrafter, build_drafter_config
+
+    d = run.cfg.drafter
+    kw = {"num_layers": d.num_layers, "block_size": d.block_size, **settings}
+    config = build_drafter_config(run.target.config, mask_token_id=0, target_layer_ids=run.fc_ids,
+                                  **kw)  # fmt: skip
+    config.dflash_config["mask_token_id"] = mask
+    DFlashDrafter(config).save_pretrained(path)
+    return f"drafter.init_from={path}"
+
+
+def test_init_from_refuses_a_start_drafter_that_disagrees(tiny_dense, group, tmp_path):
+    run, _ = T.setup(config(tiny_dense), group, say=lambda m: None)
+    mask = run.cfg.drafter.mask_token_id
+    start = _start_drafter(tmp_path / "start", run, mask=mask + 1,
+                           layer_types=["sliding_attention"], sliding_window=16)  # fmt: skip
+    with pytest.raises(T.UsageError) as info:
+        T.setup(config(tiny_dense, start), group, say=lambda m: None)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"drafter.mask_token_id {mask} (start drafter: {mask + 1})" in message
+    assert "drafter.layer_types ['full_attention']" in message
+    assert "drafter.sliding_window None (start drafter: 16)" in message
+    assert "block_size" not in message and "num_layers" not in message
+
+
+def test_init_from_takes_the_mask_token_it_lacks_and_gives_its_own(tiny_dense, group, tmp_path):
+    run, _ = T.setup(config(tiny_dense), group, say=lambda m: None)
+    mask = run.cfg.drafter.mask_token_id
+    # a start drafter with mask null (a SpecForge-style init config) takes the config's
+    start = _start_drafter(tmp_path / "no_mask", run, mask=None)
+    resumed, _ = T.setup(config(tiny_dense, start), group, say=lambda m: None)
+    assert resumed.drafter.mask_token_id == mask
+    resumed.drafter.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["dflash_config"]["mask_token_id"] == mask
+    # a config with mask null takes the start drafter's
+    start = _start_drafter(tmp_path / "mask", run, mask=mask)
+    taken, _ = T.setup(config(tiny_dense, start, "drafter.mask_token_id=null"), group,
+                       say=lambda m: None)  # fmt: skip
+    assert taken.cfg.drafter.mask_token_id == taken.drafter.mask_token_id == mask
+
+
 # ---------------------------------------------------------------- packed rows
 
 
