@@ -308,7 +308,15 @@ class DFlashDrafter(PreTrainedModel):
             self.config.save_pretrained(save_directory)
 
     def project_context(self, features: Tensor) -> Tensor:
-        """[B, S, L*H] target features -> [B, S, H] context."""
+        """[B, S, L*H] target features -> [B, S, H] context. fp32 features meet fp32 fc weights
+        in fp32 even under autocast: training adds its noise in fp32, and a bf16 cast would
+        round most of it away on large features."""
+        device = features.device.type
+        if features.dtype == self.fc.weight.dtype == torch.float32 and torch.is_autocast_enabled(
+            device
+        ):
+            with torch.autocast(device, enabled=False):
+                return self.hidden_norm(self.fc(features))
         return self.hidden_norm(self.fc(features))
 
     def forward(

@@ -414,7 +414,10 @@ def target_forward(run: Run, batch: Batch) -> TeacherView:
 
 
 def add_noise(features: Tensor, std: float) -> Tensor:
-    """Uniform noise in [-std, +std] (the fc inputs only; the teacher never sees it)."""
+    """fp32 features plus uniform noise in [-std, +std] (fc inputs only; the teacher never sees
+    it). fp32 because a bf16 step is 0.125 at |x| >= 16, where noise of 0.05 would round away;
+    the drafter's fc takes fp32 features in fp32 (`DFlashDrafter.project_context`)."""
+    features = features.float()
     if std <= 0:
         return features
     return features + (torch.rand_like(features) * 2 - 1) * std

@@ -121,6 +121,32 @@ def test_teacher_labels_do_not_depend_on_noise_or_fc_layers(tiny_dense, group, m
     assert 0.4 < noise.abs().max() <= 0.5
 
 
+def test_noise_reaches_the_drafter_under_bf16_autocast():
+    """bf16 features near 20 (a bf16 step is 0.125 there): the noise must not round away,
+    neither when it is added nor when the drafter's fc reads the features."""
+    from transformers import Qwen3Config
+
+    from workload.model import DFlashDrafter, build_drafter_config
+
+    target = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=4, vocab_size=128, intermediate_size=96)  # fmt: skip
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(build_drafter_config(target, num_layers=1, block_size=4,
+                                                 mask_token_id=3, target_layer_ids=[0, 1]))  # fmt: skip
+    features = (20 + torch.rand(2, 8, 128)).to(torch.bfloat16)
+    noised = T.add_noise(features, 0.05)
+    applied = noised - features.float()
+    assert (applied != 0).float().mean() > 0.99 and applied.abs().max() <= 0.05
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        seen = drafter.project_context(noised)
+        clean = drafter.project_context(T.add_noise(features, 0.0))
+    with torch.no_grad():  # fp32 throughout: what the logged noise promises
+        want = drafter.project_context(noised)
+        want_clean = drafter.project_context(features.float())
+    assert torch.equal(seen, want) and torch.equal(clean, want_clean)
+    assert (seen - clean).abs().max() > 0
+
+
 def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_dense, group):
     # hidden_states[-1] of HF is post-norm: teacher last_layer on layer N-1 must match logits.
     ids = "drafter.target_layer_ids=[1, 2, 5]"
