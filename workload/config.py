@@ -25,7 +25,6 @@ LOSS_TYPES = ("ce", "kl", "blend")
 WEIGHTINGS = ("decay", "dpace", "uniform")
 TEACHERS = ("logits", "last_layer")
 FC_LAYERS = ("all", "all_but_last")
-NOISE_SCOPES = ("fc_inputs", "all_layers")
 ATTENTIONS = ("auto", "flex", "chunked", "dense")
 PRECISIONS = ("auto", "bf16", "fp32")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -87,7 +86,7 @@ class NoiseConfig:
     start: float = 0.05
     end: float = 0.05
     steps: int = 0  # linear from start to end over this many steps; 0 = constant start
-    scope: str = "fc_inputs"  # fc_inputs | all_layers (old runs; a bug with teacher last_layer)
+    # always on the fc inputs only, added after the teacher: labels never see noise
 
 
 @dataclass
@@ -321,7 +320,6 @@ def _check(cfg: RunConfig, src: _Source) -> None:
         ("loss.type", LOSS_TYPES),
         ("loss.weighting", WEIGHTINGS),
         ("loss.teacher", TEACHERS),
-        ("noise.scope", NOISE_SCOPES),
         ("optim.precision", PRECISIONS),
         ("attention", ATTENTIONS),
     ]:
@@ -414,16 +412,31 @@ def _check_bug_combinations(cfg: RunConfig, fail: typing.Callable[[str, str], No
             "last_layer with drafter.fc_layers: all puts the teacher layer inside the drafter's "
             "input (the v4 bug); set drafter.fc_layers: all_but_last or loss.teacher: logits",
         )
-    noisy = max(cfg.noise.start, cfg.noise.end) > 0
-    if cfg.noise.scope == "all_layers" and cfg.loss.teacher == "last_layer" and noisy:
-        fail(
-            "noise.scope",
-            "all_layers with loss.teacher: last_layer puts noise on the teacher's hidden state, "
-            "so the labels see noise (the v3/v4 bug); set noise.scope: fc_inputs",
-        )
 
 
 # ---------------------------------------------------------------- public API
+
+
+# Keys that no longer exist, with the one value the trainer ever implemented: that value is
+# dropped (configs stored in older checkpoints still load), any other is refused.
+_REMOVED = {
+    "noise.scope": (
+        "fc_inputs",
+        "was removed: noise goes on the fc inputs only, after the teacher, so labels never see "
+        "noise (all_layers, the v3/v4 bug with loss.teacher: last_layer, was never implemented); "
+        "delete the key",
+    ),
+}
+
+
+def _drop_removed(data: dict[str, Any], src: _Source) -> None:
+    for dotted, (kept, note) in _REMOVED.items():
+        section, key = dotted.split(".")
+        part = data.get(section)
+        if isinstance(part, dict) and key in part:
+            value = part.pop(key)
+            if value != kept:
+                raise ConfigError(f"{src.of(dotted)}: {dotted}: {value!r} {note}")
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
@@ -432,6 +445,7 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
     data = _read_yaml(Path(path), src) if path else {}
     for item in overrides:
         _apply_override(data, item, src)
+    _drop_removed(data, src)
     cfg = _build(RunConfig, data, "", src)
     _check(cfg, src)
     return cfg
@@ -440,6 +454,8 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
 def from_dict(data: dict[str, Any], name: str = "config") -> RunConfig:
     """Build and validate a config from a plain dict (e.g. one stored in a checkpoint)."""
     src = _Source(name)
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    _drop_removed(data, src)
     cfg = _build(RunConfig, data, "", src)
     _check(cfg, src)
     return cfg
@@ -525,7 +541,6 @@ _RECIPE: list[tuple[str, Any, str]] = [
     ("noise.start", 0.05, "uniform +-std on fc inputs"),
     ("noise.end", 0.05, "uniform +-std on fc inputs"),
     ("noise.steps", 0, "noise schedule length"),
-    ("noise.scope", "fc_inputs", "all_layers also noises unused layers"),
     ("data.num_anchors", 512, "anchors per document per row"),
     ("data.max_length", 4096, "training context of the published drafters"),
     ("optim.lr", 6.0e-4, "SpecForge DFlash default"),

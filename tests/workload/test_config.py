@@ -14,6 +14,7 @@ from workload.config import (
     audit_errors,
     config_hash,
     dump,
+    from_dict,
     load_config,
 )
 
@@ -107,14 +108,17 @@ def test_teacher_layer_inside_drafter_input_is_an_error(tmp_path):
     assert ok.loss.teacher == "last_layer"
 
 
-def test_noise_on_the_teacher_is_an_error(tmp_path):
-    path = write(tmp_path, MINIMAL)
-    old = ["loss.teacher=last_layer", "drafter.fc_layers=all_but_last"]
-    message = error_of(path, [*old, "noise.scope=all_layers"])
-    assert "labels see noise" in message
-    # Without noise there is nothing to leak; and with the logits teacher the scope is harmless.
-    load_config(path, [*old, "noise.scope=all_layers", "noise.start=0", "noise.end=0"])
-    load_config(path, ["noise.scope=all_layers"])
+def test_noise_scope_is_gone_and_labels_cannot_be_asked_to_see_noise(tmp_path):
+    path = write(tmp_path, MINIMAL + "noise:\n  start: 0.1\n  scope: all_layers\n")
+    message = error_of(path)
+    assert message.startswith("run.yaml:7: noise.scope: 'all_layers' was removed")
+    assert "labels never see noise" in message
+    old = ["loss.teacher=last_layer", "drafter.fc_layers=all_but_last", "noise.scope=all_layers"]
+    assert "noise.scope" in error_of(path, old)
+    # the one value that was ever implemented still loads (configs inside old checkpoints)
+    cfg = load_config(path, ["noise.scope=fc_inputs"])
+    assert "scope" not in cfg.to_dict()["noise"] and cfg.noise.start == 0.1
+    assert from_dict({**cfg.to_dict(), "noise": {"start": 0.1, "scope": "fc_inputs"}}) == cfg
 
 
 def test_old_run_options_load(tmp_path):
