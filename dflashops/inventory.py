@@ -23,22 +23,52 @@ DEFAULTS: dict[str, Any] = {
     "env": {},
     "path": DEFAULT_PATH,
 }
-CONNECTION_KEYS = ("address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout")
+CONNECTION_KEYS = (
+    "address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout", "max_sessions",
+)  # fmt: skip
 TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *DEFAULTS, *CONNECTION_KEYS)
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """An SSH server: a Proxmox host, or a plain `kind: ssh` machine."""
+    """An SSH server: a Proxmox host, or a plain `kind: ssh` machine. `user` and `port` are
+    None when not given, so that ~/.ssh/config can set them (else root and 22)."""
 
     name: str
     address: str
-    user: str = "root"
-    port: int = 22
+    user: str | None = None
+    port: int | None = None
     identity: Path | None = None
     known_hosts: Path | None = None
     jump: str | None = None
     connect_timeout: float = 10.0
+    max_sessions: int = 8
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One hop of a ProxyJump spec: `[user@]host[:port]`."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+
+    def __str__(self) -> str:
+        user = f"{self.user}@" if self.user else ""
+        return f"{user}{self.host}" + (f":{self.port}" if self.port else "")
+
+
+def parse_jump(spec: str) -> list[Hop]:
+    """`a,user@b:2222` -> hops in order; ValueError naming the bad part."""
+    hops = []
+    for part in spec.split(","):
+        part = part.strip()
+        user, _, rest = part.rpartition("@")
+        host, _, port = rest.partition(":")
+        if not host or (port and not (port.isdigit() and 0 < int(port) < 65536)):
+            raise ValueError(f"'{part}' is not [user@]host[:port]")
+        hops.append(Hop(host=host, user=user or None, port=int(port) if port else None))
+    return hops
 
 
 @dataclass(frozen=True)
@@ -196,15 +226,29 @@ class _Parser:
         return Endpoint(
             name=name,
             address=self.text(f"{key}.address", merged["address"]),
-            user=self.text(f"{key}.user", merged.get("user", "root")),
-            port=self.integer(f"{key}.port", merged.get("port", 22), 1, 65535),
+            user=self.optional_text(f"{key}.user", merged.get("user")),
+            port=self.optional_int(f"{key}.port", merged.get("port"), 1, 65535),
             identity=self.file_path(f"{key}.identity", merged.get("identity")),
             known_hosts=self.file_path(f"{key}.known_hosts", merged.get("known_hosts")),
-            jump=self.optional_text(f"{key}.jump", merged.get("jump")),
+            jump=self.jump(f"{key}.jump", merged.get("jump")),
             connect_timeout=self.number(
                 f"{key}.connect_timeout", merged.get("connect_timeout", 10)
             ),
+            max_sessions=self.integer(
+                f"{key}.max_sessions", merged.get("max_sessions", 8), 1, 1000
+            ),
         )
+
+    def jump(self, key: str, value: Any) -> str | None:
+        text = self.optional_text(key, value)
+        if text is not None:
+            try:
+                parse_jump(text)
+            except ValueError as exc:
+                raise self.fail(
+                    key, f"{exc}; give a host of this file or of ~/.ssh/config"
+                ) from None
+        return text
 
     def target(
         self, key: str, name: str, spec: dict, defaults: dict, hosts: dict[str, Endpoint]

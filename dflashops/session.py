@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
-from dflashops.errors import OpsError
-from dflashops.inventory import Endpoint, Inventory, Target
-from dflashops.ssh import Connection
+from dflashops.errors import OpsError, UsageError
+from dflashops.inventory import Endpoint, Inventory, Target, parse_jump
+from dflashops.ssh import Connection, resolve
 from dflashops.targets.base import Machine
 
 T = TypeVar("T")
@@ -27,7 +28,7 @@ class Session:
         self.inventory = inventory
         self.dry_run = dry_run
         self.announce = announce
-        self._connections: dict[str, Connection] = {}
+        self._connections: dict[Endpoint, Connection] = {}
         self._machines: dict[str, Machine] = {}
         self._lock = threading.Lock()
 
@@ -39,20 +40,45 @@ class Session:
 
     def connection(self, endpoint: Endpoint) -> Connection:
         with self._lock:
-            conn = self._connections.get(endpoint.name)
+            conn = self._connections.get(endpoint)
             if conn is None:
                 conn = Connection(endpoint, self._jump)
-                self._connections[endpoint.name] = conn
+                self._connections[endpoint] = conn
             return conn
 
-    def _jump(self, name: str) -> Connection:
-        """A jump host: a host of the inventory, else an ~/.ssh/config alias or user@host:port."""
-        if name in self.inventory.hosts:
-            return self.connection(self.inventory.hosts[name])
-        user, _, rest = name.rpartition("@")
-        address, _, port = rest.partition(":")
-        endpoint = Endpoint(name=name, address=address, user=user or "root", port=int(port or 22))
-        return self.connection(endpoint)
+    def endpoint(self, spec: str) -> Endpoint:
+        """A host of the inventory (or a kind: ssh target) by name, else an ~/.ssh/config
+        alias or `[user@]host[:port]`, reached through the hops before it (`a,b,host`)."""
+        try:
+            hops = parse_jump(spec)
+        except ValueError as exc:
+            raise UsageError(f"{spec}: {exc}") from None
+        *via, last = hops
+        known = None
+        if last.user is None and last.port is None:
+            known = self.inventory.hosts.get(last.host) or next(
+                (t.endpoint for t in self.inventory.targets.values()
+                 if t.kind == "ssh" and t.name == last.host), None,
+            )  # fmt: skip
+        chain = ",".join(str(h) for h in via) or None
+        if known is not None:
+            return replace(known, jump=chain) if chain else known
+        return Endpoint(
+            name=str(last), address=last.host, user=last.user, port=last.port, jump=chain
+        )
+
+    def _jump(self, spec: str, origin: Endpoint) -> Connection:
+        """The connection a host's ProxyJump goes through, refusing loops before any wait."""
+        first = self.endpoint(spec)
+        names, hop = [origin.name], first
+        while hop is not None:
+            names.append(hop.name)
+            if hop == origin or hop.name in names[:-1]:
+                raise UsageError(f"jump loop: {' -> '.join(names)}; fix 'jump' in hosts.yaml "
+                                 "or ProxyJump in ~/.ssh/config")  # fmt: skip
+            onward = resolve(hop).jump
+            hop = self.endpoint(onward) if onward else None
+        return self.connection(first)
 
     def machine(self, target: str | Target) -> Machine:
         if isinstance(target, str):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,6 +69,7 @@ class Resolved:
 
 
 def resolve(endpoint: Endpoint) -> Resolved:
+    """Apply ~/.ssh/config: what the inventory sets wins, then the config, then ssh's defaults."""
     paramiko = load_paramiko()
 
     config_path = Path.home() / ".ssh" / "config"
@@ -76,20 +79,20 @@ def resolve(endpoint: Endpoint) -> Resolved:
     identities = (str(endpoint.identity),) if endpoint.identity else ()
     if not identities:
         identities = tuple(str(Path(p).expanduser()) for p in found.get("identityfile", []))
-    port = endpoint.port
-    if port == 22 and "port" in found:
-        port = int(found["port"])
-    user = endpoint.user
-    if user == "root" and "user" in found:
-        user = found["user"]
+    jump = endpoint.jump or found.get("proxyjump")
+    if jump is not None and jump.strip().lower() == "none":
+        jump = None
+    proxy_command = found.get("proxycommand")
+    if proxy_command is not None and proxy_command.strip().lower() == "none":
+        proxy_command = None
     return Resolved(
         endpoint=endpoint,
         hostname=found.get("hostname", endpoint.address),
-        port=port,
-        user=user,
+        port=endpoint.port or int(found.get("port", 22)),
+        user=endpoint.user or found.get("user") or "root",
         identities=identities,
-        jump=endpoint.jump or found.get("proxyjump"),
-        proxy_command=found.get("proxycommand"),
+        jump=jump,
+        proxy_command=proxy_command,
     )
 
 
@@ -98,10 +101,6 @@ def host_key_files(endpoint: Endpoint) -> list[Path]:
     if endpoint.known_hosts:
         files.append(endpoint.known_hosts)
     return [f for f in files if f.is_file()]
-
-
-def fingerprint(key: paramiko.PKey) -> str:
-    return key.fingerprint  # "SHA256:..." as OpenSSH prints it
 
 
 class _Refuse:
@@ -123,13 +122,19 @@ class _UnknownKey(Exception):
 
 
 class Connection:
-    """A lazily opened SSH connection to one endpoint, shared by every call in a command."""
+    """A lazily opened SSH connection to one endpoint, shared by every call in a command.
+
+    `lookup_jump(spec, origin)` gives the Connection of a ProxyJump spec's last hop. At most
+    `endpoint.max_sessions` commands run on it at once: sshd refuses sessions past its
+    MaxSessions (10 by default, as on Proxmox), so more wait for a free one.
+    """
 
     def __init__(self, endpoint: Endpoint, lookup_jump) -> None:  # noqa: ANN001
         self.endpoint = endpoint
         self._lookup_jump = lookup_jump
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(endpoint.max_sessions)
 
     @property
     def resolved(self) -> Resolved:
@@ -145,8 +150,32 @@ class Connection:
                 transport = self._client.get_transport()
             return transport
 
-    def open_channel(self) -> paramiko.Channel:
-        return self.transport().open_session(window_size=WINDOW, max_packet_size=PACKET)
+    def open_channel(self) -> tuple[paramiko.Channel, Callable[[], None]]:
+        """A session channel and the function that gives its slot back (call it once)."""
+        self._slots.acquire()
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self._slots.release()
+
+        try:
+            channel = self.transport().open_session(
+                window_size=WINDOW,
+                max_packet_size=PACKET,
+                timeout=max(30.0, self.endpoint.connect_timeout),
+            )
+        except OpsError:
+            release()
+            raise
+        except Exception as exc:  # paramiko.ChannelException, SSHException, EOFError
+            release()
+            raise UnreachableError(
+                f"{self.resolved.label}: sshd refused a new session ({exc}); lower 'max_sessions' "
+                f"for {self.endpoint.name} in hosts.yaml below sshd's MaxSessions"
+            ) from None
+        return channel, release
 
     def _open(self) -> paramiko.SSHClient:
         paramiko = load_paramiko()
@@ -176,14 +205,14 @@ class Connection:
         except _UnknownKey as exc:
             client.close()
             raise HostKeyError(
-                f"{target.label}: host key not trusted ({exc.key.get_name()} {fingerprint(exc.key)});"
+                f"{target.label}: host key not trusted ({exc.key.get_name()} {exc.key.fingerprint});"
                 f" check it, then pin it with `dflashops hosts trust {self.endpoint.name}`"
             ) from None
         except paramiko.BadHostKeyException as exc:
             client.close()
             raise HostKeyError(
-                f"{target.label}: host key CHANGED (now {fingerprint(exc.key)}, pinned "
-                f"{fingerprint(exc.expected_key)}): refusing to connect; if the host was really "
+                f"{target.label}: host key CHANGED (now {exc.key.fingerprint}, pinned "
+                f"{exc.expected_key.fingerprint}): refusing to connect; if the host was really "
                 f"reinstalled, remove the old key and run `dflashops hosts trust {self.endpoint.name}`"
             ) from None
         except paramiko.AuthenticationException:
@@ -201,7 +230,7 @@ class Connection:
 
     def _socket(self, target: Resolved):  # noqa: ANN202
         if target.jump:
-            hop = self._lookup_jump(target.jump.split(",")[-1])
+            hop = self._lookup_jump(target.jump, self.endpoint)
             try:
                 return hop.transport().open_channel(
                     "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0)
@@ -228,6 +257,7 @@ class Connection:
         # SSH is request/response at start (key exchange, auth, each channel open): without
         # this, Nagle plus delayed ACKs add about 40 ms to many of those round trips.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _detect_dead_peer(sock)
         return sock
 
     def server_key(self) -> paramiko.PKey:
@@ -236,7 +266,11 @@ class Connection:
 
         target = self.resolved
         sock = self._socket(target)
-        transport = paramiko.Transport(sock)
+        try:
+            transport = paramiko.Transport(sock)
+        except Exception:
+            sock.close()
+            raise
         try:
             transport.start_client(timeout=self.endpoint.connect_timeout)
             return transport.get_remote_server_key()
@@ -253,14 +287,49 @@ class Connection:
 
 
 def _transport(sock, **kwargs):  # noqa: ANN001, ANN202
-    """A transport that prefers AES-GCM: no separate MAC pass, much faster bulk copies."""
+    """A transport that prefers AES-GCM (no separate MAC pass: much faster bulk copies) and
+    reports commands killed by a signal."""
     paramiko = load_paramiko()
 
     transport = paramiko.Transport(sock, **kwargs)
+    handlers = dict(transport._channel_handler_table)
+    handlers[paramiko.common.MSG_CHANNEL_REQUEST] = _channel_request
+    transport._channel_handler_table = handlers
     options = transport.get_security_options()
     gcm = tuple(c for c in options.ciphers if c.endswith("-gcm@openssh.com"))
     options.ciphers = gcm + tuple(c for c in options.ciphers if c not in gcm)
     return transport
+
+
+def _detect_dead_peer(sock: socket.socket) -> None:
+    """A host that is powered off or cut off is noticed within about a minute, not the
+    quarter of an hour TCP retransmissions take (paramiko's keepalive expects no reply)."""
+    options = (
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", KEEPALIVE_S),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 5),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
+        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", 60_000),
+    )
+    for level, name, value in options:
+        if hasattr(socket, name):
+            sock.setsockopt(level, getattr(socket, name), value)
+
+
+def _channel_request(channel: paramiko.Channel, m: paramiko.Message) -> None:
+    """Channel requests as paramiko handles them, plus sshd's `exit-signal`, which paramiko
+    drops (leaving the status at -1): a command killed by signal N exits 128+N, as in a shell."""
+    paramiko = load_paramiko()
+
+    start = m.packet.tell()
+    if m.get_text() != "exit-signal":
+        m.packet.seek(start)
+        paramiko.Channel._handle_request(channel, m)
+        return
+    m.get_boolean()  # want_reply
+    name = m.get_text()
+    channel.exit_status = 128 + getattr(signal.Signals, f"SIG{name}", signal.SIGTERM).value
+    channel.status_event.set()
 
 
 def _quiet_paramiko() -> None:

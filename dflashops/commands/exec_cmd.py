@@ -26,7 +26,14 @@ def register(app: typer.Typer) -> None:
             None, "--cwd", help="Directory to run in (default: the login's or /)."
         ),
         env: list[str] = typer.Option(
-            None, "--env", "-e", help="NAME=VALUE for the command (repeatable)."
+            None,
+            "--env",
+            "-e",
+            help="NAME=VALUE for the command (repeatable; visible in ps on "
+            "the host: use `launch --secret` for secrets).",
+        ),
+        no_stdin: bool = typer.Option(
+            False, "--no-stdin", "-n", help="Give the command no stdin (for loops that read ours)."
         ),
     ) -> None:
         """Run ARGV on TARGET exactly as given: no shell unless ARGV is one."""
@@ -36,7 +43,9 @@ def register(app: typer.Typer) -> None:
             )
         opts = context.get(ctx)
         machine = opts.session().machine(target)
-        result = run_streaming(machine, list(argv), env=parse_env(env), cwd=cwd)
+        result = run_streaming(
+            machine, list(argv), env=parse_env(env), cwd=cwd, forward_stdin=not no_stdin
+        )
         raise typer.Exit(result.returncode)
 
 
@@ -50,9 +59,12 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def run_streaming(machine, argv: list[str], *, env=None, cwd=None) -> Result:  # noqa: ANN001
+def run_streaming(  # noqa: ANN001
+    machine, argv: list[str], *, env=None, cwd=None, forward_stdin: bool = True
+) -> Result:
     """Run with our stdin (when it is not a terminal) and our stdout/stderr attached."""
-    stdin = None if sys.stdin is None or sys.stdin.isatty() else _FdReader(sys.stdin.fileno())
+    attach = forward_stdin and sys.stdin is not None and not sys.stdin.isatty()
+    stdin = _FdReader(sys.stdin.fileno()) if attach else None
     result = machine.run(
         argv,
         stdin=stdin,

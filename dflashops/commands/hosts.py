@@ -59,8 +59,9 @@ def register(app: typer.Typer) -> None:
         if ctx.invoked_subcommand is not None:
             return
         opts = context.get(ctx)
+        opts.want_json(json_out)
         host_rows, target_rows = survey(opts.session(), opts.inventory())
-        if opts.json or json_out:
+        if opts.json:
             opts.emit(
                 {
                     "inventory": str(opts.inventory().path),
@@ -70,7 +71,9 @@ def register(app: typer.Typer) -> None:
             )
         elif not opts.dry_run:
             render(host_rows, target_rows)
-        if any(not r.reachable for r in host_rows):
+        if any(not r.reachable for r in host_rows) or any(
+            r.state == "unreachable" for r in target_rows
+        ):
             raise typer.Exit(int(ExitCode.UNREACHABLE))
 
     @group.command("trust")
@@ -168,46 +171,26 @@ def _where(target: Target) -> str:
 
 
 def render(host_rows: list[HostRow], target_rows: list[TargetRow]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from dflashops.render import console, human_bytes, table
 
-    from dflashops.render import human_bytes
-
-    console = Console()
+    out = console()
     if host_rows:
-        table = Table("HOST", "ADDRESS", "REACHABLE", "CTS", "NOTE", box=None, pad_edge=False)
+        hosts = table("HOST", "ADDRESS", "REACHABLE", "CTS", "NOTE")
         for r in host_rows:
             mark = "[green]yes[/]" if r.reachable else "[red]no[/]"
-            table.add_row(r.name, r.address, mark, _dash(r.containers), r.error or "")
-        console.print(table)
-        console.print()
-    table = Table(
-        "TARGET",
-        "KIND",
-        "WHERE",
-        "ROLE",
-        "STATE",
-        "GPUS",
-        "FREE DISK",
-        "PYTHON",
-        "NOTE",
-        box=None,
-        pad_edge=False,
+            hosts.add_row(r.name, r.address, mark, _dash(r.containers), r.error or "")
+        out.print(hosts)
+        out.print()
+    targets = table(
+        "TARGET", "KIND", "WHERE", "ROLE", "STATE", "GPUS", "FREE DISK", "PYTHON", "NOTE"
     )
     for r in target_rows:
         colour = {"running": "green", "stopped": "yellow"}.get(r.state, "red")
-        table.add_row(
-            r.name,
-            r.kind,
-            r.where,
-            r.role,
-            f"[{colour}]{r.state}[/]",
-            _dash(r.gpus),
-            human_bytes(r.disk_free_bytes) if r.disk_free_bytes is not None else "-",
-            {True: "ok", False: "missing", None: "-"}[r.python],
-            r.error or "",
-        )
-    console.print(table)
+        free = human_bytes(r.disk_free_bytes) if r.disk_free_bytes is not None else "-"
+        python = {True: "ok", False: "missing", None: "-"}[r.python]
+        targets.add_row(r.name, r.kind, r.where, r.role, f"[{colour}]{r.state}[/]",
+                        _dash(r.gpus), free, python, r.error or "")  # fmt: skip
+    out.print(targets)
 
 
 def _dash(value: object) -> str:

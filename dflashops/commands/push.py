@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Copy a file or a directory into TARGET, then check every file's sha256 there."""
         opts = context.get(ctx)
+        opts.want_json(json_out)
         machine = opts.session().machine(target)
         entries = transfer.scan(local) if local.is_dir() else None
         total = (
@@ -40,7 +41,7 @@ def register(app: typer.Typer) -> None:
             return
         dest = transfer.remote_path(machine, remote)
         seconds = clock.seconds
-        if opts.json or json_out:
+        if opts.json:
             opts.emit(
                 {
                     "target": target,

@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Make the target's venv if missing, install requirements with pip there, sync workload/."""
         opts = context.get(ctx)
+        opts.want_json(json_out)
         reqs = requirements or bundle.requirements_file()
         if not reqs.is_file():
             raise UsageError(f"{reqs}: no such requirements file")
@@ -49,7 +50,7 @@ def register(app: typer.Typer) -> None:
             report["installed_from"] = "wheels" if wheels else "index"
         report["sync"] = sync_workload(machine)
         report["seconds"] = round(clock.seconds, 1)
-        if opts.json or json_out:
+        if opts.json:
             opts.emit(report)
         elif not opts.dry_run:
             s = report["sync"]

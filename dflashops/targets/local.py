@@ -30,6 +30,12 @@ class LocalProcess:
             self.popen, self.failed = None, 126
             self.message = f"{argv[0]}: permission denied\n".encode()
 
+    @classmethod
+    def failed_start(cls, code: int, message: str) -> LocalProcess:
+        proc = cls.__new__(cls)
+        proc.popen, proc.failed, proc.message = None, code, (message + "\n").encode()
+        return proc
+
     def write(self, data: bytes) -> None:
         if self.popen:
             self.popen.stdin.write(data)
@@ -71,6 +77,8 @@ class LocalMachine(Machine):
         return ["env", "-C", cwd or self.target.workspace, *assignments, *argv]
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
-        workdir = cwd or self.target.workspace
         Path(self.target.workspace).mkdir(parents=True, exist_ok=True)
+        workdir = cwd or self.target.workspace
+        if not Path(workdir).is_dir():  # as `env -C` reports it on the other kinds
+            return LocalProcess.failed_start(125, f"env: cannot change directory to '{workdir}'")
         return LocalProcess(argv, self.base_env(env), workdir)

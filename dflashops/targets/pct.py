@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from dflashops.errors import NotFoundError, OpsError, UnreachableError
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
     from dflashops.ssh import Connection
 
 PCT_ERROR = 255
-NOT_RUNNING = re.compile(r"container '?(\d+)'? not running|CT \d+ not running|not running!?$")
-NO_CONFIG = re.compile(r"Configuration file '[^']*/lxc/(\d+)\.conf' does not exist")
 NO_PCT = re.compile(r"pct: (command )?not found")
 
 
@@ -42,11 +41,22 @@ class PctMachine(Machine):
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))
-        return ChannelProcess(self.connection.open_channel(), command)
+        return ChannelProcess(self.connection, command)
+
+    @cached_property
+    def _not_running(self) -> re.Pattern:
+        vmid = self.target.vmid
+        return re.compile(rf"^(container '{vmid}' not running!|CT {vmid} not running)")
+
+    @cached_property
+    def _no_config(self) -> re.Pattern:
+        return re.compile(
+            rf"^Configuration file '[^']*/lxc/{self.target.vmid}\.conf' does not exist"
+        )
 
     def is_way_in_error(self, line: bytes) -> bool:
         text = line.decode("utf-8", "replace")
-        return any(p.search(text) for p in (NOT_RUNNING, NO_CONFIG, NO_PCT))
+        return any(p.search(text) for p in (self._not_running, self._no_config, NO_PCT))
 
     def check(self, result: Result) -> None:
         if result.returncode == 0:
@@ -57,12 +67,12 @@ class PctMachine(Machine):
             raise OpsError(f"{where}: the host has no `pct` command; is it a Proxmox VE node?")
         if result.returncode != PCT_ERROR:
             return
-        if NO_CONFIG.search(last):
+        if self._no_config.search(last):
             raise NotFoundError(
                 f"{where} does not exist (pct: {last}); check the vmid in hosts.yaml "
                 f"against `pct list` on {self.target.host}"
             )
-        if NOT_RUNNING.search(last):
+        if self._not_running.search(last):
             raise UnreachableError(
                 f"{where} is stopped; start it with `pct start {self.target.vmid}` on "
                 f"{self.target.host}"

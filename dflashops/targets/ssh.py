@@ -5,21 +5,25 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from dflashops.errors import UnreachableError
 from dflashops.targets.base import Machine, Process
 
 if TYPE_CHECKING:
-    import paramiko
-
     from dflashops.inventory import Target
     from dflashops.ssh import Connection
 
 
 class ChannelProcess:
-    """A remote command on its own channel of the shared connection."""
+    """A remote command on its own session channel of the shared connection."""
 
-    def __init__(self, channel: paramiko.Channel, command: str) -> None:
-        self.channel = channel
-        channel.exec_command(command)
+    def __init__(self, connection: Connection, command: str) -> None:
+        self.name = connection.endpoint.name
+        self.channel, self._release = connection.open_channel()
+        try:
+            self.channel.exec_command(command)
+        except Exception:
+            self.kill()
+            raise
 
     def write(self, data: bytes) -> None:
         self.channel.sendall(data)
@@ -36,11 +40,16 @@ class ChannelProcess:
 
     def wait(self) -> int:
         code = self.channel.recv_exit_status()
-        self.channel.close()
+        self.kill()
+        if code < 0:
+            raise UnreachableError(
+                f"{self.name}: the connection dropped before the command's exit status came"
+            )
         return code
 
     def kill(self) -> None:
         self.channel.close()
+        self._release()
 
 
 class SshMachine(Machine):
@@ -59,4 +68,4 @@ class SshMachine(Machine):
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))
-        return ChannelProcess(self.connection.open_channel(), command)
+        return ChannelProcess(self.connection, command)

@@ -168,3 +168,22 @@ def test_setup_syncs_only_changed_files(tmp_path, inventory):
     assert second["sync"] == {"sent": 1, "unchanged": doc["sync"]["sent"] - 1, "deleted": 1}
     assert not (synced / "stale.py").exists()
     assert (synced / "__init__.py").read_text() == (ROOT / "workload" / "__init__.py").read_text()
+
+
+def test_missing_cwd_is_named_like_env_does(inventory):
+    ran = dflashops("exec", "local", "--cwd", "/nonexistent-dir", "--", "true", inventory=inventory)
+    assert ran.code == 125 and "cannot change directory to '/nonexistent-dir'" in ran.err
+
+
+def test_closed_stdout_ends_quietly_without_hanging(inventory):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), "exec", "local",
+           "--", "yes"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    assert proc.stdout.read(4) == b"y\ny\n"
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 141
+    assert proc.stderr.read() == b""

@@ -41,7 +41,7 @@ UseDNS no
 PrintMotd no
 PrintLastLog no
 MaxStartups 100:30:200
-MaxSessions 100
+MaxSessions 10
 Subsystem sftp internal-sftp
 LogLevel VERBOSE
 """
