@@ -343,6 +343,13 @@ def reread(session: Session, view: RunView, **request: Any) -> RunView:
     return fresh
 
 
+def dry_run_done(opts: context.Context, **doc: Any) -> None:
+    """The end of a --dry-run, whose argv went to stdout (to stderr under --json): under --json,
+    its one document, {"dry_run": true, ...what it would have done}."""
+    if opts.json:
+        opts.emit({"dry_run": True, **doc})
+
+
 @contextmanager
 def sessions(opts: context.Context) -> Iterator[tuple[Session, Session]]:
     """(reader, writer). Under --dry-run reads still happen (they change nothing), so the plan

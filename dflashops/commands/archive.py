@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Move a finished run to the target's archive/, pruning its checkpoints."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         if keep_last is not None and keep_last < 0:
             raise UsageError("--keep-last: expected 0 or more")
         if keep_every is not None and keep_every < 1:
@@ -58,28 +59,22 @@ def register(app: typer.Typer) -> None:
                 )
             plan = make_plan(view.checkpoints, keep_last, keep_every)
             dest = runs.run_dir(writer.machine(view.target).target, run, "archive")
-            as_json = opts.json or json_out
             if not as_json:
                 show_plan(view, plan, dest)
             done = runs.control(
                 writer.machine(view.target), "archive", view.dir,
                 delete=[c.name for c in plan.remove], to=dest,
             )  # fmt: skip
+        doc = {"run": run, "target": view.target, "from": view.dir, "to": dest,
+               "kept": [c.name for c in plan.keep]}  # fmt: skip
         if opts.dry_run:
             context.note("dry run: nothing was changed")
+            removed = [c.name for c in plan.remove]
+            runs.dry_run_done(opts, **doc, removed=removed, freed_bytes=plan.freed)
             return
         if as_json:
-            opts.emit(
-                {
-                    "run": run,
-                    "target": view.target,
-                    "from": view.dir,
-                    "to": done.get("dir", dest),
-                    "kept": [c.name for c in plan.keep],
-                    "removed": done.get("removed", []),
-                    "freed_bytes": done.get("freed", 0),
-                }
-            )
+            opts.emit({**doc, "to": done.get("dir", dest), "removed": done.get("removed", []),
+                       "freed_bytes": done.get("freed", 0)})  # fmt: skip
             return
         context.say(
             f"{run}: archived on {view.target} to {dest}; removed {len(done.get('removed', []))} "

@@ -25,25 +25,27 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List a run's checkpoints: step, complete or not, size (and --verify their hashes)."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         session = opts.session()
         if opts.dry_run:
             runs.survey(session, names=[run] if run else None, archive=True, checkpoints=True)
+            runs.dry_run_done(opts, run=run)
             return
         view = runs.resolve(session, run, records="none")
         if verify:
             context.note(f"{view.name}: hashing every checkpoint file on {view.target}")
         view = runs.reread(session, view, records="none", checkpoints=True, verify=verify)
         points = view.checkpoints
-        if opts.json or json_out:
+        if as_json:
             opts.emit({"run": view.name, "target": view.target, "dir": view.dir,
-                       "checkpoints": [as_json(c) for c in points]})  # fmt: skip
+                       "checkpoints": [checkpoint_doc(c) for c in points]})  # fmt: skip
         else:
             show(view, points, verify)
         if verify and any(c.verified is False for c in points):
             raise typer.Exit(int(ExitCode.FAILED))
 
 
-def as_json(c: Checkpoint) -> dict:
+def checkpoint_doc(c: Checkpoint) -> dict:
     return {
         "step": c.step,
         "name": c.name,

@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         if plot is not None and importlib.util.find_spec("matplotlib") is None:
             raise UsageError(
                 "--plot needs matplotlib, which is not installed here: pip install matplotlib"
@@ -56,12 +57,13 @@ def register(app: typer.Typer) -> None:
         session = opts.session()
         found = runs.survey(session, names=list(names), archive=True, records="all")
         if opts.dry_run:
+            runs.dry_run_done(opts, runs=names)
             return
         views = pick_runs(found, names)
         warn_logs(views)
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
-        if opts.json or json_out:
+        if as_json:
             opts.emit({"rule": RULE, "steps": chosen, "metrics": keys, "runs": table_doc})
         else:
             show(views, chosen, keys, table_doc)

@@ -36,18 +36,20 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the runs' resolved configs side by side, with the recipe audit."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         for name in names:
             runs.check_name(name)
         found = runs.survey(
             opts.session(), names=list(names), archive=True, records="none", files=FILES
         )
         if opts.dry_run:
+            runs.dry_run_done(opts, runs=names)
             return
         views = pick_runs(found, names)
         configs = {v.name: read_config(v) for v in views}
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)
-        if opts.json or json_out:
+        if as_json:
             opts.emit(
                 {
                     "runs": [

@@ -59,6 +59,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Evaluate a run's checkpoint on a target: tau, DDTree tau, per-position acceptance."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         dest = opts.inventory().target(on)
         with runs.sessions(opts) as (reader, writer):
             view = runs.find(reader, run, records="none", files=["run.yaml"])
@@ -77,9 +78,10 @@ def register(app: typer.Typer) -> None:
             out = runs.eval_result_path(dest, run, step)
             run_eval(machine, argv + ["--out", out])
             if opts.dry_run:
+                runs.dry_run_done(opts, run=run, step=step, on=dest.name, out=out, argv=argv)
                 return
             result = json.loads(transfer.read_text(machine, out))
-        if opts.json or json_out:
+        if as_json:
             opts.emit(result)
         else:
             show(run, step, dest, out, result)

@@ -74,6 +74,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start a training run in a detached tmux session on a target."""
         opts = context.get(ctx)
+        opts.want_json(json_out)
         runs.check_name(run)
         text = resolve_config(config, sets or [], run)
         env_file = secret_file(secrets or [])
@@ -90,28 +91,26 @@ def register(app: typer.Typer) -> None:
             start(machine, run, rundir, resume=False)
             if opts.dry_run:
                 context.note("dry run: nothing was changed")
+                runs.dry_run_done(opts, run=run, target=target.name, dir=rundir)
                 return
             view = wait_for_life(reader.machine(target), run, timeout=wait)
-            then_follow(opts, reader, view, json_out, follow)
+            then_follow(opts, reader, view, follow)
 
 
-def then_follow(
-    opts: context.Context, reader: Any, view: RunView, json_out: bool, follow: bool
-) -> None:
+def then_follow(opts: context.Context, reader: Any, view: RunView, follow: bool) -> None:
     """Report the started run; with --follow, go on as `status --follow` (one JSON document
     at the end under --json)."""
-    as_json = opts.json or json_out
-    if not (follow and as_json):
-        report(opts, view, json_out)
+    if not (follow and opts.json):
+        report(opts, view)
     if follow:
         from dflashops.commands.status import follow_run
 
-        emit = opts.emit if as_json else None
+        emit = opts.emit if opts.json else None
         raise typer.Exit(follow_run(reader, view, None, interval=5.0, emit=emit))
 
 
-def report(opts: context.Context, view: RunView, json_out: bool) -> None:
-    if opts.json or json_out:
+def report(opts: context.Context, view: RunView) -> None:
+    if opts.json:
         opts.emit(view.summary())
         return
     step = f", step {view.step}/{view.total_steps}" if view.step is not None else ""

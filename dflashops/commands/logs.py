@@ -7,11 +7,12 @@ import posixpath
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import typer
 
 from dflashops import context, runs
-from dflashops.errors import ExitCode, NotFoundError, OpsError
+from dflashops.errors import ExitCode, NotFoundError, OpsError, UsageError
 from dflashops.remote import argv as helper_argv
 from dflashops.runs import RunView
 from dflashops.targets.base import Machine
@@ -37,12 +38,21 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
         opts = context.get(ctx)
+        if opts.json and follow:
+            raise UsageError("logs --follow streams text; drop --json (or follow `status --json`)")
         session = opts.session()
         if opts.dry_run:
             runs.survey(session, names=[run] if run else None, archive=True, records="none")
+            runs.dry_run_done(opts, run=run)
             return
         view = runs.resolve(session, run, records="none")
         machine = session.machine(view.target)
+        if opts.json:
+            text = bytearray()
+            stream_log(machine, view, tail=max(0, tail), follow=False, out=text.extend)
+            opts.emit({"run": view.name, "target": view.target, "file": console_path(view),
+                       "text": text.decode("utf-8", "replace")})  # fmt: skip
+            return
         try:
             stream_log(machine, view, tail=max(0, tail), follow=follow)
         except KeyboardInterrupt:
@@ -67,7 +77,8 @@ class _Held:
 class _Sinks:
     """stdout to ours, counted; stderr parsed for the follower's offset lines."""
 
-    def __init__(self) -> None:
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        self.write = write
         self.start = 0
         self.received = 0
         self.pending = b""
@@ -77,8 +88,7 @@ class _Sinks:
         return self.start + self.received
 
     def out(self, chunk: bytes) -> None:
-        sys.stdout.buffer.write(chunk)
-        sys.stdout.buffer.flush()
+        self.write(chunk)
         self.received += len(chunk)
 
     def err(self, chunk: bytes) -> None:
@@ -91,10 +101,22 @@ class _Sinks:
                 context.note(line.decode("utf-8", "replace"))
 
 
-def stream_log(machine: Machine, view: RunView, *, tail: int, follow: bool) -> None:
-    path = posixpath.join(view.dir, "console.log")
+def console_path(view: RunView) -> str:
+    return posixpath.join(view.dir, "console.log")
+
+
+def stream_log(
+    machine: Machine,
+    view: RunView,
+    *,
+    tail: int,
+    follow: bool,
+    out: Callable[[bytes], None] | None = None,
+) -> None:
+    """console.log's bytes to `out` (default: our stdout)."""
+    path = console_path(view)
     state = posixpath.join(view.dir, "state.json")
-    sinks = _Sinks()
+    sinks = _Sinks(out or _stdout)
     offset = -1
     while True:
         argv = helper_argv("follow.py", path)
@@ -126,3 +148,8 @@ def stream_log(machine: Machine, view: RunView, *, tail: int, follow: bool) -> N
             context.note(f"{view.target}: the log stream broke; resuming at byte {sinks.position}")
         offset = sinks.position
         time.sleep(RETRY_S)
+
+
+def _stdout(chunk: bytes) -> None:
+    sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()

@@ -49,13 +49,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         dest = opts.inventory().target(to)
         with runs.sessions(opts) as (reader, writer):
             view = runs.resolve(reader, run, records="none")
             done = pull(reader, writer, view, step, dest)
         if opts.dry_run:
+            runs.dry_run_done(opts, **done)
             return
-        if opts.json or json_out:
+        if as_json:
             opts.emit(done)
         elif not done["copied"]:
             context.say(

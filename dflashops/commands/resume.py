@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start a run again from its newest complete checkpoint."""
         opts = context.get(ctx)
+        opts.want_json(json_out)
         env_file = launching.secret_file(secrets or [])
         with runs.sessions(opts) as (reader, writer):
             view = runs.find(reader, run, checkpoints=True, records="none")
@@ -59,7 +60,9 @@ def register(app: typer.Typer) -> None:
             launching.start(machine, run, view.dir, resume=True)
             if opts.dry_run:
                 context.note("dry run: nothing was changed")
+                runs.dry_run_done(opts, run=run, target=view.target, dir=view.dir,
+                                  from_step=max(steps))  # fmt: skip
                 return
             context.note(f"{run}: resuming from step_{max(steps)}")
             view = launching.wait_for_life(reader.machine(view.target), run, timeout=wait)
-            launching.then_follow(opts, reader, view, json_out, follow)
+            launching.then_follow(opts, reader, view, follow)

@@ -62,10 +62,11 @@ def register(app: typer.Typer) -> None:
         --follow exits 0 when the run finishes or is stopped, 1 when it fails, and 130 on
         Ctrl-C, which only detaches: the run goes on."""
         opts = context.get(ctx)
-        as_json = opts.json or json_out
+        as_json = opts.want_json(json_out)
         session = opts.session()
         if opts.dry_run:
             runs.survey(session, archive=all_)
+            runs.dry_run_done(opts, run=run)
             return
         if follow:
             view = runs.resolve(session, run, records="recent")

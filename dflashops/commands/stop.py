@@ -27,21 +27,24 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Ask a run's trainer to save a checkpoint and stop; wait until it has."""
         opts = context.get(ctx)
+        as_json = opts.want_json(json_out)
         with runs.sessions(opts) as (reader, writer):
             view = runs.find(reader, run, checkpoints=True, records="none")
             if not view.running:
-                context.say(f"{run}: not running ({view.state}); nothing to stop")
-                if opts.json or json_out:
+                if as_json:
                     opts.emit({**view.summary(), "stopped": False})
+                else:
+                    context.say(f"{run}: not running ({view.state}); nothing to stop")
                 return
             reading = reader.machine(view.target)
             pid = signal_trainer(writer.machine(view.target), reading, view)
             if opts.dry_run:
+                runs.dry_run_done(opts, **view.summary(), stopped=False)
                 return
             context.note(f"{run}: asked the trainer (pid {pid}) to save a checkpoint and stop")
             view = wait_stopped(reading, run, timeout)
         newest = max(view.complete_steps(), default=None)
-        if opts.json or json_out:
+        if as_json:
             opts.emit({**view.summary(), "stopped": True, "checkpoint": newest})
             return
         saved = f"step_{newest}" if newest is not None else "no complete checkpoint"

@@ -312,3 +312,39 @@ def test_a_missing_interpreter_points_at_setup(tmp_path, ws, tmux_dir):
     ran = dflashops("launch", "nopy", "--host", "local", "--config", str(cfg), inventory=inv)
     assert ran.code == 1
     assert ran.err.strip().endswith("not found on local; run `dflashops setup local` first")
+
+
+# ---------------------------------------------------------------- --json: one document on stdout
+
+
+def test_every_json_command_prints_exactly_one_document(cli, ws, tmp_path):
+    make_run(ws, "j1", ckpts=(10, 20))
+    make_run(ws, "j2", ckpts=(10,), status="stopped")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    evaluate = ["eval", "j1", "--step", "20", "--on", "local", "--set",
+                f"target.path={tmp_path}/model", "--set", f"data.path={tmp_path}/data.jsonl"]  # fmt: skip
+    reads = [
+        ["status"], ["status", "--all"], ["status", "j1"], ["status", "j1", "--vs", "j2"],
+        ["status", "j1", "--follow", "--interval", "1"], ["ckpts", "j1", "--verify"],
+        ["compare", "j1", "j2"], ["diff", "j1", "j2"], ["stop", "j1"],
+        ["pull-ckpt", "10", "--to", "local", "--run", "j1"],
+    ]  # fmt: skip
+    dry = [
+        ["status"], ["ckpts", "j1"], ["compare", "j1", "j2"], ["diff", "j1", "j2"], ["stop", "j1"],
+        ["archive", "j2", "--keep-last", "1"], ["pull-ckpt", "20", "--to", "local", "--run", "j1"],
+        ["resume", "j2"], ["launch", "j3", "--host", "local", "--config", "tiny"], evaluate,
+    ]  # fmt: skip
+    runs = [[*args, "--json"] for args in reads + dry[:1]]  # the command's own --json
+    runs += [["--json", *args] for args in reads[:2] + [["logs", "j1"]]]
+    runs += [["--dry-run", *args, "--json"] for args in dry]
+    runs += [["--json", "--dry-run", "status"], ["--json", "--dry-run", "logs", "j1"]]
+    for args in runs:
+        ran = cli(*args)
+        assert ran.code == 0, (args, ran.err)
+        try:
+            json.loads(ran.out)
+        except ValueError:
+            pytest.fail(f"{args}: stdout is not one JSON document: {ran.out[:300]!r}")
+    assert (ws / "runs" / "j2").is_dir() and not (ws / "runs" / "j3").exists()
+    assert not (ws / "ckpts" / "j1" / "step_20").exists()
