@@ -25,7 +25,7 @@ from dflashops import context, runs, transfer
 from dflashops.errors import NotFoundError, OpsError, TransferError, UsageError
 from dflashops.inventory import Target
 from dflashops.remote import argv as helper_argv
-from dflashops.render import BIG_TRANSFER, Stopwatch, human_bytes, progress
+from dflashops.render import Stopwatch, human_bytes, progress
 from dflashops.runs import Checkpoint, RunView
 from dflashops.session import Session
 from dflashops.targets.base import Machine, Result
@@ -119,7 +119,7 @@ def pull(
     tmp = posixpath.join(posixpath.dirname(final), f".tmp-{ckpt.name}-{uuid.uuid4().hex[:8]}")
     src, dst = writer.machine(view.target), writer.machine(dest)
     label = f"{view.name} step_{step} -> {dest.name}"
-    with progress(label, ckpt.bytes, enabled=ckpt.bytes >= BIG_TRANSFER) as advance:
+    with progress(label, ckpt.bytes) as advance:
         found = stream_tree(src, src_dir, names, dst, tmp, advance)
     if dst.dry_run:
         finish(dst, tmp, final, (view.raw.get("files") or {}).get("run.yaml"))
