@@ -165,8 +165,16 @@ def _from_sharegpt(m: Any) -> dict:
 def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[dict]]]:
     """(line number, messages) for each non-blank line; DataError on the first bad line."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; its error is one line
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the data: {e.strerror}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:

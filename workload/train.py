@@ -51,7 +51,7 @@ from workload.config import (
     load_config,
     recipe_layer_ids,
 )
-from workload.data import Batch, BatchStream, load_examples, sample_anchors
+from workload.data import Batch, BatchStream, DataError, load_examples, sample_anchors
 from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
 from workload.metrics import empty_sums, finalize, metric_sums
 from workload.model import (
@@ -222,6 +222,7 @@ def init_mismatches(cfg: RunConfig, drafter: DFlashDrafter, fc_ids: list[int]) -
 def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlashDrafter:
     d = cfg.drafter
     if d.init_from:
+        start_drafter_mask(d.init_from)  # a missing or broken config.json: one line
         drafter = DFlashDrafter.from_pretrained(d.init_from, dtype=torch.float32)
         if drafter.mask_token_id is None:  # e.g. a SpecForge init config: take the config's
             drafter.mask_token_id = d.mask_token_id
@@ -277,6 +278,22 @@ def noise_std(cfg: RunConfig, step: int) -> float:
     return n.start + (n.end - n.start) * min(1.0, step / n.steps)
 
 
+def _load_target(cfg: RunConfig, d: Dist) -> tuple[nn.Module, Any]:
+    """load_target, with a missing or unloadable target as one line (UsageError)."""
+    try:
+        return load_target(
+            cfg.target.path,
+            dtype=cfg.target.dtype,
+            device=d.device,
+            attn_implementation=cfg.target.attn_implementation,
+        )
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if not first.startswith("target.path"):
+            first = f"target.path: {cfg.target.path}: cannot load the target: {first}"
+        raise UsageError(first) from None
+
+
 def setup(
     cfg: RunConfig,
     d: Dist,
@@ -292,12 +309,7 @@ def setup(
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     if target is None:
-        target, tokenizer = load_target(
-            cfg.target.path,
-            dtype=cfg.target.dtype,
-            device=d.device,
-            attn_implementation=cfg.target.attn_implementation,
-        )
+        target, tokenizer = _load_target(cfg, d)
     facts = target_facts(target, tokenizer)
     resolve_target_settings(cfg, facts, tokenizer)
     items = audit(cfg, facts)
@@ -320,12 +332,15 @@ def setup(
     fc_ids = layer_ids[:-1] if cfg.drafter.fc_layers == "all_but_last" else layer_ids
     say(f"target: {cfg.target.path} ({facts.num_layers} layers, {facts.embedding_rows} rows)")
     if examples is None:
-        examples = load_examples(
-            cfg.data.path,
-            tokenizer,
-            max_length=cfg.data.max_length,
-            chat_template=cfg.data.chat_template,
-        )
+        try:
+            examples = load_examples(
+                cfg.data.path,
+                tokenizer,
+                max_length=cfg.data.max_length,
+                chat_template=cfg.data.chat_template,
+            )
+        except DataError as exc:
+            raise UsageError(str(exc)) from None
     stream = BatchStream(
         examples,
         batch_size=cfg.optim.batch_size,

@@ -127,6 +127,16 @@ def test_bad_line_is_one_line_error_naming_file_and_line(chat_tokenizer, tmp_pat
     assert "\n" not in msg
 
 
+def test_undecodable_line_and_missing_file_are_one_line_errors(chat_tokenizer, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(_line(TWO_TURNS).encode() + b"\n\xff\xfe{}\n")
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:2: not UTF-8 text$"):
+        load_examples(path, chat_tokenizer, max_length=256)
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(DataError, match=f"^{re.escape(str(missing))}: cannot read the data: "):
+        load_examples(missing, chat_tokenizer, max_length=256)
+
+
 def test_load_examples_sharegpt_and_skip_unsupervised(chat_tokenizer, tmp_path, caplog):
     share = {"conversations": [{"from": "human", "value": "Count from 3 to 6."},
                                {"from": "gpt", "value": "3 4 5 6"}]}  # fmt: skip

@@ -325,6 +325,39 @@ def test_refuses_a_used_run_dir_and_bad_config(tiny_dense, tmp_path, group):
                    "--set", "loss.type=kll"]) == 2  # fmt: skip
 
 
+def test_module_entry_point_bad_data_is_one_line_and_exit_2(tiny_dense, tmp_path):
+    good = (tiny_dense / "data.jsonl").read_text().splitlines()[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        good + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
+    run_dir = tmp_path / "run"
+    done = cli(tiny_dense, run_dir, "--set", f"data.path={bad}", timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: {bad}:2: conversation has no assistant turn"
+    ]
+    assert (read_state(run_dir)["status"], read_state(run_dir)["exit_code"]) == ("failed", 2)
+
+
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ("target.path={tmp}/no-model", "target.path: {tmp}/no-model"),
+        ("data.path={tmp}/no-data.jsonl", "{tmp}/no-data.jsonl: cannot read the data"),
+        ("drafter.init_from={tmp}/no-drafter", "drafter.init_from: {tmp}/no-drafter/config.json"),
+    ],
+)
+def test_missing_paths_are_one_line_and_exit_2(tiny_dense, tmp_path, group, capsys, setting, named):
+    sets = [a for item in (*build_settings(tiny_dense), *SMALL) for a in ("--set", item)]
+    argv = ["--config", str(TEMPLATE), "--run-dir", str(tmp_path / "run"), *sets,
+            "--set", setting.format(tmp=tmp_path)]  # fmt: skip
+    assert T.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: " + named.format(tmp=tmp_path)), err
+    assert read_state(tmp_path / "run")["exit_code"] == 2
+
+
 # ---------------------------------------------------------------- resume
 
 
