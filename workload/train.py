@@ -724,6 +724,30 @@ def save_checkpoint(run: Run, run_dir: Path, step: int, interval: dict[str, floa
     return path
 
 
+def choose_checkpoint(run_dir: Path, d: Dist) -> Path | None:
+    """Rank 0 picks its newest complete checkpoint and sends the step to every rank, which
+    loads that one. If some rank cannot see it (node-local disks), every rank stops."""
+    step = -1
+    if d.main:
+        ckpt.remove_stale_temps(run_dir)
+        latest = ckpt.latest_complete(run_dir)
+        step = -1 if latest is None else ckpt.step_of(latest)
+    chosen = torch.tensor([step], dtype=torch.long, device=d.device)
+    dist.broadcast(chosen, src=0)
+    step = int(chosen.item())
+    if step < 0:
+        return None
+    path = ckpt.step_dir(run_dir, step)
+    here = d.main or ckpt.verify(path, hashes=False)
+    if any_rank(not here, d.device):
+        where = "this node" if not here else "another rank's node"
+        raise UsageError(
+            f"resume: {path.name} (rank 0's newest complete checkpoint) is missing or incomplete "
+            f"on {where}; put the run directory on storage every node shares"
+        )
+    return path
+
+
 def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float]]:
     """Load model, optimizer, scheduler, data position and this rank's RNG from a checkpoint."""
     from safetensors.torch import load_file
@@ -846,9 +870,7 @@ def _train(
 
     step, interval = 0, {}
     if resume:
-        if d.main:
-            ckpt.remove_stale_temps(run_dir)
-        latest = ckpt.latest_complete(run_dir)
+        latest = choose_checkpoint(run_dir, d)
         if latest is None:
             say("resume: no complete checkpoint; starting at step 0")
         else:

@@ -391,6 +391,53 @@ def test_resume_continues_exactly(tiny_dense, tmp_path, group):
 # ---------------------------------------------------------------- processes
 
 
+_CHOOSE = """
+import sys
+from pathlib import Path
+from workload import train as T
+d = T.init_distributed()
+try:
+    print("chose", T.choose_checkpoint(Path(sys.argv[d.rank + 1]), d).name)
+except T.UsageError as exc:
+    print("refused", exc)
+"""
+
+
+def _choose_on_two_ranks(dirs: list[Path]) -> list[str]:
+    """Each of two gloo ranks calls choose_checkpoint on its own run directory (as on
+    node-local disks); returns what each printed."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        cmd = [sys.executable, "-c", _CHOOSE, *map(str, dirs)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    return [p.communicate(timeout=120)[0].strip() for p in procs]
+
+
+def _fake_checkpoints(run_dir: Path, *steps: int) -> None:
+    for step in steps:
+        ckpt.save(run_dir, step, lambda tmp, s=step: (tmp / "weights").write_text(str(s)))
+
+
+@pytest.mark.slow
+def test_resume_loads_rank_0s_checkpoint_on_every_rank(tmp_path):
+    rank0, rank1 = tmp_path / "node0", tmp_path / "node1"
+    _fake_checkpoints(rank0, 2, 4)
+    _fake_checkpoints(rank1, 2, 4, 6)  # a newer one rank 0 cannot see
+    assert _choose_on_two_ranks([rank0, rank1]) == ["chose step_4", "chose step_4"]
+    (ckpt.step_dir(rank1, 4) / ckpt.MANIFEST).unlink()  # rank 1's copy of step_4 incomplete
+    out = _choose_on_two_ranks([rank0, rank1])
+    assert out[0].startswith("refused resume: step_4 (rank 0's newest") and "another" in out[0]
+    assert out[1].startswith("refused resume: step_4") and "on this node" in out[1]
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dense, tmp_path):
     run_dir = tmp_path / "run"
