@@ -166,7 +166,8 @@ def push_prompts(machine: Machine, local: Path, run: str) -> str:
 def run_eval(machine: Machine, argv: list[str]) -> None:
     env = {"PYTHONPATH": posixpath.join(machine.target.workspace, bundle.REMOTE_HOME)}
     context.note(f"{machine.name}: evaluating (progress below)")
-    result = machine.run(argv, env=env, stdout=_to_stderr, stderr=_to_stderr)
+    to_stderr = context.stream_sink(sys.stderr)
+    result = machine.run(argv, env=env, stdout=to_stderr, stderr=to_stderr)
     if machine.dry_run or result.ok:
         return
     lines = [x for x in result.stderr.decode("utf-8", "replace").splitlines() if x.strip()]
@@ -177,11 +178,6 @@ def run_eval(machine: Machine, argv: list[str]) -> None:
         raise OpsError(f"{machine.name}: {argv[0]} not found; run `dflashops setup {machine.name}`")
     raise OpsError(f"{machine.name}: the evaluation failed (exit {result.returncode}): "
                    f"{lines[-1] if lines else 'no output'}")  # fmt: skip
-
-
-def _to_stderr(chunk: bytes) -> None:
-    sys.stderr.buffer.write(chunk)
-    sys.stderr.buffer.flush()
 
 
 def show(run: str, step: int, dest: Target, out: str, result: dict[str, Any]) -> None:

@@ -113,10 +113,11 @@ def stream_log(
     follow: bool,
     out: Callable[[bytes], None] | None = None,
 ) -> None:
-    """console.log's bytes to `out` (default: our stdout)."""
+    """console.log's bytes to `out` (default: our stdout; a reader that went away there ends
+    the command quietly, see context.command)."""
     path = console_path(view)
     state = posixpath.join(view.dir, "state.json")
-    sinks = _Sinks(out or _stdout)
+    sinks = _Sinks(out or context.stream_sink(sys.stdout))
     offset = -1
     while True:
         argv = helper_argv("follow.py", path)
@@ -148,8 +149,3 @@ def stream_log(
             context.note(f"{view.target}: the log stream broke; resuming at byte {sinks.position}")
         offset = sinks.position
         time.sleep(RETRY_S)
-
-
-def _stdout(chunk: bytes) -> None:
-    sys.stdout.buffer.write(chunk)
-    sys.stdout.buffer.flush()

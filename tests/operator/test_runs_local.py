@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -348,3 +349,67 @@ def test_every_json_command_prints_exactly_one_document(cli, ws, tmp_path):
             pytest.fail(f"{args}: stdout is not one JSON document: {ran.out[:300]!r}")
     assert (ws / "runs" / "j2").is_dir() and not (ws / "runs" / "j3").exists()
     assert not (ws / "ckpts" / "j1" / "step_20").exists()
+
+
+# ---------------------------------------------------------------- a reader that goes away early
+
+
+def _piped(inventory: Path, *args: str, read: int | None) -> tuple[int, str]:
+    """Run the CLI into a real pipe whose reader takes `read` bytes and closes it (None: closed
+    before the command starts); (exit code, stderr). A hang fails the test by its timeout."""
+    full = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
+    if read is None:
+        r, w = os.pipe()
+        os.close(r)
+        with open(w, "wb") as out:
+            proc = subprocess.Popen(full, stdout=out, stderr=subprocess.PIPE)
+    else:
+        proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert len(proc.stdout.read(read)) == read
+        proc.stdout.close()
+    try:
+        err = proc.stderr.read().decode()
+        return proc.wait(timeout=30), err
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def live_run(ws):
+    """A run whose trainer is alive (a process with workload.train on its command line) and
+    whose console.log is far bigger than a pipe's buffer."""
+    run = make_run(ws, "live", status="running")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "workload.train"]
+    )
+    state = json.loads((run / "state.json").read_text())
+    state.update(pid=trainer.pid, exit_code=None, finished=None)
+    (run / "state.json").write_text(json.dumps(state))
+    (run / "console.log").write_bytes(b"step 1/30 loss 1.0\n" * 200_000)
+    yield run
+    trainer.kill()
+    trainer.wait()
+
+
+def test_output_into_a_closed_pipe_ends_quietly(inventory, live_run):
+    cases = [
+        (["logs", "live"], 4096),
+        (["logs", "live", "--follow"], 4096),
+        (["status", "live", "--follow", "--interval", "1"], None),
+        (["--json", "status"], None),
+    ]
+    for args, read in cases:
+        code, err = _piped(inventory, *args, read=read)
+        assert code == 141, (args, code, err)
+        assert "Traceback" not in err and "Exception" not in err and "error" not in err, (args, err)
+    # rich exits 1 on a broken pipe; one big write cut short by the reader returns short, not
+    # EPIPE, so the JSON document's end is dropped quietly (exit 0): quiet and over, either way
+    for args, read in (
+        (["status"], None),
+        (["status", "live"], None),
+        (["--json", "logs", "live"], 100),
+    ):
+        code, err = _piped(inventory, *args, read=read)
+        assert code in (0, 1, 141) and err == "", (args, code, err)
+    followers = subprocess.run(["pgrep", "-f", str(live_run / "console.log")], capture_output=True)
+    assert followers.stdout == b"", "a log follower outlived its command"
