@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-BIG_TRANSFER = 32 << 20
+SHOW_AFTER_S = 2.0  # contract: progress for anything over about two seconds
+BIG_TRANSFER = 0  # TODO(pull-ckpt): drop; the delay above now decides what is shown
 
 
 def human_bytes(n: float | None) -> str:
@@ -24,32 +25,54 @@ def human_bytes(n: float | None) -> str:
 def progress(
     label: str, total: int | None, *, enabled: bool = True
 ) -> Iterator[Callable[[int], None]]:
-    """A byte-counting progress bar on stderr; a line every few seconds when not a terminal."""
+    """Byte counting on stderr, shown once the work has taken more than two seconds: a bar on
+    a terminal, else a line every few seconds (for logs)."""
     if not enabled:
         yield lambda n: None
         return
-    if not sys.stderr.isatty():
-        yield _PlainProgress(label, total).advance
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    shown = _LazyBar(label, total) if sys.stderr.isatty() else _PlainProgress(label, total)
+    try:
+        yield shown.advance
+    finally:
+        shown.close()
 
-    bar = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-    )
-    with bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+
+class _LazyBar:
+    """A rich progress bar that appears only after SHOW_AFTER_S (quick copies stay silent)."""
+
+    def __init__(self, label: str, total: int | None) -> None:
+        self.label, self.total = label, total
+        self.start = time.monotonic()
+        self.done = 0
+        self.bar = None
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.bar is None:
+            if time.monotonic() - self.start < SHOW_AFTER_S:
+                return
+            self._open()
+        self.bar.advance(self.task, n)
+
+    def _open(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.bar = Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+        )  # fmt: skip
+        self.bar.start()
+        self.task = self.bar.add_task(self.label, total=self.total, completed=self.done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 class Stopwatch:
@@ -62,23 +85,26 @@ class Stopwatch:
 
 
 class _PlainProgress:
-    """Progress for logs: one line every `every` seconds."""
+    """Progress for logs: after SHOW_AFTER_S, one line every `every` seconds."""
 
     def __init__(self, label: str, total: int | None, every: float = 5.0) -> None:
         self.label, self.total, self.every = label, total, every
         self.done = 0
-        self.last = time.monotonic()
+        self.next = time.monotonic() + SHOW_AFTER_S
 
     def advance(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
-        if now - self.last >= self.every:
-            self.last = now
+        if now >= self.next:
+            self.next = now + self.every
             share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
             sys.stderr.write(
                 f"{self.label}: {human_bytes(self.done)} of {human_bytes(self.total)}{share}\n"
             )
             sys.stderr.flush()
+
+    def close(self) -> None:
+        """Nothing to take down."""
 
 
 # ---------------------------------------------------------------- runs: tables and numbers

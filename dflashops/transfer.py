@@ -56,17 +56,37 @@ def remote_path(machine: Machine, path: str) -> str:
 
 
 def scan(local: Path) -> list[Entry]:
-    """The entries of a local file or directory tree, in a stable order."""
-    st = local.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        return [_entry(local, local.name, st)]
-    entries = []
-    for root, dirs, files in os.walk(local):
-        dirs.sort()
-        for name in sorted(dirs) + sorted(files):
-            path = Path(root) / name
-            entries.append(_entry(path, path.relative_to(local).as_posix(), path.lstat()))
+    """The entries of a local file or directory tree, in a stable order.
+
+    Links are followed where a copy of the link would not work on the other side: the path
+    given itself, and links inside the tree that point out of it (a Hugging Face snapshot is
+    links into ../../blobs). Links within the tree stay links."""
+    real = local.resolve()
+    if not real.is_dir():
+        return [_entry(real, local.name, real.stat())]
+    entries: list[Entry] = []
+    _walk(real, real, "", {real}, entries)
     return entries
+
+
+def _walk(root: Path, folder: Path, prefix: str, seen: set[Path], out: list[Entry]) -> None:
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        rel = f"{prefix}{path.name}"
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            points_to = Path(os.path.normpath(path.parent / os.readlink(path)))
+            inside = points_to == root or root in points_to.parents
+            if inside or not path.exists():
+                out.append(_entry(path, rel, st))  # an in-tree (or dangling) link stays a link
+                continue
+            path = path.resolve()
+            st = path.stat()
+        out.append(_entry(path, rel, st))
+        if stat.S_ISDIR(st.st_mode):
+            real = path.resolve()
+            if real in seen:
+                raise UsageError(f"{path}: a link loop; cannot copy it")
+            _walk(root, path, f"{rel}/", seen | {real}, out)
 
 
 def _entry(path: Path, rel: str, st: os.stat_result) -> Entry:
@@ -117,11 +137,16 @@ def _file_blocks(entry: Entry, progress: Progress | None) -> Iterator[bytes]:
         yield b"\0" * pad
 
 
-def describe_remote(machine: Machine, base: str, rels: list[str] | None) -> dict[str, dict]:
-    """Hash paths under `base` inside the target (all of them when `rels` is None)."""
+def describe_remote(
+    machine: Machine, base: str, rels: list[str] | None, *, follow: bool = False
+) -> dict[str, dict]:
+    """Hash paths under `base` inside the target (all of them when `rels` is None); with
+    `follow`, a link is described by what it points to."""
     argv = helper_argv("hashtree.py", base)
     if rels is None:
         argv.append("--all")
+    if follow:
+        argv.append("--follow")
     result = machine.run(argv, stdin=json.dumps(rels or []).encode())
     if not result.ok:
         if result.returncode == 127:
@@ -143,15 +168,17 @@ def put(
     A directory's contents land in `remote`; a file becomes `remote`, or goes into it when
     `remote` ends with '/'.
     """
-    if not local.exists() and not local.is_symlink():
-        raise UsageError(f"{local}: no such file or directory")
+    if not local.exists():
+        dangling = " (a link to nothing)" if local.is_symlink() else ""
+        raise UsageError(f"{local}: no such file or directory{dangling}")
     dest = remote_path(machine, remote)
     if local.is_dir():
         base, entries = dest, entries if entries is not None else scan(local)
     else:
         name = local.name if remote.endswith("/") else posixpath.basename(dest)
         base = dest if remote.endswith("/") else posixpath.dirname(dest)
-        entries = [_entry(local, name, local.lstat())]
+        real = local.resolve()
+        entries = [_entry(real, name, real.stat())]
     receive = helper_argv("receive.py", base)
     result = machine.run(receive, stdin=prefetch(tar_stream(entries, progress)))
     sent = Sent(entries, sum(e.size for e in entries))
@@ -166,26 +193,40 @@ def put(
 
 
 def prefetch(chunks: Iterator[bytes], depth: int = 8) -> Iterator[bytes]:
-    """Produce `chunks` on a thread of its own, so reading and hashing overlap with sending."""
+    """Produce `chunks` on a thread of its own, so reading and hashing overlap with sending.
+    When the consumer stops early (the target went away), the producer stops too."""
     import queue
     import threading
 
     done = object()
     buffer: queue.Queue = queue.Queue(maxsize=depth)
     failure: list[BaseException] = []
+    stop = threading.Event()
 
     def produce() -> None:
         try:
             for chunk in chunks:
-                buffer.put(chunk)
+                while not stop.is_set():
+                    try:
+                        buffer.put(chunk, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
         except BaseException as exc:  # noqa: BLE001 (raised again on the consuming side)
             failure.append(exc)
         finally:
-            buffer.put(done)
+            chunks.close() if hasattr(chunks, "close") else None  # noqa: B018 (closes files)
+            if not stop.is_set():
+                buffer.put(done)
 
     threading.Thread(target=produce, daemon=True).start()
-    while (item := buffer.get()) is not done:
-        yield item
+    try:
+        while (item := buffer.get()) is not done:
+            yield item
+    finally:
+        stop.set()
     if failure:
         raise failure[0]
 
@@ -220,30 +261,34 @@ def local_digest(path: Path) -> str:
 
 
 def get_file(machine: Machine, remote: str, local: Path) -> int:
-    """Copy one file out of the target, verified by sha256 against the target's own hash."""
+    """Copy one file out of the target (a link is followed), verified by sha256 against the
+    target's own hash of it; `local` appears only once the copy is verified."""
     src = remote_path(machine, remote)
     local.parent.mkdir(parents=True, exist_ok=True)
-    partial = local.with_name(local.name + ".partial")
+    partial = local.with_name(local.name + ".dflashops-partial")
     digest = hashlib.sha256()
     size = 0
-    with open(partial, "wb") as f:
+    try:
+        with open(partial, "wb") as f:
 
-        def take(chunk: bytes) -> None:
-            nonlocal size
-            digest.update(chunk)
-            size += len(chunk)
-            f.write(chunk)
+            def take(chunk: bytes) -> None:
+                nonlocal size
+                digest.update(chunk)
+                size += len(chunk)
+                f.write(chunk)
 
-        result = machine.run(["cat", "--", src], stdout=take)
-    if not result.ok:
+            result = machine.run(["cat", "--", src], stdout=take)
+        if machine.dry_run:
+            return 0
+        if not result.ok:
+            raise TransferError(f"{machine.name}: cannot read {src}: {result.error_text}")
+        name = posixpath.basename(src)
+        theirs = describe_remote(machine, posixpath.dirname(src), [name], follow=True)[name]
+        if theirs.get("sha256") != digest.hexdigest() or theirs.get("size") != size:
+            raise TransferError(f"{machine.name}: {src} changed or was corrupted while copied out")
+        partial.replace(local)
+    finally:
         partial.unlink(missing_ok=True)
-        raise TransferError(f"{machine.name}: cannot read {src}: {result.error_text}")
-    found = describe_remote(machine, posixpath.dirname(src), [posixpath.basename(src)])
-    theirs = next(iter(found.values()))
-    if theirs.get("sha256") != digest.hexdigest() or theirs.get("size") != size:
-        partial.unlink(missing_ok=True)
-        raise TransferError(f"{machine.name}: {src} changed or was corrupted while copied out")
-    partial.replace(local)
     return size
 
 
@@ -279,8 +324,13 @@ def sync(
         if entry.kind == "f" and entry.rel in theirs:
             entry.sha256 = local_digest(entry.path)
     changed = [e for e in entries if not _matches(e, theirs.get(e.rel, {"t": "-"}))]
-    ours = {e.rel for e in entries}
-    stale = sorted(rel for rel in theirs if rel not in ours and not skip(rel))
+    kinds = {e.rel: e.kind for e in entries}
+
+    def stale_there(rel: str, found: dict) -> bool:
+        """Gone here, or changed between file, directory and link: removed there first."""
+        return not skip(rel) and kinds.get(rel) != found["t"]
+
+    stale = sorted(rel for rel, found in theirs.items() if stale_there(rel, found))
     stale = [rel for rel in stale if not any(rel.startswith(s + "/") for s in stale)]
     if stale:
         result = machine.run(["rm", "-rf", "--", *(posixpath.join(dest, rel) for rel in stale)])

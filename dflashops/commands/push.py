@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from dflashops import context, transfer
-from dflashops.render import BIG_TRANSFER, Stopwatch, human_bytes, progress
+from dflashops.render import Stopwatch, human_bytes, progress
 
 
 def register(app: typer.Typer) -> None:
@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
             else (local.stat().st_size if local.is_file() else 0)
         )
         clock = Stopwatch()
-        with progress(f"push {local.name}", total, enabled=total >= BIG_TRANSFER) as advance:
+        with progress(f"push {local.name}", total) as advance:
             sent = transfer.put(machine, local, remote, progress=advance, entries=entries)
         if opts.dry_run:
             return

@@ -10,7 +10,7 @@ import typer
 
 from dflashops import bundle, context, transfer
 from dflashops.errors import OpsError, UsageError
-from dflashops.render import Stopwatch
+from dflashops.render import Stopwatch, progress
 from dflashops.targets.base import Machine
 
 
@@ -102,7 +102,9 @@ def install(machine: Machine, requirements: Path, wheels: Path | None) -> None:
     if wheels is not None:
         remote_wheels = home(machine, "wheels")
         context.note(f"{machine.name}: sending wheels from {wheels}")
-        transfer.sync(machine, wheels, remote_wheels)
+        size = sum(p.stat().st_size for p in wheels.rglob("*") if p.is_file())
+        with progress(f"{machine.name}: wheels", size) as advance:
+            transfer.sync(machine, wheels, remote_wheels, progress=advance)
         pip += ["--no-index", "--find-links", remote_wheels]
     context.note(f"{machine.name}: pip install -r {requirements.name}")
     result = machine.run([*pip, "-r", remote_reqs], stdout=_to_stderr, stderr=_to_stderr)

@@ -1,6 +1,7 @@
 """Runs inside a target with its python3 (stdlib only): describe files under a directory.
 
-argv: BASE [--all]. stdin: a JSON list of paths relative to BASE (ignored with --all).
+argv: BASE [--all] [--follow]. stdin: a JSON list of paths relative to BASE (ignored with
+--all). With --follow a link is described by what it points to.
 stdout: one JSON object {path: {"t": "f", "sha256": hex, "size": n} | {"t": "l", "to": target}
 | {"t": "d"} | {"t": "-"}}, "-" for a path that does not exist.
 """
@@ -12,7 +13,9 @@ import stat
 import sys
 
 
-def describe(path):
+def describe(path, follow=False):
+    if follow:
+        path = os.path.realpath(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -43,7 +46,8 @@ def main():
         paths = list(walk(base)) if os.path.isdir(base) else []
     else:
         paths = json.load(sys.stdin)
-    out = {rel: describe(os.path.join(base, rel)) for rel in paths}
+    follow = "--follow" in sys.argv[2:]
+    out = {rel: describe(os.path.join(base, rel), follow) for rel in paths}
     json.dump(out, sys.stdout)
 
 

@@ -49,7 +49,27 @@ def safe_join(base, name):
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if not parts or ".." in parts or name.startswith("/"):
         raise ValueError(f"unsafe path in stream: {name!r}")
-    return os.path.join(base, *parts), "/".join(parts)
+    return parts, "/".join(parts)
+
+
+def real_dirs(base, parts):
+    """Make base/parts[0]/.../parts[-2] real directories: a symlink or a file in the way is
+    replaced (the stream says a directory is there), so nothing is written through a link."""
+    path = base
+    for part in parts[:-1]:
+        path = os.path.join(path, part)
+        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+            os.unlink(path)
+        if not os.path.isdir(path):
+            os.mkdir(path)
+    return os.path.join(path, parts[-1])
+
+
+def make_dir(path, mode):
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, mode)
 
 
 def hash_file(path):
@@ -75,18 +95,30 @@ def hasher(jobs, found):
 
 
 def write_file(stream, path, size, mode, mtime):
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise IsADirectoryError(
+            f"{path} is a directory: to copy into it, end the destination with /"
+        )
     tmp = path + ".dflashops-partial"
-    with open(tmp, "wb") as f:
-        left = size
-        while left:
-            chunk = stream.read(min(left, CHUNK))
-            if not chunk:
-                raise EOFError("the tar stream ended inside a file")
-            f.write(chunk)
-            left -= len(chunk)
-    os.chmod(tmp, mode)
-    os.utime(tmp, (mtime, mtime))
-    os.replace(tmp, path)
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            left = size
+            while left:
+                chunk = stream.read(min(left, CHUNK))
+                if not chunk:
+                    raise EOFError("the tar stream ended inside a file")
+                f.write(chunk)
+                left -= len(chunk)
+        os.chmod(tmp, mode)
+        os.utime(tmp, (mtime, mtime))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
     pad = -size % BLOCK
     if pad:
         read_exact(stream, pad)
@@ -114,13 +146,14 @@ def unpack(stream, base, jobs, found):
         size = int(pax["size"]) if "size" in pax else size
         mode, mtime = octal(header[100:108]) & 0o7777, octal(header[136:148])
         pax = {}
-        path, rel = safe_join(base, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        parts, rel = safe_join(base, name)
+        path = real_dirs(base, parts)
         if kind == b"5":
-            os.makedirs(path, exist_ok=True)
-            os.chmod(path, mode)
+            make_dir(path, mode)
             found[rel] = {"t": "d"}
         elif kind == b"2":
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise IsADirectoryError(f"{path} is a directory; a link cannot replace it")
             if os.path.lexists(path):
                 os.unlink(path)
             os.symlink(link, path)

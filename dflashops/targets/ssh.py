@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import time
 from typing import TYPE_CHECKING
 
 from dflashops.errors import UnreachableError
@@ -11,6 +12,9 @@ from dflashops.targets.base import Machine, Process
 if TYPE_CHECKING:
     from dflashops.inventory import Target
     from dflashops.ssh import Connection
+
+
+CLOSE_WAIT_S = 2.0
 
 
 class ChannelProcess:
@@ -40,6 +44,11 @@ class ChannelProcess:
 
     def wait(self) -> int:
         code = self.channel.recv_exit_status()
+        # sshd counts a session against MaxSessions until it has closed it too: give the slot
+        # back only then, or a burst of commands trips over sessions still being torn down.
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not self.channel.closed and time.monotonic() < deadline:
+            time.sleep(0.002)
         self.kill()
         if code < 0:
             raise UnreachableError(

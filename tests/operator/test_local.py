@@ -187,3 +187,98 @@ def test_closed_stdout_ends_quietly_without_hanging(inventory):
     proc.stdout.close()
     assert proc.wait(timeout=60) == 141
     assert proc.stderr.read() == b""
+
+
+def test_push_never_writes_through_a_link_already_at_the_destination(tmp_path, inventory):
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o755)
+    dst = tmp_path / "ws" / "dst"
+    dst.mkdir(parents=True)
+    (dst / "a").symlink_to(outside)
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a").chmod(0o700)
+    (src / "a" / "evil.txt").write_text("x\n")
+    ran = dflashops("push", "local", str(src), "dst", inventory=inventory)
+    assert ran.code == 0, ran.err
+    assert list(outside.iterdir()) == [] and outside.stat().st_mode & 0o777 == 0o755
+    assert not (dst / "a").is_symlink() and (dst / "a" / "evil.txt").read_text() == "x\n"
+
+
+def test_push_follows_links_that_leave_the_tree_like_a_hugging_face_snapshot(tmp_path, inventory):
+    hub = tmp_path / "hub"
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "blobs" / "abc").write_bytes(b"weights" * 1000)
+    snap = hub / "snapshots" / "rev"
+    snap.mkdir(parents=True)
+    (snap / "model.bin").symlink_to("../../blobs/abc")
+    (snap / "alias.bin").symlink_to("model.bin")  # inside the tree: stays a link
+    ran = dflashops("push", "local", str(snap), "model", inventory=inventory)
+    assert ran.code == 0, ran.err
+    copy = tmp_path / "ws" / "model"
+    assert not (copy / "model.bin").is_symlink()
+    assert (copy / "model.bin").read_bytes() == b"weights" * 1000
+    assert (copy / "alias.bin").is_symlink() and (
+        copy / "alias.bin"
+    ).read_bytes() == b"weights" * 1000
+    ran = dflashops("push", "local", str(snap / "model.bin"), "one.bin", inventory=inventory)
+    assert ran.code == 0 and "1 files" in ran.out
+    assert (tmp_path / "ws" / "one.bin").read_bytes() == b"weights" * 1000
+
+
+def test_push_a_file_onto_a_directory_says_how_and_leaves_nothing(tmp_path, inventory):
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    (tmp_path / "ws" / "existing").mkdir(parents=True)
+    ran = dflashops("push", "local", str(f), "existing", inventory=inventory)
+    assert ran.code == 1 and "end the destination with /" in ran.err
+    assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == ["existing"]
+    assert dflashops("push", "local", str(f), "existing/", inventory=inventory).code == 0
+    assert (tmp_path / "ws" / "existing" / "f.txt").read_text() == "x"
+
+
+def test_sync_follows_a_path_that_changed_between_file_and_directory(tmp_path, inventory):
+    from dflashops.transfer import sync
+
+    src = tmp_path / "tree"
+    src.mkdir()
+    (src / "x").write_text("file\n")
+    with Session(load_inventory(inventory)) as session:
+        machine = session.machine("local")
+        sync(machine, src, "synced")
+        (src / "x").unlink()
+        (src / "x").mkdir()
+        (src / "x" / "y").write_text("now a dir\n")
+        sync(machine, src, "synced")
+        assert (tmp_path / "ws" / "synced" / "x" / "y").read_text() == "now a dir\n"
+        (src / "x" / "y").unlink()
+        (src / "x").rmdir()
+        (src / "x").write_text("a file again\n")
+        done = sync(machine, src, "synced")
+    assert (tmp_path / "ws" / "synced" / "x").read_text() == "a file again\n"
+    assert done.deleted == ["x"] and [e.rel for e in done.sent] == ["x"]
+
+
+def test_get_file_follows_a_link_and_verifies(tmp_path, inventory):
+    from dflashops.transfer import get_file
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "real.bin").write_bytes(b"\x00\xff" * 50_000)
+    (ws / "link.bin").symlink_to("real.bin")
+    with Session(load_inventory(inventory)) as session:
+        size = get_file(session.machine("local"), "link.bin", tmp_path / "out" / "got.bin")
+    assert size == 100_000 and (tmp_path / "out" / "got.bin").read_bytes() == b"\x00\xff" * 50_000
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["got.bin"]
+
+
+def test_slow_work_shows_progress_on_stderr(tmp_path, inventory, monkeypatch, capsys):
+    from dflashops import render
+    from dflashops.transfer import put
+
+    monkeypatch.setattr(render, "SHOW_AFTER_S", 0.0)
+    f = tmp_path / "big.bin"
+    f.write_bytes(b"x" * (3 << 20))
+    with Session(load_inventory(inventory)) as session, render.progress("push big", 3 << 20) as adv:
+        put(session.machine("local"), f, "big.bin", progress=adv)
+    assert "push big: 1.0 MiB of 3.0 MiB (33%)" in capsys.readouterr().err

@@ -94,7 +94,7 @@ def test_more_containers_than_sshd_sessions_on_one_host(testbed, make_container,
     cts = [make_container("pve1") for _ in range(12)]
     inv = testbed.write_inventory(tmp_path / "hosts.yaml", {f"c{ct.vmid}": ct for ct in cts})
     ran = dflashops("--json", "hosts", inventory=inv, home=home)
-    assert ran.code == 0, ran.err
+    assert ran.code == 0, ran.out
     states = [t["state"] for t in json.loads(ran.out)["targets"]]
     assert states == ["running"] * 12
 
