@@ -65,6 +65,9 @@ from workload.targets import embedding_rows, load_target, text_config
 LOG_NAME = "train_log.jsonl"
 STATE_NAME = "state.json"
 DDS_BUDGETS = (8,)
+# what a log interval sums on each rank (reduced over ranks for the log line)
+SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
+clock = time.monotonic  # seconds of a log interval (tests replace it)
 
 
 class UsageError(Exception):
@@ -666,8 +669,9 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
-    keys = sorted(sums)
-    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    """Sums over ranks; every rank sends the same keys, whatever it has seen."""
+    keys = sorted(set(sums) | set(SUM_KEYS))
+    t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return dict(zip(keys, t.tolist(), strict=True))
 
@@ -696,10 +700,14 @@ def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"], run.device)
 
 
-def save_checkpoint(run: Run, run_dir: Path, step: int, interval: dict[str, float]) -> Path | None:
-    """Gather every rank's RNG state; rank 0 writes step_<step> atomically."""
+def save_checkpoint(
+    run: Run, run_dir: Path, step: int, interval: dict[str, float], seconds: float
+) -> Path | None:
+    """Gather every rank's RNG state and the log interval so far (summed over ranks, with its
+    seconds); rank 0 writes step_<step> atomically."""
     ranks: list[Any] = [None] * run.dist.world
     dist.all_gather_object(ranks, _rng_state(run))
+    interval = {"sums": reduce_sums(interval, run.device), "seconds": seconds}
     path = None
     if run.dist.main:
         state = {
@@ -748,8 +756,10 @@ def choose_checkpoint(run_dir: Path, d: Dist) -> Path | None:
     return path
 
 
-def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float]]:
-    """Load model, optimizer, scheduler, data position and this rank's RNG from a checkpoint."""
+def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float], float]:
+    """Load model, optimizer, scheduler, data position and this rank's RNG from a checkpoint.
+    Returns the step, this rank's part of the log interval in progress (rank 0 holds what all
+    ranks summed before the checkpoint) and the seconds that interval had run."""
     from safetensors.torch import load_file
 
     state = ckpt.load_training_state(step_dir)
@@ -769,7 +779,11 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float]]
     run.scheduler.load_state_dict(state["scheduler"])
     run.stream.load_state_dict(state["data"])
     _set_rng_state(run, state["rng"][run.dist.rank])
-    return int(state["step"]), dict(state.get("interval") or {})
+    saved = state.get("interval") or {}
+    if "sums" not in saved:  # older checkpoints: rank 0's own sums, no seconds
+        saved = {"sums": saved if run.dist.world == 1 else {}, "seconds": 0.0}
+    interval = dict(saved["sums"]) if run.dist.main else {}
+    return int(state["step"]), interval, float(saved["seconds"])
 
 
 # ---------------------------------------------------------------- the loop
@@ -779,19 +793,18 @@ def log_record(
     run: Run, step: int, interval: dict[str, float], seconds: float, lr: float
 ) -> dict[str, Any]:
     sums = reduce_sums(interval, run.device)
-    steps = max(interval.get("steps", 1.0), 1.0)  # identical on every rank
-    world = run.dist.world
+    rank_steps = max(sums["steps"], 1.0)  # steps of the interval x ranks
     record: dict[str, Any] = {
         "step": step,
         "time": time.time(),
-        "loss": sums["loss"] / steps / world,
+        "loss": sums["loss"] / rank_steps,
     }
     record.update(finalize(sums))
     record.update(
         lr=lr,
         noise=noise_std(run.cfg, step - 1),
         epoch=run.stream.epoch,
-        grad_norm=sums["grad_norm"] / steps / world,
+        grad_norm=sums["grad_norm"] / rank_steps,
         tok_s=sums.get("tokens", 0.0) / max(seconds, 1e-9),
     )
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
@@ -868,13 +881,13 @@ def _train(
         write_json_atomic(run_dir / "audit.json", audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
 
-    step, interval = 0, {}
+    step, interval, elapsed = 0, {}, 0.0
     if resume:
         latest = choose_checkpoint(run_dir, d)
         if latest is None:
             say("resume: no complete checkpoint; starting at step 0")
         else:
-            step, interval = restore(run, latest, say=say)
+            step, interval, elapsed = restore(run, latest, say=say)
             say(f"resume: restored {latest} (step {step})")
         if d.main:
             truncate_log(run_dir / LOG_NAME, step)
@@ -889,7 +902,7 @@ def _train(
         say(f"wandb: {wandb_url}")
 
     status, exit_code = "finished", 1
-    t_interval = time.time()
+    t_interval = clock() - elapsed
     try:
         while step < run.total_steps:
             loss, grad_norm, lr = train_step(run, step, interval)
@@ -898,15 +911,15 @@ def _train(
                 interval[key] = interval.get(key, 0.0) + value
             last = step == run.total_steps
             if step == 1 or step % cfg.log.log_every == 0 or last:
-                record = log_record(run, step, interval, time.time() - t_interval, lr)
+                record = log_record(run, step, interval, clock() - t_interval, lr)
                 log.write(record)
                 wb.log(record)
                 say(progress_line(record, run.total_steps))
                 state.update(last_step=step)
-                interval, t_interval = {}, time.time()
+                interval, t_interval = {}, clock()
             stopping = any_rank(stop.requested or step == stop_after, d.device)
             if step % cfg.checkpoint.every == 0 or last or stopping:
-                save_checkpoint(run, run_dir, step, interval)
+                save_checkpoint(run, run_dir, step, interval, clock() - t_interval)
                 say(f"checkpoint: step_{step}")
             if stopping:
                 status = "stopped"

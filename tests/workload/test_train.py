@@ -365,19 +365,36 @@ def _weights(run_dir: Path, step: int) -> dict:
     return load_file(str(ckpt.step_dir(run_dir, step) / "model.safetensors"))
 
 
+class _StepClock:
+    """Every training step takes exactly one second of the trainer's clock."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 1000.0
+        real = T.train_step
+
+        def step(*args, **kwargs):
+            self.now += 1.0
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(T, "train_step", step)
+        monkeypatch.setattr(T, "clock", lambda: self.now)
+
+
 @pytest.mark.slow
-def test_resume_continues_exactly(tiny_dense, tmp_path, group):
-    """8 steps in one go == 4 steps, stop, resume, 4 steps (log and weights)."""
+def test_resume_continues_exactly(tiny_dense, tmp_path, group, monkeypatch):
+    """8 steps in one go == 3 steps, stop (between log steps), resume, 5 steps: log and weights,
+    tok_s included (the interval in progress at the stop is carried over, with its seconds)."""
+    _StepClock(monkeypatch)
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert T.train(config(tiny_dense), straight) == 0
-    assert T.train(config(tiny_dense), split, stop_after=4) == 0
+    assert T.train(config(tiny_dense), split, stop_after=3) == 0
     assert read_state(split)["status"] == "stopped"
-    assert ckpt.latest_complete(split) == ckpt.step_dir(split, 4)
+    assert ckpt.latest_complete(split) == ckpt.step_dir(split, 3)
     assert T.train(config(tiny_dense), split, resume=True) == 0
     a, b = read_log(straight), read_log(split)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 4, 6, 8]
     for ra, rb in zip(a, b, strict=True):
-        for key in ("loss", "acc", "streak", "dds8", "grad_norm", "lr", "epoch", "noise"):
+        for key in ("loss", "acc", "streak", "dds8", "grad_norm", "lr", "epoch", "noise", "tok_s"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-7), (ra["step"], key)
     wa, wb = _weights(straight, 8), _weights(split, 8)
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
@@ -466,20 +483,27 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dense, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_on_cpu(tiny_dense, tmp_path):
-    run_dir = tmp_path / "run"
+def test_torchrun_two_ranks_on_cpu_and_resume_between_log_steps(tiny_dense, tmp_path):
+    """2 ranks, 4 steps == 2 ranks, stop at 3, resume, 1 step: the log line of step 4 sums
+    both ranks' steps 3 and 4 once each (rank 0 alone carries the saved interval)."""
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "2")  # fmt: skip
-    done = cli(tiny_dense, run_dir, "--set", "optim.max_steps=4", launcher=launcher, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    records = read_log(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 4]  # once each: rank 1 writes nothing
-    assert read_state(run_dir)["world_size"] == 2
-    assert done.stdout.count("step 4/4") == 1
-    assert ckpt.latest_complete(run_dir) == ckpt.step_dir(run_dir, 4)
-    state = ckpt.load_training_state(ckpt.step_dir(run_dir, 4))
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    runs = [(straight, []), (split, ["--stop-after", "3"]), (split, ["--resume"])]
+    for run_dir, args in runs:
+        done = cli(tiny_dense, run_dir, "--set", "optim.max_steps=4", *args, launcher=launcher,
+                   timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("resume: restored") == 1  # rank 0 alone prints
+    records = read_log(straight)
+    assert [r["step"] for r in records] == [r["step"] for r in read_log(split)] == [1, 2, 4]
+    for key in ("loss", "acc", "streak", "dds8", "grad_norm", "lr", "epoch"):
+        assert read_log(split)[-1][key] == pytest.approx(records[-1][key], rel=1e-5), key
+    assert read_state(straight)["world_size"] == 2
+    wa, wb = _weights(straight, 4), _weights(split, 4)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6
+    state = ckpt.load_training_state(ckpt.step_dir(straight, 4))
     assert len(state["rng"]) == 2
-    assert not torch.equal(state["rng"][0]["anchors"], state["rng"][1]["anchors"])
 
 
 @pytest.mark.slow
