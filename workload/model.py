@@ -8,6 +8,7 @@ the frozen target's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from workload.attention import block_attention
 
 ARCHITECTURE = "DFlashDraftModel"
+WEIGHTS_NAME = "model.safetensors"  # one file, never shards: the checkpoint contract and resume
+MAX_SHARD_SIZE = "1000GB"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope keys of multimodal/partial-rotary targets that a Qwen3-style drafter does not use
 _TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -301,8 +304,14 @@ class DFlashDrafter(PreTrainedModel):
         self.post_init()
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """As PreTrainedModel's, but config.json names z-lab's class, as published drafters do."""
+        """As PreTrainedModel's, but config.json names z-lab's class, as published drafters do,
+        and the weights are one model.safetensors whatever transformers' default shard size."""
+        kwargs.setdefault("max_shard_size", MAX_SHARD_SIZE)
         super().save_pretrained(save_directory, *args, **kwargs)
+        if not (Path(save_directory) / WEIGHTS_NAME).is_file():
+            raise ValueError(
+                f"{save_directory}: the drafter was saved in shards, not one {WEIGHTS_NAME}"
+            )
         self.config.architectures = [ARCHITECTURE]
         if kwargs.get("is_main_process", True):
             self.config.save_pretrained(save_directory)

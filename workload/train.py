@@ -55,6 +55,7 @@ from workload.data import Batch, BatchStream, DataError, load_examples, sample_a
 from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
 from workload.metrics import empty_sums, finalize, metric_sums
 from workload.model import (
+    WEIGHTS_NAME,
     DFlashDrafter,
     build_drafter_config,
     default_target_layer_ids,
@@ -773,7 +774,7 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float],
     if changed:
         say("resume: config differs from the checkpoint's: " + ", ".join(
             f"{k} {a!r} -> {b!r}" for k, a, b in changed))  # fmt: skip
-    weights = load_file(str(step_dir / "model.safetensors"), device=str(run.device))
+    weights = load_file(str(step_dir / WEIGHTS_NAME), device=str(run.device))
     run.drafter.load_state_dict(weights)
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])

@@ -242,6 +242,27 @@ def test_config_json_is_zlab_format(tmp_path):
     assert cfg["rope_parameters"]["rope_theta"] == 5e5
 
 
+def test_weights_are_one_file_whatever_the_default_shard_size(tmp_path, monkeypatch):
+    """Contract §4 and resume read model.safetensors: a drafter bigger than transformers'
+    default shard size (simulated by a 16 KB default) is still saved as that one file."""
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def small_default(self, directory, *args, max_shard_size="16KB", **kwargs):
+        return real(self, directory, *args, max_shard_size=max_shard_size, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", small_default)
+    drafter = _drafter(MIXED)
+    assert sum(p.numel() * 4 for p in drafter.parameters()) > 64 * 1024
+    drafter.save_pretrained(tmp_path / "one")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "config.json", "model.safetensors"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="saved in shards"):
+        drafter.save_pretrained(tmp_path / "sharded", max_shard_size="16KB")
+
+
 def _compare_inference(ours, theirs):
     feats, embeds = _features(24), _embeds(1)
     with torch.no_grad():
