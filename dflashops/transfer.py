@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashops import remote as helpers
 from dflashops.errors import OpsError, TransferError, UsageError
-from dflashops.remote import argv as helper_argv
 from dflashops.targets.base import CHUNK, Machine
 
 Progress = Callable[[int], None]
@@ -138,21 +138,20 @@ def _file_blocks(entry: Entry, progress: Progress | None) -> Iterator[bytes]:
 
 
 def describe_remote(
-    machine: Machine, base: str, rels: list[str] | None, *, follow: bool = False
+    machine: Machine,
+    base: str,
+    rels: list[str] | None,
+    *,
+    follow: bool = False,
+    quick: bool = False,
 ) -> dict[str, dict]:
     """Hash paths under `base` inside the target (all of them when `rels` is None); with
-    `follow`, a link is described by what it points to."""
-    argv = helper_argv("hashtree.py", base)
-    if rels is None:
-        argv.append("--all")
-    if follow:
-        argv.append("--follow")
-    result = machine.run(argv, stdin=json.dumps(rels or []).encode())
-    if not result.ok:
-        if result.returncode == 127:
-            raise OpsError(f"{machine.name}: python3 not found; install it in the target")
-        raise OpsError(f"{machine.name}: could not read {base}: {result.error_text}")
-    return json.loads(result.stdout)
+    `follow`, a link is described by what it points to; with `quick`, files by size and mtime."""
+    wanted = (("--all", rels is None), ("--follow", follow), ("--stat", quick))
+    flags = [flag for flag, on in wanted if on]
+    stdin = json.dumps(rels or []).encode()
+    result = helpers.run(machine, "hashtree.py", base, *flags, stdin=stdin, what=f"reading {base}")
+    return json.loads(result.stdout) if result.stdout else {}
 
 
 def put(
@@ -179,15 +178,12 @@ def put(
         base = dest if remote.endswith("/") else posixpath.dirname(dest)
         real = local.resolve()
         entries = [_entry(real, name, real.stat())]
-    receive = helper_argv("receive.py", base)
+    receive = helpers.argv("receive.py", base)
     result = machine.run(receive, stdin=prefetch(tar_stream(entries, progress)))
     sent = Sent(entries, sum(e.size for e in entries))
     if machine.dry_run:
         return sent
-    if not result.ok:
-        if result.returncode == 127:
-            raise OpsError(f"{machine.name}: python3 not found; install it in the target")
-        raise TransferError(f"{machine.name}: copy into {base} failed: {result.error_text}")
+    helpers.check(machine, result, f"copy into {base}", TransferError)
     check_arrived(machine, base, entries, json.loads(result.stdout))
     return sent
 
@@ -252,12 +248,14 @@ def _matches(entry: Entry, found: dict) -> bool:
     return True
 
 
-def local_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _same(entry: Entry, found: dict) -> bool:
+    if entry.kind == "f":
+        mtime = int(entry.path.stat().st_mtime)
+        return found.get("t") == "f" and (found.get("size"), found.get("mtime")) == (
+            entry.size,
+            mtime,
+        )
+    return _matches(entry, found)
 
 
 def get_file(machine: Machine, remote: str, local: Path) -> int:
@@ -319,11 +317,10 @@ def sync(
     """Make `remote` hold exactly the local tree: send changed paths only, delete stale ones."""
     dest = remote_path(machine, remote)
     entries = [e for e in scan(local) if not skip(e.rel)]
-    theirs = {} if machine.dry_run else describe_remote(machine, dest, None)
-    for entry in entries:
-        if entry.kind == "f" and entry.rel in theirs:
-            entry.sha256 = local_digest(entry.path)
-    changed = [e for e in entries if not _matches(e, theirs.get(e.rel, {"t": "-"}))]
+    # rsync's quick check: a file of the same size and mtime is taken as unchanged; what is
+    # sent is verified by sha256 as always
+    theirs = describe_remote(machine, dest, None, quick=True)
+    changed = [e for e in entries if not _same(e, theirs.get(e.rel, {"t": "-"}))]
     kinds = {e.rel: e.kind for e in entries}
 
     def stale_there(rel: str, found: dict) -> bool:

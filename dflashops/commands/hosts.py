@@ -98,11 +98,11 @@ def survey(session, inventory: Inventory) -> tuple[list[HostRow], list[TargetRow
     for endpoint, listing in zip(endpoints, listings, strict=True):
         if isinstance(listing, OpsError):
             host_rows.append(HostRow(endpoint.name, endpoint.address, False, error=listing.message))
-        else:
-            states[endpoint.name] = listing
-            count = len(listing) if listing is not None else None
-            note = None if listing is not None else "no pct here (not a Proxmox VE node?)"
-            host_rows.append(HostRow(endpoint.name, endpoint.address, True, count, note))
+            continue
+        found, remark = listing
+        states[endpoint.name] = found
+        count = len(found) if found is not None else None
+        host_rows.append(HostRow(endpoint.name, endpoint.address, True, count, remark))
     failed = {r.name: r.error for r in host_rows if not r.reachable}
     targets = list(inventory.targets.values())
     rows = session.each(lambda t: probe(session, t, states, failed), targets)
@@ -112,19 +112,19 @@ def survey(session, inventory: Inventory) -> tuple[list[HostRow], list[TargetRow
     ]
 
 
-def pct_list(session, endpoint: Endpoint) -> dict[int, str] | None:  # noqa: ANN001
-    """vmid -> status from `pct list` on a host; None when the host has no pct."""
+def pct_list(session, endpoint: Endpoint) -> tuple[dict[int, str] | None, str | None]:  # noqa: ANN001
+    """(vmid -> status, None) from `pct list` on a host; (None, why) when it cannot tell."""
     result = session.host_machine(endpoint).run(["pct", "list"])
     if result.returncode == 127:
-        return None
-    if not result.ok:
-        raise OpsError(f"{endpoint.name}: pct list failed: {result.error_text}")
+        return None, "no pct here (not a Proxmox VE node?)"
+    if not result.ok:  # it answered, so it is reachable; its containers are probed one by one
+        return None, f"pct list failed: {result.error_text}"
     states = {}
     for line in result.text.splitlines()[1:]:
         fields = line.split()
         if len(fields) >= 2 and fields[0].isdigit():
             states[int(fields[0])] = fields[1]
-    return states
+    return states, None
 
 
 def probe(session, target: Target, states: dict, failed: dict) -> TargetRow:  # noqa: ANN001

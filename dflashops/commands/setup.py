@@ -107,7 +107,11 @@ def install(machine: Machine, requirements: Path, wheels: Path | None) -> None:
             transfer.sync(machine, wheels, remote_wheels, progress=advance)
         pip += ["--no-index", "--find-links", remote_wheels]
     context.note(f"{machine.name}: pip install -r {requirements.name}")
-    result = machine.run([*pip, "-r", remote_reqs], stdout=_to_stderr, stderr=_to_stderr)
+    result = machine.run(
+        [*pip, "-r", remote_reqs],
+        stdout=context.stream_sink(sys.stderr),
+        stderr=context.stream_sink(sys.stderr),
+    )
     if not result.ok:
         raise OpsError(f"{machine.name}: pip install failed: {result.error_text}")
 
@@ -124,8 +128,3 @@ def sync_workload(machine: Machine) -> dict[str, int]:
         counts["unchanged"] += done.unchanged
         counts["deleted"] += len(done.deleted)
     return counts
-
-
-def _to_stderr(chunk: bytes) -> None:
-    sys.stderr.buffer.write(chunk)
-    sys.stderr.buffer.flush()

@@ -75,6 +75,20 @@ class Machine:
         """The argv as the machine will really run it (environment and cwd made explicit)."""
         raise NotImplementedError
 
+    def env_argv(
+        self,
+        env: dict[str, str],
+        cwd: str | None,
+        *,
+        base: tuple[str, ...] = (),
+        clear: bool = False,
+    ) -> list[str]:
+        """`env [-i] [-C cwd] [base...] [target's env] [env]`: the environment, explicitly."""
+        chdir = ["-C", cwd] if cwd else []
+        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
+        head = ["/usr/bin/env", "-i"] if clear else ["env"]
+        return [*head, *chdir, *base, *assignments]
+
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
         raise NotImplementedError
 

@@ -73,8 +73,7 @@ class LocalMachine(Machine):
         return merged
 
     def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
-        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
-        return ["env", "-C", cwd or self.target.workspace, *assignments, *argv]
+        return [*self.env_argv(env, cwd or self.target.workspace), *argv]
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
         Path(self.target.workspace).mkdir(parents=True, exist_ok=True)

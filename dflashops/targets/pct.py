@@ -29,15 +29,10 @@ class PctMachine(Machine):
         super().__init__(target)
         self.connection = connection
 
-    def env_argv(self, env: dict[str, str], cwd: str | None) -> list[str]:
-        chdir = ["-C", cwd] if cwd else []
-        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
-        base = [f"PATH={self.target.path}", "HOME=/root", "LANG=C.UTF-8", "USER=root"]
-        return ["/usr/bin/env", "-i", *chdir, *base, *assignments]
-
     def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
         vmid = str(self.target.vmid)
-        return ["pct", "exec", vmid, "--", *self.env_argv(env, cwd), *argv]
+        base = (f"PATH={self.target.path}", "HOME=/root", "LANG=C.UTF-8", "USER=root")
+        return ["pct", "exec", vmid, "--", *self.env_argv(env, cwd, base=base, clear=True), *argv]
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))

@@ -66,14 +66,9 @@ class SshMachine(Machine):
         super().__init__(target)
         self.connection = connection
 
-    def env_argv(self, env: dict[str, str], cwd: str | None) -> list[str]:
-        """`env` that sets PATH and the target's variables, keeping the login's HOME and USER."""
-        chdir = ["-C", cwd] if cwd else []
-        assignments = [f"{k}={v}" for k, v in {**self.target.env, **env}.items()]
-        return ["env", *chdir, f"PATH={self.target.path}", *assignments]
-
     def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
-        return [*self.env_argv(env, cwd), *argv]
+        """PATH and the target's variables set; the login's HOME and USER kept."""
+        return [*self.env_argv(env, cwd, base=(f"PATH={self.target.path}",)), *argv]
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))
