@@ -80,12 +80,15 @@ def register(app: typer.Typer) -> None:
     @context.command
     def trust(
         ctx: typer.Context,
-        host: str = typer.Argument(..., help="A host of the inventory (or a kind: ssh target)."),
+        host: str = typer.Argument(
+            ..., help="A host or kind: ssh target of the inventory, or an ~/.ssh/config alias."
+        ),
         yes: bool = typer.Option(False, "--yes", "-y", help="Pin without asking."),
     ) -> None:
         """Show a host's SSH key fingerprint and pin it (asks first)."""
         opts = context.get(ctx)
-        pin_key(opts.session(), opts.inventory().endpoint(host), yes)
+        session = opts.session()
+        pin_key(session, session.endpoint(host), yes)
 
     app.add_typer(group, name="hosts")
 

@@ -138,3 +138,20 @@ while read x; do {" ".join(base)} -n ct201 -- true; echo "got $x"; done
     proc = subprocess.run(["sh", "-c", script], input=b"a\nb\nc\n", capture_output=True,
                           env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
     assert proc.stdout.decode().splitlines() == ["got a", "got b", "got c"]
+
+
+def test_hosts_trust_pins_a_jump_host_known_only_to_ssh_config(testbed, tmp_path, home):
+    pve1 = testbed["pve1"]
+    (home / ".ssh" / "config").write_text(
+        f"Host bastion\n  HostName {pve1.address}\n  IdentityFile {testbed.client_key}\n"
+    )
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct301": ("pve2", 301)})
+    inv.write_text(inv.read_text().replace("  pve2:\n", "  pve2:\n    jump: bastion\n"))
+    refused = dflashops("exec", "ct301", "--", "true", inventory=inv, home=home)
+    assert refused.code == 3 and "dflashops hosts trust bastion" in refused.err
+    trusted = dflashops("hosts", "trust", "bastion", "--yes", inventory=inv, home=home)
+    assert trusted.code == 0, trusted.err
+    pinned = (home / ".config" / "dflashops" / "known_hosts").read_text()
+    assert pinned.startswith(f"{pve1.address} ")
+    ran = dflashops("exec", "ct301", "--", "hostname", inventory=inv, home=home)
+    assert ran.code == 0 and ran.out == "ct301\n", ran.err
