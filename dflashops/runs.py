@@ -62,6 +62,7 @@ class Checkpoint:
     files: int
     mtime: float
     manifest: str | None = None
+    entries: dict[str, str] | None = None  # the manifest parsed; None when it is malformed
     verified: bool | None = None
     problem: str | None = None
 
@@ -334,13 +335,30 @@ def resolve(session: Session, name: str | None, **request: Any) -> RunView:
     return newest_running(session, **request)
 
 
-def reread(session: Session, view: RunView, **request: Any) -> RunView:
-    """The same run read again from its target (with a different request)."""
-    answer = probe(session.machine(view.target), names=[view.name], archive=True, **request)
-    fresh = next((r for r in answer.runs if r.name == view.name), None)
+def reread(machine: Machine, run: str, **request: Any) -> RunView:
+    """Run `run` read (again) from the machine it lives on, in runs/ or archive/."""
+    answer = probe(machine, names=[run], archive=True, **request)
+    fresh = next((r for r in answer.runs if r.name == run), None)
     if fresh is None:
-        raise NotFoundError(f"{view.target}: run {view.name} is gone from {view.dir}")
+        raise NotFoundError(f"{machine.name}: run {run} is gone")
     return fresh
+
+
+VALUE_RULE = (
+    "value at step S = the record with the largest step <= S; null when the run never reached S"
+)
+
+
+def value_at(records: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    """The record with the largest step <= `step` (the later one of equal steps); None when
+    there is none that early, or when the run's log never got to `step`."""
+    best = None
+    reached = False
+    for r in records:
+        reached = reached or r["step"] >= step
+        if r["step"] <= step and (best is None or r["step"] >= best["step"]):
+            best = r
+    return best if reached else None
 
 
 def dry_run_done(opts: context.Context, **doc: Any) -> None:

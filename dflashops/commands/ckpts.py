@@ -34,7 +34,8 @@ def register(app: typer.Typer) -> None:
         view = runs.resolve(session, run, records="none")
         if verify:
             context.note(f"{view.name}: hashing every checkpoint file on {view.target}")
-        view = runs.reread(session, view, records="none", checkpoints=True, verify=verify)
+        machine = session.machine(view.target)
+        view = runs.reread(machine, view.name, records="none", checkpoints=True, verify=verify)
         points = view.checkpoints
         if as_json:
             opts.emit({"run": view.name, "target": view.target, "dir": view.dir,

@@ -21,7 +21,6 @@ from dflashops.render import console, metric, table
 from dflashops.runs import RunView
 from dflashops.yamlfile import did_you_mean
 
-RULE = "value at step S = the record with the largest step <= S; null when the run never reached S"
 HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
 DEFAULT_STEP_COUNT = 6
 
@@ -64,7 +63,9 @@ def register(app: typer.Typer) -> None:
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
         if as_json:
-            opts.emit({"rule": RULE, "steps": chosen, "metrics": keys, "runs": table_doc})
+            opts.emit(
+                {"rule": runs.VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
+            )
         else:
             show(views, chosen, keys, table_doc)
         if plot is not None:
@@ -114,23 +115,12 @@ def default_steps(views: list[RunView]) -> list[int]:
     return sorted({logged[round(i * (len(logged) - 1) / (k - 1))] for i in range(k)})
 
 
-def value_at(view: RunView, step: int) -> dict[str, Any] | None:
-    best = None
-    for r in view.records:
-        if r["step"] <= step and (best is None or r["step"] >= best["step"]):
-            best = r
-    last = view.records[-1]["step"] if view.records else None
-    if last is None or last < step:
-        return None
-    return best
-
-
 def values(views: list[RunView], steps: list[int], keys: list[str]) -> list[dict[str, Any]]:
     out = []
     for v in views:
         table_of: dict[str, dict[str, Any]] = {k: {} for k in keys}
         for s in steps:
-            rec = value_at(v, s)
+            rec = runs.value_at(v.records, s)
             for k in keys:
                 table_of[k][str(s)] = (
                     None

@@ -35,6 +35,22 @@ SECRETS = "secrets.env"
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+# options that `resume` shares
+SECRETS_OPTION = typer.Option(
+    None,
+    "--secret",
+    metavar="NAME",
+    help="Pass NAME from your environment (e.g. WANDB_API_KEY) to the trainer through a 0600 "
+    "file, never on a command line (resume: replaces the run's secrets).",
+)
+FOLLOW_OPTION = typer.Option(
+    False, "--follow", "-f", help="Then watch it, as status --follow does."
+)
+WAIT_OPTION = typer.Option(
+    900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
+)
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document.")
+
 
 def register(app: typer.Typer) -> None:
     @app.command("launch")
@@ -57,20 +73,10 @@ def register(app: typer.Typer) -> None:
             metavar="KEY=VALUE",
             help="Override a config key (dotted, YAML-typed), e.g. --set optim.max_steps=500.",
         ),
-        secrets: list[str] = typer.Option(
-            None,
-            "--secret",
-            metavar="NAME",
-            help="Pass NAME from your environment (e.g. WANDB_API_KEY) to the trainer through "
-            "a 0600 file; never on a command line.",
-        ),
-        follow: bool = typer.Option(
-            False, "--follow", "-f", help="Then watch it, as status --follow does."
-        ),
-        wait: float = typer.Option(
-            900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
-        ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        secrets: list[str] = SECRETS_OPTION,
+        follow: bool = FOLLOW_OPTION,
+        wait: float = WAIT_OPTION,
+        json_out: bool = JSON_OPTION,
     ) -> None:
         """Start a training run in a detached tmux session on a target."""
         opts = context.get(ctx)
@@ -329,21 +335,13 @@ def start(machine: Machine, run: str, rundir: str, *, resume: bool) -> None:
         raise OpsError(f"{machine.name}: tmux new-session -s {session}: {result.error_text}")
 
 
-def read_run(machine: Machine, run: str) -> RunView:
-    found = runs.probe(machine, names=[run], records="recent", console=8192)
-    view = next((r for r in found.runs if r.name == run), None)
-    if view is None:
-        raise OpsError(f"{machine.name}: run {run} vanished while starting")
-    return view
-
-
 def wait_for_life(machine: Machine, run: str, *, timeout: float) -> RunView:
     """Until the trainer runs (state.json says so), ends, or `timeout` passes."""
     clock = Stopwatch()
     next_note = 5.0
     context.note(f"{run}: starting on {machine.name} (the trainer loads the target model first)")
     while True:
-        view = read_run(machine, run)
+        view = runs.reread(machine, run, records="recent", console=8192)
         if view.state == "running" and view.status.get("status") == "running":
             return view
         if view.state in ("finished", "stopped"):

@@ -85,26 +85,23 @@ def find_checkpoint(view: RunView, step: int) -> Checkpoint:
             f"{view.name} step_{step} is incomplete (no {MANIFEST}): still being written or cut "
             "short; nothing copies it"
         )
+    if match.entries is None:
+        raise TransferError(
+            f"{view.name} step_{step}: its {MANIFEST} is empty or not in sha256sum format; "
+            "nothing copies it"
+        )
     return match
-
-
-def manifest_entries(text: str) -> dict[str, str]:
-    entries = {}
-    for line in text.splitlines():
-        digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64:
-            raise TransferError(f"{MANIFEST}: malformed line {line[:60]!r}")
-        entries[name.lstrip("*")] = digest
-    return entries
 
 
 def pull(
     reader: Session, writer: Session, view: RunView, step: int, dest: Target
 ) -> dict[str, Any]:
     """Make <ws>/ckpts/RUN/step_STEP on `dest` a verified copy; returns what was done."""
-    view = runs.reread(reader, view, records="none", checkpoints=True, files=["run.yaml"])
+    view = runs.reread(
+        reader.machine(view.target), view.name, records="none", checkpoints=True, files=["run.yaml"]
+    )
     ckpt = find_checkpoint(view, step)
-    manifest = ckpt.manifest or ""
+    manifest, entries = ckpt.manifest or "", ckpt.entries
     final = runs.ckpt_copy_dir(dest, view.name, step)
     report = {"run": view.name, "step": step, "from": view.target, "to": dest.name, "dest": final}
     there = runs.probe(reader.machine(dest), dirs=[final], verify=True).dirs.get(final, {})
@@ -115,7 +112,7 @@ def pull(
         context.note(f"{dest.name}:{final} is there but does not verify ({why}); copying again")
     clock = Stopwatch()
     src_dir = posixpath.join(view.dir, "checkpoints", ckpt.name)
-    names = sorted(manifest_entries(manifest)) + [MANIFEST]
+    names = sorted(entries) + [MANIFEST]
     tmp = posixpath.join(posixpath.dirname(final), f".tmp-{ckpt.name}-{uuid.uuid4().hex[:8]}")
     src, dst = writer.machine(view.target), writer.machine(dest)
     label = f"{view.name} step_{step} -> {dest.name}"
@@ -131,7 +128,7 @@ def pull(
             "seconds": 0,
         }
     try:
-        check_copy(found, manifest, dest.name, final)
+        check_copy(found, entries, manifest, dest.name, final)
     except TransferError:
         dst.run(["rm", "-rf", "--", tmp])
         raise
@@ -213,10 +210,11 @@ class _Pipe:
             yield item
 
 
-def check_copy(found: dict[str, Any], manifest: str, target: str, where: str) -> None:
+def check_copy(
+    found: dict[str, Any], entries: dict[str, str], manifest: str, target: str, where: str
+) -> None:
     """Every manifest entry arrived with its hash (hashed from the destination's disk), the
     manifest itself arrived intact, and nothing else came."""
-    entries = manifest_entries(manifest)
     expected = {**entries, MANIFEST: hashlib.sha256(manifest.encode()).hexdigest()}
     bad = sorted(n for n, d in expected.items() if (found.get(n) or {}).get("sha256") != d)
     extra = sorted(set(found) - set(expected))

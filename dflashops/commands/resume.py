@@ -21,16 +21,10 @@ def register(app: typer.Typer) -> None:
     def resume(
         ctx: typer.Context,
         run: str = typer.Argument(..., metavar="RUN", help="A stopped or failed run."),
-        secrets: list[str] = typer.Option(
-            None, "--secret", metavar="NAME", help="Replace the run's secrets (see launch)."
-        ),
-        follow: bool = typer.Option(
-            False, "--follow", "-f", help="Then watch it, as status --follow does."
-        ),
-        wait: float = typer.Option(
-            900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
-        ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        secrets: list[str] = launching.SECRETS_OPTION,
+        follow: bool = launching.FOLLOW_OPTION,
+        wait: float = launching.WAIT_OPTION,
+        json_out: bool = launching.JSON_OPTION,
     ) -> None:
         """Start a run again from its newest complete checkpoint."""
         opts = context.get(ctx)

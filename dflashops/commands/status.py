@@ -208,25 +208,12 @@ def history_table(records: list[dict[str, Any]], title: str | None = "recent log
 # ---------------------------------------------------------------- --vs: two runs at the same steps
 
 
-def value_at(records: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
-    """The record with the largest step <= `step` (None when the run has none so early)."""
-    best = None
-    for r in records:
-        if r["step"] <= step and (best is None or r["step"] >= best["step"]):
-            best = r
-    return best
-
-
 def vs_rows(a: RunView, b: RunView, count: int = 12) -> list[dict[str, Any]]:
     steps = sorted({r["step"] for r in a.records})[-count:]
-    rows = []
-    for s in steps:
-        ra, rb = value_at(a.records, s), value_at(b.records, s)
-        last_b = b.records[-1]["step"] if b.records else None
-        if last_b is not None and last_b < s:
-            rb = None  # the other run has not reached this step
-        rows.append({"step": s, a.name: ra, b.name: rb})
-    return rows
+    return [
+        {"step": s, a.name: runs.value_at(a.records, s), b.name: runs.value_at(b.records, s)}
+        for s in steps
+    ]
 
 
 def vs_table(a: RunView, b: RunView):  # noqa: ANN201
@@ -257,7 +244,7 @@ def show_vs(a: RunView, b: RunView, as_json: bool, opts: context.Context) -> Non
         opts.emit(
             {
                 "runs": [a.summary(), b.summary()],
-                "rule": "value at step S = the record with the largest step <= S",
+                "rule": runs.VALUE_RULE,
                 "rows": vs_rows(a, b),
             }
         )
@@ -315,17 +302,15 @@ def _poll(
     if other is not None:
         wanted.append((other, {"records": "all"}))
 
-    def read(item: tuple[RunView, dict]) -> RunView | None:
+    def read(item: tuple[RunView, dict]) -> RunView:
         old, request = item
-        answer = runs.probe(session.machine(old.target), names=[old.name], archive=True, **request)
-        return next((r for r in answer.runs if r.name == old.name), None)
+        return runs.reread(session.machine(old.target), old.name, **request)
 
     fresh = session.each(read, wanted)
     for got in fresh:
         if isinstance(got, OpsError):
             raise got
-    new_other = (fresh[1] or other) if other is not None else None
-    return fresh[0] or view, new_other
+    return fresh[0], fresh[1] if other is not None else None
 
 
 def _follow_plain(
@@ -399,7 +384,7 @@ class _PlainPrinter:
         parts = [f"{view.name} step {step}"]
         parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW_METRICS if k in rec]
         if other is not None:
-            orec = value_at(other.records, rec["step"])
+            orec = runs.value_at(other.records, rec["step"])
             if orec is not None:
                 theirs = " ".join(
                     f"{k} {metric(orec.get(k), k)}" for k in runs.METRICS if k in orec

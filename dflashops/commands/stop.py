@@ -63,7 +63,7 @@ def signal_trainer(machine: Machine, reading: Machine, view: RunView, wait_s: fl
             return 0
         if sent.get("pid"):
             return int(sent["pid"])
-        fresh = _read(reading, view.name)
+        fresh = runs.reread(reading, view.name, records="none")
         if not fresh.running:
             raise OpsError(f"{view.name}: ended ({fresh.state}) before it could be stopped")
         if clock.seconds > wait_s:
@@ -71,19 +71,11 @@ def signal_trainer(machine: Machine, reading: Machine, view: RunView, wait_s: fl
         time.sleep(1.0)
 
 
-def _read(machine: Machine, run: str) -> RunView:
-    found = runs.probe(machine, names=[run], records="none", checkpoints=True, console=4096)
-    view = next((r for r in found.runs if r.name == run), None)
-    if view is None:
-        raise OpsError(f"{machine.name}: run {run} vanished")
-    return view
-
-
 def wait_stopped(machine: Machine, run: str, timeout: float) -> RunView:
     clock = Stopwatch()
     next_note = 10.0
     while True:
-        view = _read(machine, run)
+        view = runs.reread(machine, run, records="none", checkpoints=True)
         if not view.running:
             if view.state == "failed":
                 raise OpsError(f"{run}: the trainer failed while stopping ({view.note or ''})")

@@ -1,7 +1,7 @@
 """Runs inside a target with its python3 (stdlib only): everything about its runs, one JSON.
 
 stdin: a JSON request {"ws": workspace, "names": [run, ...] or null for all, "archive": bool,
-"records": "none" | "recent" | "all", "since": step or null, "at": [step, ...],
+"records": "none" | "recent" | "all", "since": step or null,
 "files": [name, ...], "console": bytes of console.log's tail, "checkpoints": bool,
 "verify": bool, "dirs": [path, ...], "paths": [path, ...]}.
 stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "tmux": [...] or null,
@@ -118,18 +118,6 @@ def parse_log(data):
     return records, warnings, partial
 
 
-def at_steps(records, steps):
-    """For each step S: the record with the largest step <= S (None when there is none)."""
-    out = {}
-    for s in steps:
-        best = None
-        for rec in records:
-            if rec["step"] <= s and (best is None or rec["step"] >= best["step"]):
-                best = rec
-        out[str(s)] = best
-    return out
-
-
 def log_info(run_dir, req):
     path = os.path.join(run_dir, LOG)
     try:
@@ -155,8 +143,6 @@ def log_info(run_dir, req):
         info["records"] = chosen[-RECENT:]
     elif mode == "all":
         info["records"] = chosen
-    if req.get("at"):
-        info["at"] = at_steps(records, req["at"])
     return info
 
 
@@ -204,6 +190,7 @@ def sha256(path):
 
 
 def manifest_entries(text):
+    """{name: sha256} of a sha256sum-format manifest; None when it is empty or malformed."""
     entries = {}
     for line in text.splitlines():
         digest, sep, name = line.partition("  ")
@@ -276,6 +263,7 @@ def checkpoints(run_dir, verify):
         if item["complete"]:
             item["files"] = files - 1
             item["manifest"] = read_text(manifest)
+            item["entries"] = manifest_entries(item["manifest"] or "")
             if verify:
                 item["verified"], item["problem"] = verify_dir(path)
         out.append(item)

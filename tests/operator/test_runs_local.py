@@ -161,6 +161,14 @@ def test_status_table_vs_and_names(cli, ws):
     assert vs.code == 0, vs.err
     row4 = next(line for line in vs.out.splitlines() if line.startswith("4 "))
     assert "0.400" in row4 and "0.150 @3" in row4
+    make_run(ws, "a3", [{"step": 3, "time": now, "acc": 0.3}])
+    rows = json.loads(cli("--json", "status", "a1", "--vs", "a3").out)["rows"]
+    # none that early, then the record at or before the step, then never reached
+    assert [r["a3"] and r["a3"]["step"] for r in rows] == [None, None, None]
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    back = json.loads(cli("--json", "status", "a3", "--vs", "a1").out)["rows"]
+    assert back == [{"step": 3, "a3": {"step": 3, "time": now, "acc": 0.3},
+                     "a1": {"step": 2, "time": now, "acc": 0.2}}]  # fmt: skip
     missing = cli("status", "a1x")
     assert missing.code == 4 and "did you mean 'a1'" in missing.err.lower()
     bad = cli("status", "bad name")
@@ -253,6 +261,26 @@ def test_ckpts_lists_complete_incomplete_and_corrupt(cli, ws):
         c["step"]: (c["verified"], c["problem"]) for c in json.loads(verified.out)["checkpoints"]
     }
     assert marks[10] == (True, None) and marks[20] == (False, "sha256 mismatch: model.safetensors")
+
+
+def test_pull_ckpt_on_the_local_target_is_verified_idempotent_and_refuses_a_bad_manifest(cli, ws):
+    run = make_run(ws, "pl", ckpts=(10, 20))
+    ran = cli("--json", "pull-ckpt", "20", "--to", "local", "--run", "pl")
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    assert (doc["copied"], doc["files"], doc["from"]) == (True, 2, "local")
+    copy = ws / "ckpts" / "pl" / "step_20"
+    for name in ("model.safetensors", "config.json", "MANIFEST.sha256"):
+        assert (copy / name).read_bytes() == (run / "checkpoints" / "step_20" / name).read_bytes()
+    assert (copy.parent / "run.yaml").read_text() == (run / "run.yaml").read_text()
+    again = json.loads(cli("--json", "pull-ckpt", "20", "--to", "local", "--run", "pl").out)
+    assert again["copied"] is False
+    bad = run / "checkpoints" / "step_30"
+    write_checkpoint(bad, 30)
+    (bad / "MANIFEST.sha256").write_text("not a manifest\n")
+    refused = cli("pull-ckpt", "30", "--to", "local", "--run", "pl")
+    assert refused.code == 1 and "not in sha256sum format" in refused.err, refused.err
+    assert not (ws / "ckpts" / "pl" / "step_30").exists()
 
 
 def test_archive_moves_and_prunes_by_policy(cli, ws):
