@@ -101,3 +101,15 @@ def chat_tokenizer():
     r = random.Random(0)
     convs = [tiny.conversation(r)[0] for _ in range(200)]
     return tiny.build_tokenizer([tiny.chatml(c) for c in convs], vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-tensor tests (opt in with usefixtures): a second
+    thread only adds synchronisation, and suffers most when other processes share the cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,16 +10,10 @@ import torch
 import workload.attention as attention_module
 from workload.attention import block_attention
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: a second thread only adds synchronisation (and suffers on a busy host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 B, HQ, HKV, D, S, N, K = 2, 4, 2, 8, 40, 5, 4

@@ -23,14 +23,7 @@ from workload.model import DFlashDrafter
 VOCAB, BLOCK = 32, 8
 MASK, MASK_CTX = 31, 30  # two drafters, two mask rows of the target's embedding
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models: one thread is ~20x faster than two when other processes share the cores
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

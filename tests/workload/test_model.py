@@ -15,16 +15,10 @@ from workload.model import (
     select_target_features,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: a second thread only adds synchronisation (and suffers on a busy host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 H, LAYER_IDS, K, MASK = 64, [1, 4, 5], 4, 7
