@@ -90,13 +90,6 @@ class Target:
     def host(self) -> str | None:
         return self.endpoint.name if self.endpoint else None
 
-    def describe(self) -> str:
-        if self.kind == "pct":
-            return f"{self.name} (CT {self.vmid} on {self.host})"
-        if self.kind == "ssh":
-            return f"{self.name} ({self.endpoint.address if self.endpoint else '?'})"
-        return f"{self.name} (this machine)"
-
 
 @dataclass
 class Inventory:
@@ -113,17 +106,6 @@ class Inventory:
                 f"no target '{name}' in {self.path}{did_you_mean(name, list(self.targets))}"
                 f" (targets: {known})"
             ) from None
-
-    def endpoint(self, name: str) -> Endpoint:
-        if name in self.hosts:
-            return self.hosts[name]
-        for target in self.targets.values():
-            if target.kind == "ssh" and target.name == name and target.endpoint:
-                return target.endpoint
-        known = ", ".join(sorted(self.hosts)) or "none"
-        raise NotFoundError(
-            f"no host '{name}' in {self.path}{did_you_mean(name, list(self.hosts))} (hosts: {known})"
-        )
 
 
 def find_inventory(explicit: str | None) -> Path:

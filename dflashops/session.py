@@ -39,11 +39,14 @@ class Session:
         self.close()
 
     def connection(self, endpoint: Endpoint) -> Connection:
+        """One connection per server: entries naming the same one (a Proxmox host that is also
+        a `kind: ssh` target) share it."""
+        key = replace(endpoint, name="", connect_timeout=0, max_sessions=0)
         with self._lock:
-            conn = self._connections.get(endpoint)
+            conn = self._connections.get(key)
             if conn is None:
                 conn = Connection(endpoint, self._jump)
-                self._connections[endpoint] = conn
+                self._connections[key] = conn
             return conn
 
     def endpoint(self, spec: str) -> Endpoint:

@@ -145,9 +145,6 @@ class Machine:
         until the exit code tells whether `check` turns it into our own one-line error)."""
         return False
 
-    def close(self) -> None:
-        """Release what this machine holds (connections are owned by the session)."""
-
 
 def _abbreviate(arg: str) -> str:
     """Inline helper programs are shown by size and digest, not pages of source."""
