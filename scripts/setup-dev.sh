@@ -9,8 +9,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-# torch first, pinned: a plain requirement would pull a multi-GB CUDA build.
-"$VENV/bin/python" -c "import torch" 2>/dev/null || pip install torch==2.13.0
+# torch first, pinned: a plain requirement would pull a multi-GB CUDA build. Where pip has no
+# local CPU build, TORCH_INDEX (e.g. a CPU wheel index) says where to get one.
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
+fi
 pip install -e ".[train,dev]"
 # z-lab's reference drafter and decode loop, used by the tests as an outside reference.
 "$VENV/bin/python" -c "import dflash" 2>/dev/null || pip install --no-deps dflash==0.1.0
