@@ -214,10 +214,7 @@ def derive_state(raw: dict[str, Any]) -> tuple[str, str | None]:
 class Probe:
     """One target's answer."""
 
-    target: Target
-    now: float
     names: dict[str, list[str]]
-    tmux: list[str] | None
     runs: list[RunView]
     dirs: dict[str, dict[str, Any]]
     paths: dict[str, str]
@@ -234,7 +231,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
     argv = helper_argv("runs_probe.py")
     result = machine.run(argv, stdin=json.dumps(request).encode())
     if machine.dry_run:
-        return Probe(target, 0.0, {"runs": [], "archive": []}, None, [], {}, {})
+        return Probe({"runs": [], "archive": []}, [], {}, {})
     if result.returncode == 127:
         raise OpsError(f"{target.name}: python3 not found; install it in the target")
     if not result.ok:
@@ -254,7 +251,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
                 raw["name"], target.name, raw["where"], raw["dir"], state, doc["now"], raw, note
             )
         )
-    return Probe(target, doc["now"], doc["names"], doc["tmux"], views, doc["dirs"], doc["paths"])
+    return Probe(doc["names"], views, doc["dirs"], doc["paths"])
 
 
 @dataclass

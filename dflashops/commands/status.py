@@ -273,7 +273,7 @@ def follow_run(
         if live:
             view = _follow_live(session, view, other, interval)
         else:
-            printer = _PlainPrinter(view, quiet=emit is not None)
+            printer = _PlainPrinter(quiet=emit is not None)
             view = _follow_plain(session, view, other, interval, printer)
     except KeyboardInterrupt:
         context.note(f"detached; {view.name} keeps running ({view.state}) on {view.target}")
@@ -354,7 +354,7 @@ def _follow_live(session: Any, view: RunView, other: RunView | None, interval: f
 class _PlainPrinter:
     """Without a terminal: one line per new log record, and a line when the state changes."""
 
-    def __init__(self, view: RunView, *, quiet: bool = False) -> None:
+    def __init__(self, *, quiet: bool = False) -> None:
         self.quiet = quiet
         self.state: str | None = None
         self.warned: set[str] = set()

@@ -79,7 +79,6 @@ def copy(f, out):
             return moved
         out.write(chunk)
         moved += len(chunk)
-    return moved
 
 
 def main():

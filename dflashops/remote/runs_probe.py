@@ -4,9 +4,9 @@ stdin: a JSON request {"ws": workspace, "names": [run, ...] or null for all, "ar
 "records": "none" | "recent" | "all", "since": step or null,
 "files": [name, ...], "console": bytes of console.log's tail, "checkpoints": bool,
 "verify": bool, "dirs": [path, ...], "paths": [path, ...]}.
-stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "tmux": [...] or null,
-"runs": [...], "dirs": {path: ...}, "paths": {path: kind}}; see dflashops/runs.py for the
-fields of a run. train_log.jsonl is read as the contract says: numeric values only, a partial
+stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "runs": [...],
+"dirs": {path: ...}, "paths": {path: kind}}; see dflashops/runs.py for the fields of a run.
+train_log.jsonl is read as the contract says: numeric values only, a partial
 last line ignored, a malformed line skipped with a warning naming its line number.
 """
 
@@ -157,7 +157,7 @@ def console_info(run_dir, tail):
         mtime = os.path.getmtime(path)
     except OSError:
         return None
-    info = {"size": size, "mtime": mtime, "total_steps": None}
+    info = {"mtime": mtime, "total_steps": None}
     found = PROGRESS.findall(end) or PLANNED.findall(head)
     if found:
         last = found[-1]
@@ -230,12 +230,10 @@ def verify_dir(path):
 
 
 def dir_info(path, verify):
+    """A checkpoint copy elsewhere (pull-ckpt): its manifest's text, and verified when asked."""
     if not os.path.isdir(path):
         return {"exists": False}
-    size, files = tree_size(path)
-    manifest = read_text(os.path.join(path, MANIFEST))
-    info = {"exists": True, "bytes": size, "files": files, "manifest": manifest}
-    info["complete"] = manifest is not None
+    info = {"exists": True, "manifest": read_text(os.path.join(path, MANIFEST))}
     if verify:
         info["verified"], info["problem"] = verify_dir(path)
     return info
@@ -292,7 +290,6 @@ def run_info(ws, where, name, req, sessions):
         "pid_alive": trainer_alive((state or {}).get("pid")) if isinstance(state, dict) else None,
         "log": log_info(run_dir, req),
         "console": console_info(run_dir, int(req.get("console") or 0)),
-        "mtime": os.path.getmtime(run_dir),
     }
     if req.get("checkpoints"):
         info["checkpoints"] = checkpoints(run_dir, req.get("verify"))
@@ -332,7 +329,6 @@ def main():
     out = {
         "now": time.time(),
         "names": names,
-        "tmux": sessions,
         "runs": runs,
         "dirs": {p: dir_info(p, req.get("verify")) for p in req.get("dirs") or []},
         "paths": {p: path_kind(p) for p in req.get("paths") or []},
