@@ -15,7 +15,7 @@ from typing import Any
 import typer
 
 from dflashops import context, runs
-from dflashops.errors import ExitCode, OpsError
+from dflashops.errors import ExitCode, NotFoundError, OpsError
 from dflashops.render import console, duration, metric, table
 from dflashops.runs import RunView
 
@@ -294,41 +294,70 @@ def _end_note(view: RunView) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _poll(
-    session: Any, view: RunView, other: RunView | None, since: int | None
-) -> tuple[RunView, RunView | None]:
-    """Fresh views of the followed run (and the --vs one), read in parallel."""
-    wanted = [(view, {"records": "all", "since": since} if since is not None else {})]
-    if other is not None:
-        wanted.append((other, {"records": "all"}))
+class _Followed:
+    """A followed run: its newest view, with train_log.jsonl read on from where the previous
+    read ended (the probe's cursor), so a poll parses only the lines written since. Keeps the
+    newest `keep` records (all of them when None: a --vs run is looked up at any step)."""
 
-    def read(item: tuple[RunView, dict]) -> RunView:
-        old, request = item
-        return runs.reread(session.machine(old.target), old.name, **request)
+    def __init__(self, view: RunView, keep: int | None) -> None:
+        self.view, self.keep = view, keep
+        self.records, self.warnings = list(view.records), list(view.warnings)
+        self.new: list[dict[str, Any]] = []  # the records the last read added
+        self.cursor = view.log.get("cursor")
 
-    fresh = session.each(read, wanted)
+    def read(self, session: Any) -> RunView:
+        machine = session.machine(self.view.target)
+        return runs.reread(machine, self.view.name, records="all", cursor=self.cursor)
+
+    def take(self, fresh: RunView) -> None:
+        log = fresh.log
+        if log.get("reset") or self.cursor is None:  # read from the start
+            self.records, self.warnings = [], []
+        self.new = log.get("records") or []
+        self.records = self.records + self.new
+        if self.keep is not None:
+            self.records = self.records[-self.keep :]
+        self.warnings = self.warnings + (log.get("warnings") or [])
+        self.cursor = log.get("cursor", self.cursor)
+        last = self.records[-1] if self.records else None
+        fresh.raw["log"] = {**log, "records": self.records, "warnings": self.warnings, "last": last}
+        self.view = fresh
+
+
+KEEP = 200  # records kept of the followed run: enough for the ETA, the views and --vs rows
+
+
+def _poll(session: Any, followed: list[_Followed]) -> None:
+    """Read the followed run (and the --vs one) again, in parallel."""
+    fresh = session.each(lambda f: f.read(session), followed)
     for got in fresh:
         if isinstance(got, OpsError):
             raise got
-    return fresh[0], fresh[1] if other is not None else None
+    for f, got in zip(followed, fresh, strict=True):
+        f.take(got)
+
+
+def _retry(view: RunView, exc: OpsError) -> None:
+    if isinstance(exc, NotFoundError):
+        raise exc
+    context.note(f"{view.target}: {exc.message}; retrying")
 
 
 def _follow_plain(
     session: Any, view: RunView, other: RunView | None, interval: float, printer: _PlainPrinter
 ) -> RunView:
-    recent = view.records[-5:]
-    since = recent[0]["step"] - 1 if recent else -1
-    while True:
-        try:
-            view, other = _poll(session, view, other, since)
-        except OpsError as exc:
-            context.note(f"{view.target}: {exc.message}; retrying in {interval:.0f}s")
-            time.sleep(interval)
-            continue
-        since = printer.show(view, other, since)
-        if view.state in runs.TERMINAL:
-            return view
+    followed = [_Followed(view, KEEP)] + ([_Followed(other, None)] if other else [])
+    printer.show(view, view.records[-5:], other)
+    while view.state not in runs.TERMINAL:
         time.sleep(interval)
+        try:
+            _poll(session, followed)
+        except OpsError as exc:
+            _retry(view, exc)
+            continue
+        view, other = followed[0].view, followed[1].view if other else None
+        printer.show(view, followed[0].new, other)
+    return view
 
 
 def _follow_live(session: Any, view: RunView, other: RunView | None, interval: float) -> RunView:
@@ -339,14 +368,16 @@ def _follow_live(session: Any, view: RunView, other: RunView | None, interval: f
         top = runs_table([v] + ([o] if o else []))
         return Group(top, vs_table(v, o) if o else history_table(v.records[-10:], title=None))
 
+    followed = [_Followed(view, KEEP)] + ([_Followed(other, None)] if other else [])
     with Live(render(view, other), console=console(), refresh_per_second=2) as live:
         while view.state not in runs.TERMINAL:
             time.sleep(interval)
             try:
-                view, other = _poll(session, view, other, None)
+                _poll(session, followed)
             except OpsError as exc:
-                context.note(f"{view.target}: {exc.message}; retrying")
+                _retry(view, exc)
                 continue
+            view, other = followed[0].view, followed[1].view if other else None
             live.update(render(view, other))
     return view
 
@@ -357,13 +388,15 @@ class _PlainPrinter:
     def __init__(self, *, quiet: bool = False) -> None:
         self.quiet = quiet
         self.state: str | None = None
+        self.since: int | None = None  # the step of the last line shown
         self.warned: set[str] = set()
 
     def write(self, line: str) -> None:
         if not self.quiet:
             context.say(line)
 
-    def show(self, view: RunView, other: RunView | None, since: int) -> int:
+    def show(self, view: RunView, records: list[dict[str, Any]], other: RunView | None) -> None:
+        """The state when it changed, new warnings, and a line per record after the last shown."""
         for w in view.warnings:
             if w not in self.warned:
                 self.warned.add(w)
@@ -371,11 +404,10 @@ class _PlainPrinter:
         if view.state != self.state and view.state not in runs.TERMINAL:
             self.write(f"{view.name}: {view.state} on {view.target}")
         self.state = view.state
-        for rec in view.records:
-            if rec["step"] > since:
+        for rec in records:
+            if self.since is None or rec["step"] > self.since:
                 self.write(self.line(view, rec, other))
-                since = rec["step"]
-        return since
+                self.since = rec["step"]
 
     @staticmethod
     def line(view: RunView, rec: dict[str, Any], other: RunView | None) -> str:

@@ -1,13 +1,19 @@
 """Runs inside a target with its python3 (stdlib only): everything about its runs, one JSON.
 
 stdin: a JSON request {"ws": workspace, "names": [run, ...] or null for all, "archive": bool,
-"records": "none" | "recent" | "all", "since": step or null,
+"records": "none" | "recent" | "all", "cursor": {"ino": N, "end": N} or null,
 "files": [name, ...], "console": bytes of console.log's tail, "checkpoints": bool,
 "verify": bool, "dirs": [path, ...], "paths": [path, ...]}.
 stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "runs": [...],
 "dirs": {path: ...}, "paths": {path: kind}}; see dflashops/runs.py for the fields of a run.
-train_log.jsonl is read as the contract says: numeric values only, a partial
-last line ignored, a malformed line skipped with a warning naming its line number.
+
+train_log.jsonl is read as the contract says: numeric values only, a partial last line
+ignored, a malformed line skipped with a warning naming its line number. Only what is asked
+for is parsed: "recent" parses back from the end to the last RECENT records, "none" to the last
+record; "all" parses every line, or, given the "cursor" of an earlier answer (the file's inode
+and the end of its last complete line), only the lines after it, unless the file was replaced
+or cut shorter since (then all of it, with "reset": true). Warnings name the bad lines among
+those parsed.
 """
 
 import hashlib
@@ -26,6 +32,7 @@ PROGRESS = re.compile(rb"^step (\d+)/(\d+) ", re.M)
 PLANNED = re.compile(rb"^drafter: .*?, (\d+) steps,", re.M)
 RECENT = 20
 FILE_LIMIT = 1 << 20
+CHUNK = 1 << 16
 
 
 def listdir(path):
@@ -97,52 +104,119 @@ def numeric(obj):
     return out
 
 
-def parse_log(data):
-    """(records, warnings, partial) from the bytes of a train_log.jsonl."""
-    lines = data.split(b"\n")
-    partial = lines.pop() != b""
-    records, warnings = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            warnings.append(f"{LOG}:{number}: malformed line skipped")
-            continue
-        step = obj.get("step") if isinstance(obj, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool):
-            warnings.append(f"{LOG}:{number}: no integer 'step'; line skipped")
-            continue
-        records.append(numeric(obj))
-    return records, warnings, partial
+def parse_line(line):
+    """(record, None), (None, why it is skipped), or (None, None) for a blank line."""
+    if not line.strip():
+        return None, None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None, "malformed line skipped"
+    step = obj.get("step") if isinstance(obj, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None, "no integer 'step'; line skipped"
+    return numeric(obj), None
+
+
+def complete_end(f, size):
+    """The offset just past the last newline: a partial last line is never read."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - CHUNK)
+        f.seek(start)
+        found = f.read(pos - start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        pos = start
+    return 0
+
+
+def parse_from(f, start, end):
+    """(records, bad) of the lines in [start, end); bad: [(offset, why)]."""
+    f.seek(start)
+    records, bad, offset = [], [], start
+    for line in f.read(end - start).split(b"\n")[:-1]:  # the bytes end with a newline
+        record, why = parse_line(line)
+        if why:
+            bad.append((offset, why))
+        elif record is not None:
+            records.append(record)
+        offset += len(line) + 1
+    return records, bad
+
+
+def lines_backwards(f, end):
+    """(offset, line) of the complete lines before `end` (which follows a newline), last first."""
+    pos, pending = end, b""  # pending: bytes from pos not yet yielded, ending with a newline
+    while pos > 0:
+        start = max(0, pos - CHUNK)
+        f.seek(start)
+        pending = f.read(pos - start) + pending
+        pos = start
+        lines = pending.split(b"\n")[:-1]
+        first = lines.pop(0) if pos > 0 else None  # may begin before this block
+        offset = pos + len(pending)
+        for line in reversed(lines):
+            offset -= len(line) + 1
+            yield offset, line
+        pending = b"" if first is None else first + b"\n"
+
+
+def parse_tail(f, end, want):
+    """(records, bad) of the last `want` records before `end` and the lines after the first."""
+    records, bad = [], []
+    for offset, line in lines_backwards(f, end):
+        record, why = parse_line(line)
+        if why:
+            bad.append((offset, why))
+        elif record is not None:
+            records.append(record)
+            if len(records) >= want:
+                break
+    return records[::-1], bad[::-1]
+
+
+def numbered(f, bad):
+    """Warnings naming the line number of each bad line (newlines counted only when needed)."""
+    out, line, pos = [], 1, 0
+    for offset, why in bad:
+        f.seek(pos)
+        while pos < offset:
+            chunk = f.read(min(CHUNK, offset - pos))
+            line += chunk.count(b"\n")
+            pos += len(chunk)
+        out.append(f"{LOG}:{line}: {why}")
+    return out
 
 
 def log_info(run_dir, req):
+    """What train_log.jsonl says, parsed only as far as the request needs (module docstring)."""
     path = os.path.join(run_dir, LOG)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-        st = os.stat(path)
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
     except OSError:
         return None
-    records, warnings, partial = parse_log(data)
-    info = {
-        "count": len(records),
-        "warnings": warnings,
-        "partial_last_line": partial,
-        "mtime": st.st_mtime,
-        "size": st.st_size,
-        "first": records[0] if records else None,
-        "last": records[-1] if records else None,
-    }
-    mode = req.get("records", "recent")
-    since = req.get("since")
-    chosen = records if since is None else [r for r in records if r["step"] > since]
-    if mode == "recent":
-        info["records"] = chosen[-RECENT:]
-    elif mode == "all":
-        info["records"] = chosen
+    with f:
+        st = os.fstat(f.fileno())
+        end = complete_end(f, st.st_size)
+        mode = req.get("records", "recent")
+        cursor, reset = req.get("cursor"), False
+        if mode == "all":
+            start = 0
+            if cursor and cursor.get("ino") == st.st_ino and 0 <= cursor.get("end", -1) <= end:
+                start = cursor["end"]
+            reset = bool(cursor) and start == 0 and cursor.get("end") != 0
+            records, bad = parse_from(f, start, end)
+        else:
+            records, bad = parse_tail(f, end, RECENT if mode == "recent" else 1)
+        info = {
+            "last": records[-1] if records else None,
+            "warnings": numbered(f, bad),
+            "cursor": {"ino": st.st_ino, "end": end},
+            "reset": reset,
+        }
+    if mode != "none":
+        info["records"] = records
     return info
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dflashops.remote import source as remote_source
 from tests.operator.cli import Ran, dflashops
 
 
@@ -441,3 +442,86 @@ def test_output_into_a_closed_pipe_ends_quietly(inventory, live_run):
         assert code in (0, 1, 141) and err == "", (args, code, err)
     followers = subprocess.run(["pgrep", "-f", str(live_run / "console.log")], capture_output=True)
     assert followers.stdout == b"", "a log follower outlived its command"
+
+
+# ---------------------------------------------------------------- reading the log on, not again
+
+
+def _probe(ws: Path, **request) -> dict:
+    """The run probe as a target runs it (python3 -c PROGRAM, a JSON request on stdin)."""
+    argv = ["python3", "-c", remote_source("runs_probe.py")]
+    request = {"ws": str(ws), "names": ["big"], **request}
+    out = subprocess.run(argv, input=json.dumps(request).encode(), capture_output=True, check=True)
+    return json.loads(out.stdout)["runs"][0]["log"]
+
+
+def test_the_probe_parses_only_what_is_asked_for(ws):
+    now = time.time()
+    lines = [json.dumps({"step": s, "time": now, "loss": 1 / s}) for s in range(1, 101)]
+    lines[1] = "{not json"
+    run = make_run(ws, "big", log_text="\n".join(lines) + "\n")
+    log = run / "train_log.jsonl"
+    first = _probe(ws, records="all")
+    assert len(first["records"]) == 99 and first["warnings"] == [
+        "train_log.jsonl:2: malformed line skipped"
+    ]
+    # bytes before the cursor are never parsed again: garble line 1 in place (same length)
+    data = log.read_bytes()
+    log.write_bytes(b"x" * len(lines[0]) + data[len(lines[0]) :])
+    with log.open("a") as f:
+        f.write(json.dumps({"step": 101, "time": now}) + "\n{oops\n" + '{"step": 102, "lo')
+    more = _probe(ws, records="all", cursor=first["cursor"])
+    assert [r["step"] for r in more["records"]] == [101] and not more["reset"]
+    assert more["warnings"] == ["train_log.jsonl:102: malformed line skipped"]
+    with log.open("a") as f:
+        f.write('ss": 0.5}\n')  # the partial last line is read once it is complete
+    done = _probe(ws, records="all", cursor=more["cursor"])
+    assert done["records"] == [{"step": 102, "loss": 0.5}] and done["warnings"] == []
+    # the tail modes parse back from the end only as far as they need
+    recent = _probe(ws, records="recent")
+    assert [r["step"] for r in recent["records"]] == list(range(83, 101)) + [101, 102]
+    assert recent["warnings"] == ["train_log.jsonl:102: malformed line skipped"]
+    last = _probe(ws, records="none")
+    assert last["last"] == {"step": 102, "loss": 0.5} and "records" not in last
+    # a log replaced since (a resume rewinds it) is read again from its start
+    (run / "new.jsonl").write_text(json.dumps({"step": 1, "time": now}) + "\n")
+    os.replace(run / "new.jsonl", log)
+    again = _probe(ws, records="all", cursor=done["cursor"])
+    assert again["reset"] and [r["step"] for r in again["records"]] == [1]
+
+
+FAKE_TRAINER = """\
+import json, os, sys, time
+run = sys.argv[1]
+time.sleep(1.5)
+with open(os.path.join(run, "train_log.jsonl"), "a") as log:
+    for step in range(31, 41):
+        line = "{oops" if step == 35 else json.dumps({"step": step, "time": time.time()})
+        log.write(line + "\\n")
+        log.flush()
+        time.sleep(0.2)
+path = os.path.join(run, "state.json")
+state = json.load(open(path))
+state.update(status="finished", exit_code=0, finished=time.time())
+json.dump(state, open(path + ".tmp", "w"))
+os.replace(path + ".tmp", path)
+"""
+
+
+def test_follow_prints_each_new_record_once_as_the_log_grows(cli, ws):
+    run = make_run(ws, "grow", status="running")
+    trainer = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, str(run), "workload.train"])
+    try:
+        state = json.loads((run / "state.json").read_text())
+        state.update(pid=trainer.pid, exit_code=None, finished=None)
+        (run / "state.json").write_text(json.dumps(state))
+        ran = cli("status", "grow", "--follow", "--interval", "1", timeout=60)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert ran.code == 0, ran.err
+    steps = [int(line.split()[2].split("/")[0]) for line in ran.out.splitlines()[1:]]
+    assert ran.out.startswith("grow: running on local\n")
+    assert steps == [10, 20, 30, 31, 32, 33, 34, 36, 37, 38, 39, 40]
+    assert ran.err.count("train_log.jsonl:8: malformed line skipped") == 1
+    assert "grow: finished at step 40" in ran.err
