@@ -9,6 +9,7 @@ nothing resumes from it, and the keep-policy never deletes it (someone may be wr
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -205,6 +206,15 @@ def remove_stale_temps(run_dir: str | os.PathLike) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON beside `path` and rename it into place (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def load_training_state(directory: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:

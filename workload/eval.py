@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workload.checkpoint import MANIFEST, read_manifest, verify, write_json_atomic
 from workload.ddtree import label_ranks, tree_depth
+from workload.model import dflash_setting, select_target_features
 
-MANIFEST = "MANIFEST.sha256"
 DEFAULT_BUDGETS = (8, 16, 32)
 
 
@@ -42,11 +43,6 @@ class EvalError(Exception):
 
 
 # ----------------------------------------------------------------------------- model plumbing
-
-
-def _draft_setting(config: Any, name: str, default: Any = None) -> Any:
-    """A drafter setting from `dflash_config`, else the config attribute (z-lab's order)."""
-    return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
 
 
 def _output_head(target: torch.nn.Module) -> torch.nn.Module:
@@ -58,16 +54,11 @@ def draft_logits(drafter: torch.nn.Module, hidden: Tensor, head: torch.nn.Module
     """The drafter's logits through the target's head (output multiplier and softcap honoured)."""
     if hasattr(drafter, "compute_logits"):
         return drafter.compute_logits(hidden, head)
-    logits = head(hidden) * float(_draft_setting(drafter.config, "output_multiplier", 1.0))
-    cap = _draft_setting(drafter.config, "final_logit_softcapping")
+    logits = head(hidden) * float(dflash_setting(drafter.config, "output_multiplier", 1.0))
+    cap = dflash_setting(drafter.config, "final_logit_softcapping")
     if cap is not None and float(cap) > 0:
         logits = torch.tanh(logits / float(cap)) * float(cap)
     return logits
-
-
-def select_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
-    """Layer id k is the output of decoder layer k, i.e. hidden_states[k + 1]."""
-    return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
 
 
 def _new_cache(config: Any):
@@ -129,7 +120,7 @@ class DraftSession:
         self.drafter = drafter
         self.embed = target.get_input_embeddings().weight
         self.head = _output_head(target)
-        self.scale = float(_draft_setting(drafter.config, "input_embedding_scale", 1.0))
+        self.scale = float(dflash_setting(drafter.config, "input_embedding_scale", 1.0))
         self.mask_id = int(drafter.mask_token_id)
         self.reset()
 
@@ -305,7 +296,7 @@ def real_generate(
             "this one keeps recurrent (linear-attention) state that a crop cannot roll back"
         )
     tokens.append(int(out.logits[0, -1].argmax()))
-    context = select_features(out.hidden_states, layers)
+    context = select_target_features(out.hidden_states, layers)
     start, lengths = prompt_len, []
     stopped = tokens[start] in stops
     while start + 1 < max_length and not stopped:
@@ -323,7 +314,7 @@ def real_generate(
         tokens.extend(committed[:produced])
         start += produced
         _crop(tcache, start)
-        context = select_features(out.hidden_states, layers)[:, :produced]
+        context = select_target_features(out.hidden_states, layers)[:, :produced]
         lengths.append(produced)
     return tokens[prompt_len:], lengths
 
@@ -361,7 +352,7 @@ def evaluate_drafter(
 ) -> PromptResult:
     """Chain rounds and DDTree rounds per budget for one prompt's known continuation."""
     t0 = time.perf_counter()
-    features = select_features(hidden_states, drafter.target_layer_ids)
+    features = select_target_features(hidden_states, drafter.target_layer_ids)
     top = max([1, *budgets])
     oracle = DraftOracle(DraftSession(drafter, target), features, seq, top)
     block = int(drafter.block_size)
@@ -538,8 +529,6 @@ def stop_token_ids(target: torch.nn.Module, tokenizer: Any) -> list[int]:
 
 def check_manifest(directory: Path, *, required: bool) -> None:
     """Refuse a checkpoint whose MANIFEST.sha256 is missing (if required) or does not match."""
-    from workload.checkpoint import read_manifest, verify
-
     if not directory.is_dir():
         raise EvalError(f"{directory}: no such checkpoint directory")
     manifest = directory / MANIFEST
@@ -816,13 +805,6 @@ def _tau_of(lengths: list[int]) -> float | None:
     return float(statistics.mean(lengths)) if lengths else None
 
 
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _quiet_transformers() -> None:
     """No weight-loading progress bars: stderr carries our progress lines only."""
     from transformers.utils import logging
@@ -838,7 +820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         result = run(args)
-        write_json(args.out, result)
+        write_json_atomic(args.out, result)
     except EvalError as exc:
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2

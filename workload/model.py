@@ -22,6 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from workload.attention import block_attention
+from workload.config import recipe_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_NAME = "model.safetensors"  # one file, never shards: the checkpoint contract and resume
@@ -35,12 +36,9 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     """z-lab's default: n ids spread evenly over 1..N-3 (n == 1 -> [N // 2])."""
     if n < 1:
         raise ValueError(f"need at least one target layer, got n={n}")
-    if n == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
+    if n > 1 and num_target_layers < 4:
         raise ValueError(f"target has {num_target_layers} layers; need at least 4 for {n} ids")
-    span = num_target_layers - 4
-    return [round(1 + i * span / (n - 1)) for i in range(n)]
+    return recipe_layer_ids(num_target_layers, n)
 
 
 def select_target_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
@@ -273,7 +271,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _dflash_value(config, name: str, default=None):
+def dflash_setting(config, name: str, default=None):
     """A setting from dflash_config, else the top-level attribute (z-lab's lookup order)."""
     return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
 
@@ -289,12 +287,12 @@ class DFlashDrafter(PreTrainedModel):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        ids = _dflash_value(config, "target_layer_ids")
+        ids = dflash_setting(config, "target_layer_ids")
         if ids is None:
             ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
         self.target_layer_ids: list[int] = list(ids)
-        self.mask_token_id: int = _dflash_value(config, "mask_token_id")
-        self.block_size: int = int(_dflash_value(config, "block_size", 16))
+        self.mask_token_id: int = dflash_setting(config, "mask_token_id")
+        self.block_size: int = int(dflash_setting(config, "block_size", 16))
         hidden = config.hidden_size
         self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)

@@ -540,12 +540,6 @@ def train_step(run: Run, step: int, sums: dict[str, float]) -> tuple[float, floa
 # ---------------------------------------------------------------- run directory files
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 class RunState:
     """`state.json`: merged with what is there (the launcher may add keys), replaced atomically."""
 
@@ -561,7 +555,7 @@ class RunState:
 
     def update(self, **values: Any) -> None:
         if self.enabled:
-            write_json_atomic(self.path, {**self.read(), **values})
+            ckpt.write_json_atomic(self.path, {**self.read(), **values})
 
 
 class MetricLog:
@@ -879,7 +873,7 @@ def _train(
     if not items:
         say("recipe audit: every setting matches the recipe")
     if d.main:
-        write_json_atomic(run_dir / "audit.json", audit_json(items))
+        ckpt.write_json_atomic(run_dir / "audit.json", audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
 
     step, interval, elapsed = 0, {}, 0.0

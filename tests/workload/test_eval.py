@@ -149,6 +149,17 @@ def test_simulated_rounds_equal_dflash_generate(tiny, kind):
         assert max(counts) == BLOCK and counts[1] < 0.9 * len(seen), counts
 
 
+def test_layer_ids_outside_the_target_are_refused(tiny):
+    """Id k is hidden_states[k + 1]: an id of -1 would silently read the embeddings."""
+    target, drafter = tiny["target"], copy.deepcopy(tiny["ours"])
+    drafter.target_layer_ids = [-1, *drafter.target_layer_ids[1:]]
+    ids = _prompts()[0][0].tolist()
+    seq = ids + greedy_continuation(target, ids, 8, [])
+    hidden = ev.target_hidden_states(target, seq)
+    with pytest.raises(ValueError, match=r"target layer ids \[-1\] out of range 0\.\.3"):
+        evaluate_drafter(drafter, target, hidden, seq, len(ids), 8, [], [8])
+
+
 @pytest.mark.parametrize("kind", ["zlab_ctx", "ours", "ours_swa"])
 @torch.no_grad()
 def test_oracle_drafts_equal_drafts_from_the_full_context(tiny, kind):
@@ -158,7 +169,7 @@ def test_oracle_drafts_equal_drafts_from_the_full_context(tiny, kind):
     ids = _prompts()[3][0].tolist()
     seq = ids + greedy_continuation(target, ids, 30, [])
     hidden = ev.target_hidden_states(target, seq)
-    feats = ev.select_features(hidden, drafter.target_layer_ids)
+    feats = ev.select_target_features(hidden, drafter.target_layer_ids)
     oracle = ev.DraftOracle(ev.DraftSession(drafter, target), feats, seq, top=5)
     p = len(ids)
     for start, size in [(p, 8), (p + 1, 8), (p + 7, 8), (p + 3, 8), (p + 20, 5), (p + 21, 8)]:
