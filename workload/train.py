@@ -298,6 +298,12 @@ def _load_target(cfg: RunConfig, d: Dist) -> tuple[nn.Module, Any]:
         raise UsageError(first) from None
 
 
+def rank_seeds(seed: int, rank: int) -> tuple[int, int]:
+    """(noise, anchors) seeds of a rank: independent streams for every (seed, rank, use)."""
+    noise, anchors = np.random.SeedSequence([seed, rank]).generate_state(2, dtype=np.uint64)
+    return int(noise), int(anchors)
+
+
 def setup(
     cfg: RunConfig,
     d: Dist,
@@ -376,8 +382,9 @@ def setup(
         optimizer, lr_lambda(total, o.warmup_ratio, o.min_lr / o.lr)
     )
     # per-rank streams of randomness: anchors on the CPU generator, noise on the device's
-    torch.manual_seed(cfg.seed * 1000 + d.rank + 1)
-    anchor_gen = torch.Generator().manual_seed(cfg.seed * 1000 + d.rank)
+    noise_seed, anchor_seed = rank_seeds(cfg.seed, d.rank)
+    torch.manual_seed(noise_seed)
+    anchor_gen = torch.Generator().manual_seed(anchor_seed)
     say(
         f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"reads layers {fc_ids}, mask {cfg.drafter.mask_token_id}, {total} steps, "

@@ -147,6 +147,20 @@ def test_noise_reaches_the_drafter_under_bf16_autocast():
     assert (seen - clean).abs().max() > 0
 
 
+def test_ranks_draw_independent_noise_and_anchor_streams(tiny_dense, group):
+    """No rank's anchor stream may be another rank's noise stream (both are CPU generators
+    on CPU; seeds seed*1000+r and seed*1000+r+1 made rank r's anchors rank r-1's noise)."""
+    cfg = config(tiny_dense)
+    streams = []
+    for rank in range(3):
+        d = T.Dist(rank, 3, 0, torch.device("cpu"))
+        run, _ = T.setup(cfg, d, say=lambda m: None)
+        streams.append(torch.rand(8))  # this rank's noise stream
+        streams.append(torch.rand(8, generator=run.anchor_gen))  # its anchor stream
+    firsts = {tuple(s.tolist()) for s in streams}
+    assert len(firsts) == len(streams)
+
+
 def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_dense, group):
     # hidden_states[-1] of HF is post-norm: teacher last_layer on layer N-1 must match logits.
     ids = "drafter.target_layer_ids=[1, 2, 5]"
