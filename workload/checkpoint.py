@@ -24,6 +24,7 @@ TRAINING_STATE = "training_state.pt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-step_"
 _TEMP_RE = re.compile(r"^\.tmp-step_(\d+)-(\d+)-[0-9a-f]+$")
+_OLD_RE = re.compile(r"^\.old-step_(\d+)-[0-9a-f]+$")  # a replaced step_N whose removal was cut
 
 
 @dataclass(frozen=True)
@@ -195,14 +196,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete temporary checkpoint directories whose writer (a pid on this machine) is gone."""
+    """Delete temporary checkpoint directories whose writer (a pid on this machine) is gone,
+    and replaced checkpoints whose removal was cut short (renamed away: nobody reads them)."""
     root = checkpoints_dir(run_dir)
     removed: list[Path] = []
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
         m = _TEMP_RE.match(entry.name)
-        if m and not _pid_alive(int(m.group(2))):
+        if (m and not _pid_alive(int(m.group(2)))) or _OLD_RE.match(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

@@ -104,6 +104,15 @@ def test_stale_temp_cleanup_spares_live_writers(tmp_path):
     assert live.exists()
 
 
+def test_cleanup_removes_a_replaced_checkpoint_left_half_deleted(tmp_path):
+    root = tmp_path / "checkpoints"
+    old = root / ".old-step_4-0123abcd"  # save() renamed step_4 away, then was killed
+    (old / "sub").mkdir(parents=True)
+    (old / "model.safetensors").write_text("x")
+    assert ck.remove_stale_temps(tmp_path) == [old]
+    assert not old.exists()
+
+
 def test_failed_write_leaves_nothing(tmp_path):
     def broken(d: Path) -> None:
         (d / "model.safetensors").write_text("x")
