@@ -599,6 +599,14 @@ def _audit_target(cfg: RunConfig, facts: TargetFacts) -> list[AuditItem]:
                 "error",
             )
         )
+    fc_ids = ids[:-1] if d.fc_layers == "all_but_last" else ids
+    if n - 1 in fc_ids:
+        note = (
+            f"id {n - 1} is the target's last layer, which Hugging Face gives after the final "
+            f"norm (hidden_states[-1]); an engine that serves with layer {n - 1}'s raw output "
+            "feeds the drafter other features than it trained on"
+        )
+        items.append(AuditItem("drafter.target_layer_ids", ids, default_ids, note, "warn"))
     if cfg.loss.teacher == "last_layer" and ids[-1] != n - 1:
         items.append(
             AuditItem(

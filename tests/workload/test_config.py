@@ -167,6 +167,16 @@ def test_layer_ids_beyond_the_target_are_an_error():
     assert "40 decoder layers" in errors[0].note
 
 
+def test_an_fc_tap_on_the_post_norm_last_layer_is_a_warning():
+    cfg = load_config(REPO / "templates/runs/qwen36-27b.yaml")
+    assert not [i for i in audit(cfg, FACTS) if i.level == "warn"]
+    cfg.drafter.target_layer_ids = [1, 16, 31, 46, 63]
+    (warn,) = [i for i in audit(cfg, FACTS) if i.level == "warn"]
+    assert warn.key == "drafter.target_layer_ids" and "after the final norm" in warn.note
+    cfg.drafter.fc_layers, cfg.loss.teacher = "all_but_last", "last_layer"  # 63: teacher only
+    assert not [i for i in audit(cfg, FACTS) if i.level == "warn"]
+
+
 def test_dump_round_trips_and_hash_ignores_logging(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL), ["loss.gamma=5"])
     out = tmp_path / "resolved.yaml"
