@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
+from tests.operator.test_runs_local import STAND_IN_TRAINER
 
 pytestmark = pytest.mark.testbed
 
@@ -154,6 +155,9 @@ def test_status_hides_finished_runs_unless_all(cli, trained):
     doc = json.loads(ran.out)
     assert ran.code == 0 and doc["hidden"] >= 2
     assert {"r-main", "r-kl"}.isdisjoint(r["run"] for r in doc["runs"])
+    shown = {r["run"]: r for r in json.loads(cli("--json", "status", "--all").out)["runs"]}
+    assert shown["r-main"]["state"] == shown["r-kl"]["state"] == "finished"
+    assert (shown["r-main"]["target"], shown["r-main"]["step"]) == ("train", 8)
 
 
 @pytest.mark.slow
@@ -349,39 +353,6 @@ def _hashes(directory: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- a real LXC container
-
-STAND_IN_TRAINER = """\
-#!/usr/bin/python3
-# Stands in for `python -m workload.train` where torch is not installed: the same run-dir
-# protocol (state.json, train_log.jsonl, console output, a checkpoint with its manifest on
-# SIGTERM, exit 0), so the launch machinery can be tried in a real LXC container.
-import hashlib, json, os, signal, sys, time
-run = sys.argv[sys.argv.index("--run-dir") + 1]
-stop = []
-signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-def state(**kw):
-    path = os.path.join(run, "state.json")
-    s = json.load(open(path)) if os.path.exists(path) else {}
-    s.update(kw)
-    json.dump(s, open(path + ".tmp", "w"))
-    os.replace(path + ".tmp", path)
-state(pid=os.getpid(), started=time.time(), status="running", exit_code=None, finished=None)
-step = 0
-with open(os.path.join(run, "train_log.jsonl"), "a") as log:
-    while not stop and step < 1000:
-        step += 1
-        log.write(json.dumps({"step": step, "time": time.time(), "loss": 1 / step}) + "\\n")
-        log.flush()
-        print(f"step {step}/1000 loss {1 / step:.4f}", flush=True)
-        time.sleep(0.2)
-ckpt = os.path.join(run, "checkpoints", f"step_{step}")
-os.makedirs(ckpt)
-open(os.path.join(ckpt, "model.safetensors"), "wb").write(os.urandom(4096))
-digest = hashlib.sha256(open(os.path.join(ckpt, "model.safetensors"), "rb").read()).hexdigest()
-open(os.path.join(ckpt, "MANIFEST.sha256"), "w").write(f"{digest}  model.safetensors\\n")
-state(status="stopped", finished=time.time(), exit_code=0, last_step=step)
-print(f"stopped at step {step} on request", flush=True)
-"""
 
 
 @pytest.mark.lxc

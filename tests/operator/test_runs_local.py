@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -51,6 +52,48 @@ def fake_python(tmp_path) -> Path:
     )
     path.chmod(0o755)
     return path
+
+
+STAND_IN_TRAINER = """\
+#!/usr/bin/python3
+# Stands in for `python -m workload.train` where torch is not installed: the same run-dir
+# protocol (state.json, train_log.jsonl, console output; on SIGTERM a checkpoint with its
+# manifest and exit 0, state "stopped"; --resume goes on after the newest checkpoint, its log
+# rewound to it), so the launch machinery can be tried for real in a second.
+import hashlib, json, os, signal, sys, time
+run = sys.argv[sys.argv.index("--run-dir") + 1]
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+def state(**kw):
+    path = os.path.join(run, "state.json")
+    s = json.load(open(path)) if os.path.exists(path) else {}
+    s.update(kw)
+    json.dump(s, open(path + ".tmp", "w"))
+    os.replace(path + ".tmp", path)
+log_path, step = os.path.join(run, "train_log.jsonl"), 0
+if "--resume" in sys.argv:
+    step = max(int(n[5:]) for n in os.listdir(os.path.join(run, "checkpoints")))
+    kept = [line for line in open(log_path) if json.loads(line)["step"] <= step]
+    open(log_path + ".tmp", "w").writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
+with open(log_path, "a") as log:
+    while not stop and step < 1000:
+        step += 1
+        log.write(json.dumps({"step": step, "time": time.time(), "loss": 1 / step}) + "\\n")
+        log.flush()
+        print(f"step {step}/1000 loss {1 / step:.4f}", flush=True)
+        if not stop:  # running once a first step is logged
+            state(pid=os.getpid(), started=time.time(), status="running", exit_code=None,
+                  finished=None, total_steps=1000)
+        time.sleep(0.2)
+ckpt = os.path.join(run, "checkpoints", f"step_{step}")
+os.makedirs(ckpt)
+open(os.path.join(ckpt, "model.safetensors"), "wb").write(os.urandom(4096))
+digest = hashlib.sha256(open(os.path.join(ckpt, "model.safetensors"), "rb").read()).hexdigest()
+open(os.path.join(ckpt, "MANIFEST.sha256"), "w").write(f"{digest}  model.safetensors\\n")
+state(status="stopped", finished=time.time(), exit_code=0, last_step=step)
+print(f"stopped at step {step} on request", flush=True)
+"""
 
 
 @pytest.fixture
@@ -525,3 +568,69 @@ def test_follow_prints_each_new_record_once_as_the_log_grows(cli, ws):
     assert steps == [10, 20, 30, 31, 32, 33, 34, 36, 37, 38, 39, 40]
     assert ran.err.count("train_log.jsonl:8: malformed line skipped") == 1
     assert "grow: finished at step 40" in ran.err
+
+
+# ---------------------------------------------------------------- stop, resume, Ctrl-C
+
+
+@pytest.fixture
+def trainer_cli(tmp_path, ws, tmux_dir):
+    """The CLI on a local target whose python is the stand-in trainer."""
+    stub = tmp_path / "stand-in"
+    stub.write_text(STAND_IN_TRAINER)
+    stub.chmod(0o755)
+    inv = tmp_path / "trainer.yaml"
+    env = json.dumps({"TMUX_TMPDIR": str(tmux_dir)})
+    inv.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {stub}, env: {env}}}\n"
+    )
+
+    def run(*args: str, **kw) -> Ran:
+        return dflashops(*args, inventory=inv, **kw)
+
+    run.inventory = inv
+    return run
+
+
+def _interrupted(inventory: Path, *args: str, after: float = 1.5) -> tuple[int, str]:
+    """Run the CLI and press Ctrl-C (SIGINT) after `after` seconds: (exit code, stderr)."""
+    full = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
+    proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=30), proc.stderr.read().decode()
+    finally:
+        proc.kill()
+
+
+def test_stop_resume_and_ctrl_c_on_the_local_target(trainer_cli, ws, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    launched = trainer_cli("launch", "st", "--host", "local", "--config", str(cfg))
+    assert launched.code == 0 and "st: running on local (tmux dflash-st" in launched.out
+    refused = trainer_cli("archive", "st")
+    assert refused.code == 2 and "stop it first" in refused.err
+    for args in (["status", "st", "--follow"], ["logs", "st", "--follow"]):
+        code, err = _interrupted(trainer_cli.inventory, *args)
+        assert code == 130 and "detached; st keeps running" in err, (args, code, err)
+    assert json.loads(trainer_cli("--json", "status", "st").out)["state"] == "running"
+    first = json.loads(trainer_cli("stop", "st", "--json").out)
+    assert (first["state"], first["stopped"], first["exit_code"]) == ("stopped", True, 0)
+    assert first["checkpoint"] == first["step"] >= 1
+    resumed = trainer_cli("resume", "st")
+    assert resumed.code == 0 and f"resuming from step_{first['step']}" in resumed.err
+    again = trainer_cli("--json", "stop", "st")
+    assert again.code == 0, again.err
+    second = json.loads(again.out)
+    assert second["checkpoint"] > first["checkpoint"]
+    steps = [json.loads(line)["step"] for line in (ws / "runs/st/train_log.jsonl").open()]
+    assert steps == list(range(1, second["checkpoint"] + 1))  # rewound, then on
+    ckpts = json.loads(trainer_cli("--json", "ckpts", "st", "--verify").out)["checkpoints"]
+    assert [(c["step"], c["verified"]) for c in ckpts] == [
+        (first["step"], True),
+        (second["step"], True),
+    ]
+    done = trainer_cli("stop", "st")
+    assert done.code == 0 and done.out == "st: not running (stopped); nothing to stop\n"
