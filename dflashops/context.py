@@ -55,7 +55,10 @@ class Context:
 
     def emit(self, document: Any) -> None:
         """The one JSON document of a `--json` reading command."""
-        sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+        text = json.dumps(document, indent=2, default=str) + "\n"
+        for start in range(0, len(text), 1 << 16):  # a reader that leaves early is noticed
+            sys.stdout.write(text[start : start + (1 << 16)])
+            sys.stdout.flush()
 
 
 def say(line: str) -> None:

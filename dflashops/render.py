@@ -128,9 +128,13 @@ def console(*, stderr: bool = False):  # noqa: ANN201 (rich.console.Console, imp
 
     from rich.console import Console
 
+    class QuietConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1; ours ends as every command does
+            raise BrokenPipeError
+
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else int(os.environ.get("COLUMNS", 0) or 220)
-    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+    return QuietConsole(file=stream, width=width, highlight=False, soft_wrap=False)
 
 
 def metric(value: object, key: str = "") -> str:
