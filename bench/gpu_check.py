@@ -5,6 +5,14 @@
 
 Sections (each in try/except: a failure is recorded with its traceback tail and the next runs):
   env        torch/CUDA/transformers/fla/triton versions, device name and memory
+  flex       correctness first: compiled flex block attention (the trainer's CUDA path) against
+             the dense-mask reference on random inputs, forward outputs and the gradients of
+             q, context K/V and block K/V, in float32 and bfloat16, full and sliding/causal
+             layers, with and without documents. Errors are max |flex - ref| / max |ref| against
+             a float32 dense reference on the same (rounded) inputs. Pass: float32 <= 1e-4;
+             bfloat16 <= max(3e-2, 2 x the dense path's own bfloat16 error). Then compiles:
+             unique graphs after each shape, and a second pass over new shapes in the same
+             row buckets must add none (rows are padded to power-of-two buckets)
   dense_1b   bf16 training steps of a 5-layer drafter against a random 1B-class Qwen3 target
              (hidden 2048, 16 layers, vocab 151936), one 4096-token row, 512 anchors, block 16:
              attention flex vs dense mask (and chunked if time allows); step time split into
@@ -31,6 +39,15 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# (row length S, anchors N, sliding window, causal in block, packed documents)
+FLEX_CASES = {
+    "gpu": [(4000, 500, None, False, False), (3000, 400, 2048, True, True),
+            (1000, 100, None, False, False)],
+    "smoke": [(200, 10, None, False, False), (150, 6, 64, True, True)],
+}  # fmt: skip
+FLEX_SAME_BUCKETS = {"gpu": [(3900, 480), (2600, 300)], "smoke": [(190, 12)]}
+FLEX_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
 FULL = {
     "dense": dict(hidden=2048, layers=16, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936),
@@ -77,6 +94,99 @@ def section_env(device) -> dict:
             out[mod] = __import__(mod).__version__
         except Exception as exc:  # noqa: BLE001 - a missing kernel library is a finding
             out[mod] = f"unavailable: {exc}"
+    return out
+
+
+def _flex_inputs(S: int, N: int, docs: bool, device, dtype, seed: int, grads: bool):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, k = 8, 2, 128, 16
+    anchors = torch.sort(torch.randperm(S - 1, generator=g)[:N]).values[None].repeat(2, 1)
+    valid = torch.rand(2, N, generator=g) > 0.1
+    doc_ids = None
+    if docs:  # 4 documents per row
+        doc_ids = (torch.arange(S)[None].repeat(2, 1) * 4 // S).long()
+    shapes = [(heads, N * k), (kv_heads, S), (kv_heads, S), (kv_heads, N * k), (kv_heads, N * k)]
+    tensors = [torch.randn(2, h, n, dim, generator=g) for h, n in shapes]
+    move = dict(device=device)
+    qkv = [t.to(dtype=dtype, **move).requires_grad_(grads) for t in tensors]
+    extra = (anchors.to(**move), valid.to(**move), None if doc_ids is None else doc_ids.to(**move))
+    return qkv, extra
+
+
+def _flex_errors(case, dtype_name: str, device, grads: bool) -> dict:
+    """Normalised max errors of flex and of dense (same dtype) against dense float32."""
+    import torch
+
+    from workload.attention import block_attention
+
+    S, N, window, causal, docs = case
+    dtype = getattr(torch, dtype_name)
+    qkv, (anchors, valid, doc_ids) = _flex_inputs(S, N, docs, device, dtype, S + N, grads)
+    exact = [t.detach().float().requires_grad_(grads) for t in qkv]  # the same rounded inputs
+    weight = torch.randn(2, 8, N * 16, 128, generator=torch.Generator().manual_seed(1))
+    weight = weight.to(device)
+    kw = dict(anchors=anchors, anchor_valid=valid, block_size=16, doc_ids=doc_ids,
+              sliding_window=window, causal_in_block=causal, scaling=128**-0.5)  # fmt: skip
+    results = {}
+    for name, inputs, impl in (("ref", exact, "dense"), ("flex", qkv, "flex"),
+                               ("dense", qkv, "dense")):  # fmt: skip
+        if name == "dense" and dtype == torch.float32:
+            continue
+        out = block_attention(*inputs, impl=impl, **kw)
+        got = [out.float()]
+        if grads:
+            got += [g.float() for g in torch.autograd.grad((out.float() * weight).sum(), inputs)]
+        results[name] = got
+    labels = ["out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"]
+
+    def err(a, b) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    out = {}
+    for i, label in enumerate(labels[: len(results["ref"])]):
+        out[label] = {"flex": err(results["flex"][i], results["ref"][i])}
+        if "dense" in results:
+            out[label]["dense"] = err(results["dense"][i], results["ref"][i])
+    return out
+
+
+def _flex_pass(errors: dict, dtype_name: str) -> bool:
+    tol = FLEX_TOL[dtype_name]
+    return all(e["flex"] <= max(tol, 2 * e.get("dense", 0.0)) for e in errors.values())
+
+
+def section_flex(device, mode: str, budget: Budget) -> dict:
+    """Compiled flex against dense (values and gradients), then compiles across shapes."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    import workload.attention as attention
+
+    attention.COMPILE_FLEX = True  # the trainer's CUDA path (forced on for the CPU smoke run)
+    grads = device.type == "cuda"  # flex has no backward on CPU
+    dtypes = ["float32", "bfloat16"] if grads else ["float32"]
+    out: dict = {"tolerance": FLEX_TOL, "grads": grads, "cases": [], "passed": True}
+    for dtype_name in dtypes:
+        for case in FLEX_CASES[mode]:
+            if budget.left() < 30:
+                out["cases"].append({"case": case, "skipped": "time budget spent"})
+                continue
+            t0 = time.time()
+            errors = _flex_errors(case, dtype_name, device, grads)
+            ok = _flex_pass(errors, dtype_name)
+            out["passed"] &= ok
+            graphs = counters["stats"]["unique_graphs"]
+            out["cases"].append({"case": case, "dtype": dtype_name, "passed": ok, "errors": errors,
+                                 "seconds": time.time() - t0, "unique_graphs": graphs})  # fmt: skip
+            say(f"flex {dtype_name} {case}: {'ok' if ok else 'FAILED'} ({time.time() - t0:.0f}s)")
+    before = counters["stats"]["unique_graphs"]
+    for S, N in FLEX_SAME_BUCKETS[mode]:  # new shapes, buckets already compiled
+        if budget.left() > 30:
+            _flex_errors((S, N, None, False, False), dtypes[0], device, grads)
+    out["new_graphs_for_known_buckets"] = counters["stats"]["unique_graphs"] - before
+    out["recompile_limit"] = torch._dynamo.config.recompile_limit
     return out
 
 
@@ -263,7 +373,9 @@ def main() -> int:
         d.device = torch.device("cpu")
     budget = Budget(a.budget)
     results: dict = {"mode": "cpu-smoke" if a.cpu_smoke else "gpu", "started": time.time()}
+    mode = "smoke" if a.cpu_smoke else "gpu"
     sections = [("env", lambda: section_env(d.device)),
+                ("flex", lambda: section_flex(d.device, mode, budget)),
                 ("dense_1b", lambda: section_train("dense", spec, d, budget)),
                 ("hybrid", lambda: section_train("hybrid", spec, d, budget))]  # fmt: skip
     for name, fn in sections:
@@ -278,6 +390,8 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     say(f"wrote {a.out} in {results['wall_s']:.0f}s")
     failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
+    if not results.get("flex", {}).get("passed", False):
+        failed.append("flex")
     return 1 if failed else 0
 
 

@@ -73,11 +73,18 @@ def block_attention(
     causal_in_block: bool = False,
     scaling: float,
     impl: str = "auto",
+    masks: dict | None = None,
 ) -> Tensor:
-    """q [B,Hq,N*K,D]; k_ctx/v_ctx [B,Hkv,S,D]; k_blk/v_blk [B,Hkv,N*K,D] -> [B,Hq,N*K,D]."""
+    """q [B,Hq,N*K,D]; k_ctx/v_ctx [B,Hkv,S,D]; k_blk/v_blk [B,Hkv,N*K,D] -> [B,Hq,N*K,D].
+
+    `masks`: a dict shared by the layers of one forward (same anchors, documents and rows), in
+    which flex keeps the block mask of each (window, causal) kind instead of rebuilding it."""
     _check_shapes(q, k_ctx, k_blk, anchors, anchor_valid, block_size, doc_ids)
     spec = _Spec(anchors, anchor_valid, block_size, doc_ids, sliding_window, causal_in_block)
-    fn = {"flex": _flex, "chunked": _chunked, "dense": _dense}[resolve_impl(impl, q.device)]
+    impl = resolve_impl(impl, q.device)
+    if impl == "flex":
+        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec, scaling, {} if masks is None else masks)
+    fn = {"chunked": _chunked, "dense": _dense}[impl]
     return fn(q, k_ctx, v_ctx, k_blk, v_blk, spec, scaling)
 
 
@@ -165,57 +172,114 @@ def _context_bounds(spec: _Spec, seq_len: int) -> tuple[list[int], list[int]]:
     return lo.tolist(), hi.tolist()
 
 
-def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float, masks: dict) -> Tensor:
+    """Rows padded to power-of-two buckets (at least FLEX_MIN rows): the padding is masked out
+    (its blocks are skipped), and a compiled kernel sees a few shapes, not one per step."""
     batch, seq_len, total = q.shape[0], k_ctx.shape[2], q.shape[2]
-    mask_mod = _flex_mask_mod(spec, seq_len)
-    on_gpu = q.device.type == "cuda"
-    block_mask = create_block_mask(
-        mask_mod, batch, None, total, seq_len + total, device=q.device, _compile=on_gpu
-    )
+    ctx_pad, blk_pad = flex_bucket(seq_len), flex_bucket(total)
+    compiled = flex_compiled(q.device)
+    key = ("flex", spec.window, spec.causal, seq_len, total)
+    if key not in masks:  # one block mask per layer kind and forward, not per layer
+        build = _compiled_fn("create_block_mask") if compiled else _flex_api("create_block_mask")
+        mask_mod = _flex_mask_mod(spec, seq_len, ctx_pad, total, blk_pad, q.device)
+        masks[key] = build(mask_mod, batch, None, blk_pad, ctx_pad + blk_pad, device=q.device)
     # flex_attention is not an autocast op: give it one dtype, the autocast one when active
     dtype = q.dtype
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
-    q = q.to(dtype)
-    k = torch.cat([k_ctx, k_blk], dim=2).to(dtype)
-    v = torch.cat([v_ctx, v_blk], dim=2).to(dtype)
-    return _flex_fn(on_gpu)(
-        q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+
+    def keys(ctx: Tensor, blk: Tensor) -> Tensor:
+        return torch.cat([_pad(ctx, ctx_pad, 2), _pad(blk, blk_pad, 2)], dim=2).to(dtype)
+
+    fn = _compiled_fn("flex_attention") if compiled else _flex_api("flex_attention")
+    out = fn(
+        _pad(q, blk_pad, 2).to(dtype), keys(k_ctx, k_blk), keys(v_ctx, v_blk),
+        block_mask=masks[key], scale=scaling, enable_gqa=q.shape[1] != k_ctx.shape[1],
+    )  # fmt: skip
+    return out[:, :, :total]
 
 
-def _flex_mask_mod(spec: _Spec, seq_len: int) -> Callable:
+FLEX_MIN = 128  # flex attention's block size
+
+
+def flex_bucket(rows: int) -> int:
+    """The padded length of `rows`: the next power of two, at least FLEX_MIN."""
+    return max(FLEX_MIN, 1 << (rows - 1).bit_length())
+
+
+def _pad(x: Tensor, size: int, dim: int, value: float = 0) -> Tensor:
+    """`x` with dimension `dim` filled up to `size` with `value` at the end."""
+    missing = size - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def _flex_mask_mod(
+    spec: _Spec, seq_len: int, ctx_pad: int, total: int, blk_pad: int, device: torch.device
+) -> Callable:
+    """Keys are [context (seq_len rows, padded to ctx_pad) | blocks (total, padded to blk_pad)];
+    queries are the blocks. Padding rows see nothing and are seen by nothing. Every tensor the
+    mask reads is padded to the buckets too, so a compiled mask is not specialised on S or N."""
     k = spec.block_size
-    anchors, valid, doc_ids, doc_anchor = spec.anchors, spec.valid, spec.doc_ids, spec.doc_anchor
+    blocks = -(-blk_pad // k)
+    anchors = _pad(spec.anchors, blocks, 1)
+    valid = _pad(spec.valid, blocks, 1, False)
+    doc_ids = None if spec.doc_ids is None else _pad(spec.doc_ids, ctx_pad, 1, -1)
+    doc_anchor = None if spec.doc_anchor is None else _pad(spec.doc_anchor, blocks, 1, -1)
+    # lengths as tensors, not Python ints: a compiled mask would be specialised on them
+    ctx_len, ctx_end, blk_len = (torch.tensor(n, device=device) for n in (seq_len, ctx_pad, total))
 
     def mask_mod(b, h, q_idx, kv_idx):
         j, s = q_idx // k, q_idx % k
-        p = torch.clamp(kv_idx, max=seq_len - 1)
+        p = torch.minimum(kv_idx, ctx_end - 1)
         doc_a = doc_anchor[b, j] if doc_anchor is not None else None
         doc_p = doc_ids[b, p] if doc_ids is not None else None
-        ctx = (kv_idx < seq_len) & context_visible(
+        ctx = (kv_idx < ctx_len) & context_visible(
             anchors[b, j], s, kv_idx, valid[b, j], doc_a, doc_p, spec.window
         )
-        t = torch.clamp(kv_idx - seq_len, min=0)
-        own = (kv_idx >= seq_len) & block_visible(j, s, t // k, t % k, spec.causal)
-        return ctx | own
+        t = torch.clamp(kv_idx - ctx_end, min=0)
+        own = (kv_idx >= ctx_end) & (t < blk_len) & block_visible(j, s, t // k, t % k, spec.causal)
+        return (q_idx < blk_len) & (ctx | own)
 
     return mask_mod
 
 
-_COMPILED_FLEX: list[Callable] = []
+# None: compile flex attention on CUDA only (CPU runs it eagerly, forward only); True/False
+# force it (bench/gpu_check.py and tests use True to run the compiled path on CPU).
+COMPILE_FLEX: bool | None = None
+_COMPILED: dict[str, Callable] = {}
 
 
-def _flex_fn(compiled: bool) -> Callable:
-    from torch.nn.attention.flex_attention import flex_attention
+def flex_compiled(device: torch.device) -> bool:
+    return device.type == "cuda" if COMPILE_FLEX is None else COMPILE_FLEX
 
-    if not compiled:
-        return flex_attention
-    if not _COMPILED_FLEX:
-        _COMPILED_FLEX.append(torch.compile(flex_attention))
-    return _COMPILED_FLEX[0]
+
+def _flex_api(name: str) -> Callable:
+    from torch.nn.attention import flex_attention
+
+    return getattr(flex_attention, name)
+
+
+def _compiled_fn(name: str) -> Callable:
+    """flex_attention / create_block_mask compiled once, for static shapes: rows are padded to
+    power-of-two buckets, so a run meets a few shapes (at most 6 x 7 per layer kind for
+    4096-token rows and 512 anchors of 16) and each compiles once. The recompile limit is
+    raised above that: past it torch would run flex unfused (full score matrices: out of
+    memory). dynamic=True would avoid the recompiles, but inductor's CPU flex kernel does not
+    compile with dynamic shapes (torch 2.13) and the CUDA one is unverified here."""
+    if name not in _COMPILED:
+        import torch._dynamo
+
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, FLEX_RECOMPILE_LIMIT)
+        _COMPILED[name] = torch.compile(_flex_api(name), dynamic=False)
+    return _COMPILED[name]
+
+
+FLEX_RECOMPILE_LIMIT = 128
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Tensor:

@@ -235,7 +235,18 @@ class DFlashAttention(nn.Module):
         return visible
 
     def blocks(
-        self, h, ctx, ctx_rope, blk_rope, *, anchors, anchor_valid, block_size, doc_ids, impl
+        self,
+        h,
+        ctx,
+        ctx_rope,
+        blk_rope,
+        *,
+        anchors,
+        anchor_valid,
+        block_size,
+        doc_ids,
+        impl,
+        masks=None,
     ) -> Tensor:
         q = self.queries(h, *blk_rope)
         k_blk, v_blk = self.keys_values(h, *blk_rope)
@@ -254,6 +265,7 @@ class DFlashAttention(nn.Module):
             causal_in_block=self.is_causal,
             scaling=self.scaling,
             impl=impl,
+            masks=masks,
         )
         return self._out(out)
 
@@ -372,6 +384,7 @@ class DFlashDrafter(PreTrainedModel):
         ctx_rope = self.rotary_emb(context, context_positions)
         blk_rope = self.rotary_emb(block_embeds, blk_pos)
         x = block_embeds
+        masks: dict = {}  # block masks shared by the layers of this forward
         for layer in self.layers:
             x = layer(
                 x,
@@ -385,6 +398,7 @@ class DFlashDrafter(PreTrainedModel):
                     block_size=block_size,
                     doc_ids=doc_ids,
                     impl=attention,
+                    masks=masks,
                 ),
             )
         return self.norm(x)

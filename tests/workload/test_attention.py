@@ -176,6 +176,37 @@ def test_padding_blocks_are_finite_and_blind_to_context(impl):
     torch.testing.assert_close(_run(moved, anchors, valid, None, None, False, impl), out)
 
 
+@pytest.mark.slow
+def test_compiled_flex_equals_dense_and_compiles_once_per_row_bucket(monkeypatch):
+    """The trainer's CUDA path (compiled flex, rows padded to power-of-two buckets), run on
+    CPU by inductor (forward only): equal to dense for changing S and N, and a new S or N in
+    a bucket already seen compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(attention_module, "COMPILE_FLEX", True)
+    g = torch.Generator().manual_seed(0)
+
+    def check(seq_len: int, blocks: int, window, causal) -> None:
+        anchors = torch.sort(torch.randperm(seq_len - 1, generator=g)[:blocks]).values[None]
+        valid = torch.rand(1, blocks, generator=g) > 0.2
+        docs = (torch.arange(seq_len)[None] * 3 // seq_len).long()
+        qkv = [torch.randn(1, h, n, D, generator=g) for h, n in
+               [(HQ, blocks * K), (HKV, seq_len), (HKV, seq_len), (HKV, blocks * K),
+                (HKV, blocks * K)]]  # fmt: skip
+        kw = dict(anchors=anchors, anchor_valid=valid, block_size=K, doc_ids=docs,
+                  sliding_window=window, causal_in_block=causal, scaling=D**-0.5)  # fmt: skip
+        got = block_attention(*qkv, impl="flex", **kw)
+        torch.testing.assert_close(got, block_attention(*qkv, impl="dense", **kw))
+
+    for window, causal in ((None, False), (24, True)):
+        check(150, 20, window, causal)  # buckets: 256 context rows, 128 block rows
+    before = counters["stats"]["unique_graphs"]
+    for seq_len, blocks in ((200, 30), (129, 17), (256, 32)):  # same buckets
+        for window, causal in ((None, False), (24, True)):
+            check(seq_len, blocks, window, causal)
+    assert counters["stats"]["unique_graphs"] == before
+
+
 def test_rejects_mismatched_shapes():
     qkv, anchors, valid, _ = _inputs(0, docs=False)
     with pytest.raises(ValueError, match="block_size"):

@@ -187,6 +187,23 @@ def test_a_block_sees_only_its_context_and_itself(kind, impl):
     assert moved.tolist() == ([False, False, True, True] if kind is SLIDING else [True] * K)
 
 
+@pytest.mark.parametrize("kind, builds", [(FULL, 1), (MIXED, 2)])
+def test_flex_builds_one_block_mask_per_layer_kind_per_forward(kind, builds, monkeypatch):
+    from torch.nn.attention import flex_attention
+
+    calls = []
+    real = flex_attention.create_block_mask
+    monkeypatch.setattr(
+        flex_attention, "create_block_mask", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    model = _drafter((kind[0] * 2, kind[1]))  # 4 layers
+    with torch.no_grad():
+        flex = _blocks(model, _features(30), _embeds(3), [4, 11, 20], impl="flex")
+        dense = _blocks(model, _features(30), _embeds(3), [4, 11, 20], impl="dense")
+    assert len(calls) == builds
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_blocks_are_finite_and_ignore_context():
     model, feats = _drafter(MIXED), _features(20)
     embeds = _embeds(2)
