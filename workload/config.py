@@ -65,7 +65,8 @@ class DataConfig:
     path: str | None = None  # chat JSONL (required)
     max_length: int = 4096
     pack: bool = False
-    num_anchors: int = 512
+    num_anchors: int = 512  # per document of a row
+    max_anchors_per_row: int | None = None  # hard cap per row (packed rows of many documents)
     chat_template: str | None = None
     seed: int = 0
 
@@ -336,6 +337,7 @@ def _check(cfg: RunConfig, src: _Source) -> None:
     at_least("drafter.intermediate_size", 1, optional=True)
     _check_layers(cfg, fail)
     at_least("data.num_anchors", 1)
+    at_least("data.max_anchors_per_row", 1, optional=True)
     if cfg.data.pack and cfg.target.attn_implementation not in PACKED_ATTENTION:
         fail(
             "data.pack",
@@ -542,6 +544,7 @@ _RECIPE: list[tuple[str, Any, str]] = [
     ("noise.end", 0.05, "uniform +-std on fc inputs"),
     ("noise.steps", 0, "noise schedule length"),
     ("data.num_anchors", 512, "anchors per document per row"),
+    ("data.max_anchors_per_row", None, "hard cap on anchors per row"),
     ("data.max_length", 4096, "training context of the published drafters"),
     ("optim.lr", 6.0e-4, "SpecForge DFlash default"),
     ("optim.warmup_ratio", 0.04, "SpecForge DFlash default"),
@@ -571,6 +574,12 @@ def audit(cfg: RunConfig, facts: TargetFacts | None = None) -> list[AuditItem]:
                 "warn",
             )
         )
+    if cfg.data.pack and cfg.data.max_anchors_per_row is None:
+        note = (
+            "packed rows of short documents can get up to max_length anchors (num_anchors is "
+            "per document): drafter memory grows with them; set a cap such as num_anchors"
+        )
+        items.append(AuditItem("data.max_anchors_per_row", None, "a cap", note, "warn"))
     if cfg.optim.precision == "fp32":
         items.append(AuditItem("optim.precision", "fp32", "auto", "fp32 on GPU is slow", "warn"))
     if facts is not None:

@@ -408,8 +408,11 @@ def sample_anchors(
     *,
     num_anchors: int,
     generator: torch.Generator,
+    max_per_row: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `num_anchors` eligible positions per document, uniformly without replacement.
+    """Up to `num_anchors` eligible positions per document, uniformly without replacement;
+    then, if a row has more than `max_per_row` (packed rows of many documents), a uniform
+    subset of that many.
 
     Returns anchors [B, N] (long, ascending per row, 0 where invalid) and valid [B, N] (bool),
     N = the largest per-row count of this call, at least 1: a batch without any eligible
@@ -435,6 +438,8 @@ def sample_anchors(
     rank_in_group = torch.empty_like(idx)
     rank_in_group[order] = idx - group_start
     chosen = ok & (rank_in_group.view(B, S) < num_anchors)
+    if max_per_row is not None:
+        chosen &= _random_rank_in_row(chosen, generator) < max_per_row
 
     counts = chosen.sum(1)
     n = max(int(counts.max()) if B else 0, 1)
@@ -442,3 +447,13 @@ def sample_anchors(
     ranked = torch.sort(torch.where(chosen, pos, pos + S), dim=1).values[:, :n]
     valid = torch.arange(n, device=device)[None, :] < counts[:, None]
     return torch.where(valid, ranked, 0), valid
+
+
+def _random_rank_in_row(chosen: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[B, S] rank of each chosen position among its row's chosen ones, in a random order."""
+    B, S = chosen.shape
+    keys = torch.rand((B, S), generator=generator, device=generator.device, dtype=torch.float64)
+    keys = torch.where(chosen, keys.to(chosen.device), 2.0)
+    rank = torch.empty((B, S), dtype=torch.long, device=chosen.device)
+    rank.scatter_(1, keys.argsort(dim=1), torch.arange(S, device=chosen.device).expand(B, S))
+    return rank

@@ -478,7 +478,7 @@ def micro_step(run: Run, batch: Batch, step: int, sums: dict[str, float]) -> Ten
         view = target_forward(run, batch)
         anchors, anchor_valid = sample_anchors(
             batch.loss_mask, batch.doc_ids, num_anchors=cfg.data.num_anchors,
-            generator=run.anchor_gen,
+            generator=run.anchor_gen, max_per_row=cfg.data.max_anchors_per_row,
         )  # fmt: skip
         labels, valid = teacher_labels(
             view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k

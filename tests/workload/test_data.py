@@ -348,6 +348,27 @@ def test_anchors_are_fresh_uniform_and_reproducible():
     assert torch.equal(sample_anchors(mask, None, num_anchors=10, generator=again)[0], draws[0])
 
 
+def test_anchor_cap_per_row_samples_uniformly_across_documents():
+    docs = torch.arange(60)[None].repeat(2, 1) // 20  # 3 documents of 20 rows per row
+    mask = torch.ones(2, 60, dtype=torch.bool)
+    mask[1, 20:] = False  # row 1: only document 0 is supervised (19 eligible)
+    ok = eligible_anchors(mask, docs)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(60)
+    for _ in range(600):
+        anchors, valid = sample_anchors(mask, docs, num_anchors=10, generator=g, max_per_row=6)
+        assert valid.sum(1).tolist() == [6, 6]
+        for b in range(2):
+            a = anchors[b][valid[b]]
+            assert ok[b, a].all() and (a[1:] > a[:-1]).all()
+            assert (docs[b, a].bincount(minlength=3) <= 10).all()
+        counts[anchors[0][valid[0]]] += 1
+    # each of the 57 eligible positions of row 0 is drawn with probability 6/57: 63 expected
+    eligible = counts[ok[0]]
+    assert eligible.sum() == 3600 and eligible.min() > 35 and eligible.max() < 95
+    assert counts[~ok[0]].sum() == 0
+
+
 def test_no_eligible_positions_gives_one_invalid_padding_block():
     mask = torch.zeros(2, 16, dtype=torch.bool)
     mask[:, -1] = True  # one supervised token at the row end: no anchor
