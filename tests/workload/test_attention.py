@@ -177,13 +177,19 @@ def test_padding_blocks_are_finite_and_blind_to_context(impl):
 
 
 @pytest.mark.slow
-def test_compiled_flex_equals_dense_and_compiles_once_per_row_bucket(monkeypatch):
+def test_compiled_flex_equals_dense_and_compiles_once_per_row_bucket(monkeypatch, request):
     """The trainer's CUDA path (compiled flex, rows padded to power-of-two buckets), run on
     CPU by inductor (forward only): equal to dense for changing S and N, and a new S or N in
     a bucket already seen compiles nothing."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(attention_module, "COMPILE_FLEX", True)
+    monkeypatch.setattr(attention_module, "_COMPILED", {})
+    # dynamo keeps per-function state (e.g. which sizes changed) that later compiles of
+    # flex_attention (transformers' own) would inherit: start and leave it clean
+    torch._dynamo.reset()
+    request.addfinalizer(torch._dynamo.reset)
     g = torch.Generator().manual_seed(0)
 
     def check(seq_len: int, blocks: int, window, causal) -> None:
