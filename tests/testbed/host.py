@@ -55,14 +55,19 @@ DFLASHOPS_PCT_LC_CTYPE="${{LC_CTYPE-__unset__}}" exec /usr/bin/python3 -IS {runn
 """
 
 
-def ro_shares_under_root() -> list[str]:
-    """Dirs under /root that hosts and ns containers (which get a private /root) must still
-    see, read-only: pyenv, and this test run's venv and checkout when they live there."""
+PRIVATE_ROOTS = (Path("/root"), Path("/tmp"), Path("/var/tmp"))
+
+
+def ro_shares() -> list[str]:
+    """Dirs under /root, /tmp or /var/tmp that hosts and ns containers (which get private ones)
+    must still see, read-only: pyenv, this test run's venv and checkout (a CI clone may well
+    live in /tmp)."""
     here = Path(__file__).resolve()
     candidates = [Path("/root/.pyenv"), Path(sys.prefix), Path(sys.base_prefix), here.parents[2]]
     found: list[Path] = []
     for path in sorted({p.resolve() for p in candidates if p.is_dir()}, key=lambda p: len(p.parts)):
-        if Path("/root") in path.parents and not any(f in path.parents for f in found):
+        hidden = any(root in path.parents for root in PRIVATE_ROOTS)
+        if hidden and not any(f in path.parents for f in found):
             found.append(path)
     return [str(p) for p in found]
 
@@ -84,7 +89,7 @@ class Host:
         self._sshd: subprocess.Popen | None = None
         private = {path: str(self.dir / sub) for path, (sub, _) in HOST_DIRS.items()}
         self.config = state.HostConfig(
-            name, str(self.dir), netns, bed.code_dir, private, ro_shares_under_root()
+            name, str(self.dir), netns, bed.code_dir, private, ro_shares()
         )
 
     def __repr__(self) -> str:

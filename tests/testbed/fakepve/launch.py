@@ -46,12 +46,13 @@ def host_exec_sshd(host: state.HostConfig, sshd_config: str) -> None:
 
 
 def mount_private(private: dict[str, str], ro_shares: list[str]) -> None:
-    root_dir = private.get("/root")
+    """Private dirs over /root, /tmp, ...; shares under them stay visible there, read-only."""
     for share in ro_shares:
-        if root_dir and share.startswith("/root/") and os.path.isdir(share):
-            target = os.path.join(root_dir, share[len("/root/") :])
-            os.makedirs(target, exist_ok=True)
-            nsutil.bind(share, target, readonly=True)
+        for mount, real in private.items():
+            if share.startswith(mount + "/") and os.path.isdir(share):
+                target = os.path.join(real, share[len(mount) + 1 :])
+                os.makedirs(target, exist_ok=True)
+                nsutil.bind(share, target, readonly=True)
     for path, real in private.items():
         os.makedirs(path, exist_ok=True)
         nsutil.bind(real, path)

@@ -23,7 +23,7 @@ INIT_NAME = "dflashops-ctinit"
 
 class HostConfig:
     """name, dir, netns (None: no netns), testbed_dir, private (host path -> real dir) and
-    ro_shares (real dirs under /root kept visible read-only)."""
+    ro_shares (real dirs under /root, /tmp, /var/tmp kept visible read-only)."""
 
     def __init__(self, name: str, dir: str, netns: str | None, testbed_dir: str,
                  private: dict[str, str], ro_shares: list[str]):  # fmt: skip
