@@ -190,8 +190,8 @@ def test_stopped_container_is_refused(pve1, make_container):
     vmid = str(ct.vmid)
     result = pct_exec(pve1, vmid, "true")
     assert (result.rc, result.stderr) == (255, f"container '{vmid}' not running!\n".encode())
-    upload(pve1, b"x", "/tmp/x")
-    result = run(pve1, ["pct", "push", vmid, "/tmp/x", "/workspace/x"])
+    upload(pve1, b"x", "/tmp/dfo-pushed-probe")
+    result = run(pve1, ["pct", "push", vmid, "/tmp/dfo-pushed-probe", "/workspace/x"])
     assert (result.rc, result.stderr) == (255, b"can only push files to a running CT\n")
     assert run(pve1, ["pct", "status", vmid]).stdout == b"status: stopped\n"
     assert run(pve1, ["pct", "start", vmid]).rc == 0
