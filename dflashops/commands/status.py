@@ -343,11 +343,12 @@ def _retry(view: RunView, exc: OpsError) -> None:
     context.note(f"{view.target}: {exc.message}; retrying")
 
 
-def _follow_plain(
-    session: Any, view: RunView, other: RunView | None, interval: float, printer: _PlainPrinter
-) -> RunView:
+def _follow(
+    session: Any, view: RunView, other: RunView | None, interval: float,
+    show: Callable[[_Followed, RunView | None], None],
+) -> RunView:  # fmt: skip
+    """Poll until the followed run ends; `show` gets each update (the run, the other run)."""
     followed = [_Followed(view, KEEP)] + ([_Followed(other, None)] if other else [])
-    printer.show(view, view.records[-5:], other)
     while view.state not in runs.TERMINAL:
         time.sleep(interval)
         try:
@@ -356,8 +357,15 @@ def _follow_plain(
             _retry(view, exc)
             continue
         view, other = followed[0].view, followed[1].view if other else None
-        printer.show(view, followed[0].new, other)
+        show(followed[0], other)
     return view
+
+
+def _follow_plain(
+    session: Any, view: RunView, other: RunView | None, interval: float, printer: _PlainPrinter
+) -> RunView:
+    printer.show(view, view.records[-5:], other)
+    return _follow(session, view, other, interval, lambda f, o: printer.show(f.view, f.new, o))
 
 
 def _follow_live(session: Any, view: RunView, other: RunView | None, interval: float) -> RunView:
@@ -368,18 +376,8 @@ def _follow_live(session: Any, view: RunView, other: RunView | None, interval: f
         top = runs_table([v] + ([o] if o else []))
         return Group(top, vs_table(v, o) if o else history_table(v.records[-10:], title=None))
 
-    followed = [_Followed(view, KEEP)] + ([_Followed(other, None)] if other else [])
     with Live(render(view, other), console=console(), refresh_per_second=2) as live:
-        while view.state not in runs.TERMINAL:
-            time.sleep(interval)
-            try:
-                _poll(session, followed)
-            except OpsError as exc:
-                _retry(view, exc)
-                continue
-            view, other = followed[0].view, followed[1].view if other else None
-            live.update(render(view, other))
-    return view
+        return _follow(session, view, other, interval, lambda f, o: live.update(render(f.view, o)))
 
 
 class _PlainPrinter:

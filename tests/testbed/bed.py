@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -96,22 +95,7 @@ class TestBed:
             path.mkdir(mode=0o755, exist_ok=True)  # mount points / sshd privsep dir
         client = self.dir / "client"
         client.mkdir(mode=0o700)
-        subprocess.run(
-            [
-                "ssh-keygen",
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                "dflashops-testbed",
-                "-f",
-                str(client / "id_ed25519"),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        slots.keygen(client / "id_ed25519", "dflashops-testbed")
         (client / "authorized_keys").write_text((client / "id_ed25519.pub").read_text())
         if self.mode == "netns":
             network.create_bridge(self.slot)

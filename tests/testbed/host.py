@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .container import Container
 from .fakepve import state
-from .slots import TestBedError
+from .slots import TestBedError, keygen
 
 if TYPE_CHECKING:
     from .bed import TestBed
@@ -106,22 +106,7 @@ class Host:
         for sub in ("ssh", "ct", "lxc", "lock"):
             (self.dir / sub).mkdir()
         key = self.dir / "ssh" / "ssh_host_ed25519_key"
-        subprocess.run(
-            [
-                "ssh-keygen",
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                f"root@{self.name}",
-                "-f",
-                str(key),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        keygen(key, f"root@{self.name}")
         self.host_key = key.with_suffix(".pub").read_text().split()[:2]
         (self.dir / "sshd_config").write_text(
             SSHD_CONFIG.format(

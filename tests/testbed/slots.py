@@ -230,3 +230,9 @@ def _unmount_under(prefix: str) -> None:
             points.append(point)
     for point in sorted(points, key=len, reverse=True):
         nsutil.umount_lazy(point)
+
+
+def keygen(path, comment: str) -> None:
+    """A new ed25519 key pair at `path` (and `path`.pub), without a passphrase."""
+    cmd = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)]
+    subprocess.run(cmd, check=True, capture_output=True)
