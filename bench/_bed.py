@@ -7,25 +7,12 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.testbed import TestBed  # noqa: E402
-
-
-@contextmanager
-def bed(containers: dict[str, list[int]]):
-    tb = TestBed(tuple(containers)).start()
-    try:
-        for host, vmids in containers.items():
-            for vmid in vmids:
-                tb[host].add_container(vmid, "ns")
-        yield tb
-    finally:
-        tb.close()
+from tests.testbed import running as bed  # noqa: E402, F401 (re-exported for the benches)
 
 
 def dflashops_argv(inventory: Path, *args: str) -> list[str]:

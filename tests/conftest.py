@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from tests.testbed import LxcUnavailable, TestBed
+from tests.testbed import LxcUnavailable, running
 
 DEFAULT_CONTAINERS = {"pve1": (201, 202), "pve2": (301,)}
 _vmids = itertools.count(900)
@@ -33,14 +33,8 @@ def testbed():
     """Fake Proxmox nodes pve1 and pve2 (real sshd, faithful pct) with CTs 201, 202, 301."""
     if os.geteuid() != 0:
         pytest.skip("the test bed needs root (network namespaces, sshd, LXC)")
-    bed = TestBed(("pve1", "pve2")).start()
-    try:
-        for host, vmids in DEFAULT_CONTAINERS.items():
-            for vmid in vmids:
-                bed[host].add_container(vmid, "ns")
+    with running(DEFAULT_CONTAINERS) as bed:
         yield bed
-    finally:
-        bed.close()
 
 
 @pytest.fixture(scope="session")

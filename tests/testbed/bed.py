@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import inventory, network, rootfs, slots
@@ -236,3 +238,16 @@ class TestBed:
 
         with self.ssh(host) as client:
             return sshclient.run(client, command, stdin=stdin, timeout=timeout)
+
+
+@contextmanager
+def running(containers: dict[str, list[int] | tuple[int, ...]]) -> Iterator[TestBed]:
+    """A bed with these hosts, each with these ns containers, taken down afterwards."""
+    bed = TestBed(tuple(containers)).start()
+    try:
+        for host, vmids in containers.items():
+            for vmid in vmids:
+                bed[host].add_container(vmid, "ns")
+        yield bed
+    finally:
+        bed.close()
