@@ -27,6 +27,7 @@ TEACHERS = ("logits", "last_layer")
 FC_LAYERS = ("all", "all_but_last")
 ATTENTIONS = ("auto", "flex", "chunked", "dense")
 PRECISIONS = ("auto", "bf16", "fp32")
+SHARDINGS = ("auto", "none", "zero1")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -127,6 +128,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistConfig:
+    """How ranks work together (torchrun sets the world; these set how it behaves)."""
+
+    sharding: str = "auto"  # auto | none | zero1 (auto: zero1 when there is more than one rank)
+    timeout_s: float = 900.0  # process-group timeout: a dead or stuck peer ends the run after this
+
+
+@dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -137,6 +146,7 @@ class RunConfig:
     attention: str = "auto"
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -323,6 +333,7 @@ def _check(cfg: RunConfig, src: _Source) -> None:
         ("loss.teacher", TEACHERS),
         ("optim.precision", PRECISIONS),
         ("attention", ATTENTIONS),
+        ("dist.sharding", SHARDINGS),
     ]:
         one_of(key, allowed)
     if cfg.log.wandb.mode is not None:
@@ -378,6 +389,8 @@ def _check(cfg: RunConfig, src: _Source) -> None:
     at_least("checkpoint.every", 1)
     at_least("checkpoint.keep_last", 1)
     at_least("checkpoint.keep_every", 1, optional=True)
+    if cfg.dist.timeout_s < 10:
+        fail("dist.timeout_s", f"must be >= 10 seconds, got {cfg.dist.timeout_s}")
     _check_bug_combinations(cfg, fail)
 
 
