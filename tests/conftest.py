@@ -48,13 +48,22 @@ def lxc_ct(testbed):
 
 @pytest.fixture
 def make_container(testbed):
-    """make_container(host="pve1", kind="ns", *, vmid=None, start=True) -> Container."""
+    """make_container(host="pve1", kind="ns", *, vmid=None, start=True, network=False)."""
     made = []
 
-    def make(host: str = "pve1", kind: str = "ns", *, vmid: int | None = None, start: bool = True):
+    def make(
+        host: str = "pve1",
+        kind: str = "ns",
+        *,
+        vmid: int | None = None,
+        start: bool = True,
+        network: bool = False,
+    ):
         if kind == "lxc" and not testbed.lxc_available:
             pytest.skip(testbed.lxc_reason)
-        ct = testbed[host].add_container(vmid or next(_vmids), kind, start=start)
+        if network and testbed.mode != "netns":
+            pytest.skip("container networks need the test bed's netns mode")
+        ct = testbed[host].add_container(vmid or next(_vmids), kind, start=start, network=network)
         made.append(ct)
         return ct
 

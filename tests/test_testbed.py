@@ -12,6 +12,7 @@ import os
 import shlex
 import socket
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -248,6 +249,39 @@ def test_containers_have_no_network(testbed, any_ct):
     assert interfaces == b"1"  # lo only
     # netns mode: no route at all; loopback mode: the CT's own lo, where nothing listens
     assert int(error) in (errno.ENETUNREACH, errno.ECONNREFUSED)
+
+
+@pytest.mark.parametrize("kind", ["ns", "lxc"])
+def test_bridged_containers_on_two_hosts_reach_each_other(testbed, make_container, kind):
+    a = make_container("pve1", kind, network=True)
+    b = make_container("pve2", "ns", network=True)
+    config = run_host(testbed, "pve1", ["pct", "config", str(a.vmid)])
+    assert f"net0: name=eth0,bridge=vmbr0,firewall=1,ip={a.address}/24,type=veth" in config
+    listen = (
+        "import socket\n"
+        "s = socket.socket(); s.bind(('0.0.0.0', 5555)); s.listen(); print('ready', flush=True)\n"
+        "while True:\n"
+        "    c, peer = s.accept(); print(c.recv(16).decode(), peer[0], flush=True)\n"
+    )
+    server = subprocess.Popen(b.command(["python3", "-c", listen]), stdout=subprocess.PIPE)
+    try:
+        assert server.stdout.readline() == b"ready\n"
+        send = "import socket,sys; socket.create_connection((sys.argv[1], 5555), 5).send(b'hi')"
+        assert a.run(["python3", "-c", send, b.address]).returncode == 0
+        assert server.stdout.readline().decode().split() == ["hi", a.address]
+        # a restart through pct gives the CT its network back
+        for action in ("stop", "start"):
+            run_host(testbed, "pve1", ["pct", action, str(a.vmid)])
+        assert a.run(["python3", "-c", send, b.address]).returncode == 0
+        assert server.stdout.readline().decode().split() == ["hi", a.address]
+    finally:
+        server.kill()
+
+
+def run_host(testbed, host: str, argv: list[str]) -> str:
+    result = testbed.ssh_run(host, argv)
+    assert result.rc == 0, result.stderr
+    return result.stdout.decode()
 
 
 def test_hosts_are_distinct_machines(testbed):

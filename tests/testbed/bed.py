@@ -54,6 +54,7 @@ class TestBed:
         self._lxc_error: str | None = None
         self._rootfs: Path | None = None
         self._refused: socket.socket | None = None
+        self._container_nets = 0
 
     def __enter__(self) -> TestBed:
         return self.start()
@@ -130,6 +131,14 @@ class TestBed:
         host.start()
         self.write_known_hosts(self.known_hosts_path)
         return host
+
+    def next_container_net(self) -> dict[str, str]:
+        """A new container network config: a free bed address on the host's bridge."""
+        if self.mode != "netns":
+            raise TestBedError("container networks need netns mode (DFLASHOPS_TESTBED_NET)")
+        address = network.container_address(self.slot, self._container_nets)
+        self._container_nets += 1
+        return {"address": address, "bridge": network.HOST_BRIDGE}
 
     def helper_argv(self, command: str, host: Host) -> list[str]:
         return ["/usr/bin/python3", "-IS", f"{CODE_DIR}/run_fakepve.py", command, host.host_json]

@@ -20,7 +20,7 @@ RUN_ENV = {"PATH": state.LXC_DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
 class Container:
     """CT `vmid` on `host`; `pct` on that host sees it exactly as the tests do."""
 
-    def __init__(self, host: Host, vmid: int, kind: str):
+    def __init__(self, host: Host, vmid: int, kind: str, net: dict[str, str] | None = None):
         if kind not in KINDS:
             raise ValueError(f"container kind {kind!r}: expected one of {KINDS}")
         self.host = host
@@ -31,7 +31,12 @@ class Container:
         private = {"/workspace": str(self.dir / "workspace")}
         if kind == "ns":
             private = {"/root": str(self.dir / "root"), "/tmp": str(self.dir / "tmp"), **private}
-        self.config = state.CtConfig(vmid, kind, self.hostname, str(self.dir), private)
+        self.config = state.CtConfig(vmid, kind, self.hostname, str(self.dir), private, net)
+
+    @property
+    def address(self) -> str | None:
+        """Its IPv4 address on the host's bridge (None: no network, only `lo`)."""
+        return self.config.net["address"].split("/")[0] if self.config.net else None
 
     def __repr__(self) -> str:
         state_word = "running" if self.running else "stopped"

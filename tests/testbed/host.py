@@ -171,15 +171,20 @@ class Host:
         self._sshd = None
 
     # --- containers --------------------------------------------------------------------
-    def add_container(self, vmid: int, kind: str = "ns", *, start: bool = True) -> Container:
-        """Define CT `vmid` of kind `ns` or `lxc` on this host (and start it)."""
+    def add_container(
+        self, vmid: int, kind: str = "ns", *, start: bool = True, network: bool = False
+    ) -> Container:
+        """Define CT `vmid` of kind `ns` or `lxc` on this host (and start it). `network`: an
+        eth0 on the host's bridge with a static address of the bed (`ct.address`), as Proxmox
+        CTs have; netns mode only."""
         if not isinstance(vmid, int) or not 100 <= vmid <= 999_999_999:
             raise ValueError(f"vmid {vmid!r}: expected an integer 100..999999999")
         if vmid in self.containers:
             raise TestBedError(f"{self.name} already has CT {vmid}")
         if kind == "lxc":
             self.bed.require_lxc()
-        ct = Container(self, vmid, kind)
+        net = self.bed.next_container_net() if network else None
+        ct = Container(self, vmid, kind, net)
         ct.create()
         self.containers[vmid] = ct
         if start:

@@ -1,8 +1,11 @@
 """The bed's own network: a bridge dfotbN with 10.77.(100+N).1/24, one netns per host.
 
-Host i (1-based) is 10.77.(100+N).(10+i) on its `eth0`, a veth whose other end dfotbNv<i> is
-a port of the bridge. No default route anywhere: hosts reach each other and the bridge
-address, nothing else. 10.77.(100+N).250 is never assigned: the "unreachable host" address.
+Host i (1-based) is 10.77.(100+N).(10+i) on its bridge `vmbr0`, whose port `eth0` is a veth
+whose other end dfotbNv<i> is a port of the bed's bridge (as a Proxmox node's vmbr0 bridges its
+NIC). Containers with a network get 10.77.(100+N).(100..249) on an `eth0` bridged to their
+host's vmbr0, so containers on different hosts reach each other as on a real LAN. No default
+route anywhere: hosts and containers reach each other and the bridge address, nothing else.
+10.77.(100+N).250 is never assigned: the "unreachable host" address.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 from .slots import Slot, TestBedError
 
 UNUSED_HOST = 250
+FIRST_CT, LAST_CT = 100, 249
+HOST_BRIDGE = "vmbr0"
 
 
 def _run(args: list[str], stdin: str | None = None) -> None:
@@ -51,9 +56,19 @@ def add_host(slot: Slot, index: int, name: str) -> tuple[str, str]:
     )
     _run(
         ["ip", "-n", netns, "-batch", "-"],
-        f"addr add {address}/24 dev eth0\nlink set eth0 up\nlink set lo up\n",
+        f"link add {HOST_BRIDGE} type bridge\n"
+        f"link set eth0 master {HOST_BRIDGE}\n"
+        f"addr add {address}/24 dev {HOST_BRIDGE}\n"
+        f"link set eth0 up\nlink set {HOST_BRIDGE} up\nlink set lo up\n",
     )
     return netns, address
+
+
+def container_address(slot: Slot, index: int) -> str:
+    """The `index`-th (0-based) container address of the bed, with its prefix length."""
+    if not 0 <= index <= LAST_CT - FIRST_CT:
+        raise TestBedError(f"no container address left (index {index})")
+    return f"{slot.subnet[FIRST_CT + index]}/24"
 
 
 def unused_address(slot: Slot) -> str:

@@ -7,6 +7,9 @@ then it becomes `sshd -D`.
 An ns container: new mount, pid, uts, ipc and network namespaces over the machine's own root,
 with private /root, /tmp, /workspace and /dev/shm; pid 1 is ctinit.reap_forever().
 An lxc container: `lxc-start` of a config written by lxc_config(), in the host's netns.
+A container with a `net` config gets what Proxmox gives it: a veth pair whose host end
+`veth<vmid>i0` is a port of the host's bridge (vmbr0) and whose other end is the container's
+`eth0`, with a static address.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from . import ctinit, nsutil, state
@@ -59,10 +63,51 @@ def mount_private(private: dict[str, str], ro_shares: list[str]) -> None:
 
 
 def start_container(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> None:
-    if ct.kind == "lxc":
-        start_lxc(host, ct, on_host=from_host)
-    else:
-        start_ns(host, ct, from_host=from_host)
+    """Start the CT in a child process (starting leaves the starter in the CT's namespaces),
+    then, from our own namespaces, give it its network."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        code, message = 0, b""
+        try:
+            if ct.kind == "lxc":
+                start_lxc(host, ct, on_host=from_host)
+            else:
+                start_ns(host, ct, from_host=from_host)
+        except BaseException as err:  # noqa: BLE001 (reported through the pipe)
+            code, message = 1, str(err).encode()
+        finally:
+            os.write(write, message)
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode(errors="replace")
+    _, status = os.waitpid(child, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise StartError(message or f"startup for container '{ct.vmid}' failed")
+    if ct.net:
+        plumb_network(host, ct, on_host=from_host)
+
+
+def plumb_network(host: state.HostConfig, ct: state.CtConfig, *, on_host: bool) -> None:
+    """veth<vmid>i0 on the host's bridge, its peer the CT's eth0 with the CT's address."""
+    pid = state.init_pid(ct)
+    veth = f"veth{ct.vmid}i0"
+    net = ct.net
+    in_host = [] if on_host or host.netns is None else ["-n", host.netns]
+    steps = [
+        ["ip", *in_host, "link", "add", veth, "type", "veth", "peer", "name", "eth0",
+         "netns", str(pid)],
+        ["ip", *in_host, "link", "set", veth, "master", net["bridge"], "up"],
+        ["nsenter", "-t", str(pid), "-n", "ip", "addr", "add", net["address"], "dev", "eth0"],
+        ["nsenter", "-t", str(pid), "-n", "ip", "link", "set", "eth0", "up"],
+    ]  # fmt: skip
+    for argv in steps:
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise StartError(f"network of CT {ct.vmid}: {' '.join(argv)}: {done.stderr.strip()}")
 
 
 def start_ns(host: state.HostConfig, ct: state.CtConfig, *, from_host: bool) -> None:

@@ -136,6 +136,10 @@ def cmd_config(host: state.HostConfig, opts: dict) -> int:
         "rootfs": f"local:{ct.vmid}/vm-{ct.vmid}-disk-0.raw,size=8G",
         "swap": 512,
     }
+    if ct.net:
+        config["net0"] = (
+            f"name=eth0,bridge={ct.net['bridge']},firewall=1,ip={ct.net['address']},type=veth"
+        )
     for key in sorted(config):
         print(f"{key}: {config[key]}")
     return 0

@@ -51,14 +51,17 @@ class HostConfig:
 
 
 class CtConfig:
-    """vmid, kind ("ns" or "lxc"), hostname, dir, private (CT path -> real dir)."""
+    """vmid, kind ("ns" or "lxc"), hostname, dir, private (CT path -> real dir) and net
+    (None: only `lo`; else {"address": "A.B.C.D/24", "bridge": "vmbr0"} for its eth0)."""
 
-    def __init__(self, vmid: int, kind: str, hostname: str, dir: str, private: dict[str, str]):
+    def __init__(self, vmid: int, kind: str, hostname: str, dir: str, private: dict[str, str],
+                 net: dict[str, str] | None = None):  # fmt: skip
         self.vmid = vmid
         self.kind = kind
         self.hostname = hostname
         self.dir = dir
         self.private = private
+        self.net = net
 
     def save(self) -> None:
         write_json(os.path.join(self.dir, "ct.json"), vars(self))
