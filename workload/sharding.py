@@ -1,0 +1,116 @@
+"""The drafter's optimizer, replicated (`dist.sharding: none`) or with its AdamW states sharded
+over the ranks (`zero1`: torch's ZeroRedundancyOptimizer), and its state in checkpoints.
+
+A checkpoint holds optimizer state keyed by the parameter's index in `drafter.parameters()`:
+the whole state (none: `optimizer.state_dict()`, as before) or one file per rank holding that
+rank's parameters (zero1). Any of these loads into either kind of optimizer of the same
+parameters, so a run can resume under the other sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from workload.config import OptimConfig
+
+
+def resolve_sharding(setting: str, world: int) -> str:
+    """`auto`: zero1 when there is more than one rank (a lone rank has nothing to shard)."""
+    if setting == "auto":
+        return "zero1" if world > 1 else "none"
+    return setting
+
+
+def build_optimizer(
+    params: Sequence[nn.Parameter], o: OptimConfig, sharding: str, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW with the config's hyper-parameters (fused on CUDA), sharded for zero1."""
+    kwargs: dict[str, Any] = dict(
+        lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay,
+        fused=device.type == "cuda",
+    )  # fmt: skip
+    if sharding == "zero1":
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states (ZeRO's local one, or the optimizer)."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _flat(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, betas, ...) without its parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def local_state(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> dict[str, Any]:
+    """This rank's optimizer states, copied to the CPU and keyed by the parameter's index in
+    `params`: {"state": {index: {...}}, "param_groups": [settings]}."""
+    local = local_optimizer(optimizer)
+    index = {id(p): i for i, p in enumerate(params)}
+    state = {}
+    for p in _flat(local):
+        if p in local.state:
+            state[index[id(p)]] = {k: _cpu_copy(v) for k, v in local.state[p].items()}
+    return {"state": state, "param_groups": hyper_parameters(optimizer)}
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+def indices_held(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[int]:
+    """The indices (in `params`) of the parameters whose states this rank keeps."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return [index[id(p)] for p in _flat(local_optimizer(optimizer))]
+
+
+def from_state_dict(saved: dict[str, Any]) -> dict[str, Any]:
+    """A whole `optimizer.state_dict()` (one group or several, in parameter order) in the
+    index-keyed form of `local_state`."""
+    return {"state": dict(saved["state"]), "param_groups": [
+        {k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]}  # fmt: skip
+
+
+def merge(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Index-keyed parts (shards) merged into one."""
+    merged: dict[str, Any] = {"state": {}, "param_groups": None}
+    for part in parts:
+        merged["state"].update(part["state"])
+        merged["param_groups"] = merged["param_groups"] or part["param_groups"]
+    return merged
+
+
+def load_state(
+    optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], saved: dict[str, Any]
+) -> None:
+    """Load index-keyed states (all of them, or at least this rank's) into `optimizer`; the
+    group settings (lr, ...) go to the optimizer the scheduler drives too."""
+    local = local_optimizer(optimizer)
+    index = {id(p): i for i, p in enumerate(params)}
+    groups, position = [], 0
+    state = {}
+    for group, settings in zip(local.param_groups, saved["param_groups"], strict=True):
+        positions = []
+        for p in group["params"]:
+            if index[id(p)] in saved["state"]:
+                state[position] = saved["state"][index[id(p)]]
+            positions.append(position)
+            position += 1
+        groups.append({**settings, "params": positions})
+    local.load_state_dict({"state": state, "param_groups": groups})
+    if local is not optimizer:
+        for group, settings in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+            group.update(settings)
