@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,19 +135,32 @@ def _remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def save(
+def begin(run_dir: str | os.PathLike, step: int) -> Path:
+    """A new temporary directory for `step_<step>`, to be written and then `complete`d (or
+    `discard`ed). Its name carries this process's pid, so a resume can tell it is stale."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_TEMP_PREFIX}{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def discard(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def complete(
     run_dir: str | os.PathLike,
     step: int,
+    tmp: Path,
     write_files: Callable[[Path], None],
     *,
     keep_last: int | None = None,
     keep_every: int | None = None,
 ) -> Path:
-    """Write a complete `step_<step>` atomically; `write_files(tmp_dir)` writes the payload."""
+    """Let `write_files(tmp)` add the rest of the payload, write the manifest, rename `tmp`
+    into place as step_<step> and apply the keep-policy. `tmp` is removed on failure."""
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{_TEMP_PREFIX}{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
         write_files(tmp)
         write_manifest(tmp)
@@ -158,11 +172,73 @@ def save(
         tmp.rename(final)
         _fsync_path(root)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     if keep_last is not None:
         apply_keep_policy(run_dir, keep_last=keep_last, keep_every=keep_every)
     return final
+
+
+def save(
+    run_dir: str | os.PathLike,
+    step: int,
+    write_files: Callable[[Path], None],
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+) -> Path:
+    """Write a complete `step_<step>` atomically; `write_files(tmp_dir)` writes the payload."""
+    tmp = begin(run_dir, step)
+    return complete(run_dir, step, tmp, write_files, keep_last=keep_last, keep_every=keep_every)
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint written in the background failed (raised at the next join)."""
+
+
+class BackgroundWriter:
+    """Runs one checkpoint write at a time in a thread, so the ranks train on while it writes,
+    syncs and hashes. A failure is kept and raised by the next `join` (never lost)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._what = ""
+
+    def start(self, what: str, job: Callable[[], Any]) -> None:
+        """Run `job` in the background (after the previous one, whose error is raised)."""
+        self.join()
+        self._what = what
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - kept for the next join
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"write {what}", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failed(self) -> bool:
+        return not self.busy and self._error is not None
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) for the write; True when none is running any more.
+        Raises CheckpointWriteError when it failed."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointWriteError(f"{self._what}: writing failed: {error}") from error
+        return True
 
 
 def to_delete(steps: list[int], keep_last: int, keep_every: int | None) -> list[int]:

@@ -149,3 +149,47 @@ def test_resaving_a_step_replaces_it(tmp_path):
     assert (final / "model.safetensors").read_text() == "new"
     assert ck.verify(final)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_4"]
+
+
+def test_a_checkpoint_started_in_parts_lists_every_file(tmp_path):
+    """Files written into the temporary directory first (optimizer shards as they arrive),
+    the rest later: one manifest lists them all; nothing is complete before `complete`."""
+    tmp = ck.begin(tmp_path, 6)
+    (tmp / "optimizer").mkdir()
+    (tmp / "optimizer" / "rank_1.pt").write_bytes(b"shard 1")
+    assert ck.list_checkpoints(tmp_path) == []
+    final = ck.complete(tmp_path, 6, tmp, payload("w"), keep_last=1)
+    names = sorted(line.split("  ")[1] for line in (final / ck.MANIFEST).read_text().splitlines())
+    assert names == ["config.json", "model.safetensors", "optimizer/rank_1.pt", "sub/x.bin"]
+    assert ck.verify(final) and not tmp.exists()
+
+
+def test_background_writer_keeps_a_failure_for_the_next_join(tmp_path):
+    import threading
+
+    writer = ck.BackgroundWriter()
+    release = threading.Event()
+
+    def slow() -> None:
+        release.wait(30)
+        ck.save(tmp_path, 1, payload("a"))
+
+    writer.start("step_1", slow)
+    assert writer.busy and not writer.failed
+    assert writer.join(timeout=0.05) is False  # still writing
+    release.set()
+    assert writer.join() is True and ck.latest_complete(tmp_path) is not None
+
+    def broken() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.start("step_2", broken)
+    while writer.busy:
+        time.sleep(0.01)
+    assert writer.failed
+    with pytest.raises(ck.CheckpointWriteError, match="step_2: writing failed: .*No space left"):
+        writer.join()
+    assert writer.join() is True  # raised once, then the writer is idle again
+    writer.start("step_3", broken)
+    with pytest.raises(ck.CheckpointWriteError):  # starting the next write joins the last
+        writer.start("step_4", lambda: None)
