@@ -2,6 +2,8 @@
 
 Nothing is trusted on an exit code alone (a failed `pct push` may exit 0): every file that
 goes in is hashed while it is read here and hashed again, from disk, inside the target.
+Every bulk byte stream (a tar in, a file out, one target's tar into another) runs through
+`stream`, the one place that says how bulk bytes travel.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import posixpath
 import stat
 import tarfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashops import remote as helpers
 from dflashops.errors import OpsError, TransferError, UsageError
-from dflashops.targets.base import CHUNK, Machine
+from dflashops.targets.base import CHUNK, Machine, Result, Sink, Stdin
 
 Progress = Callable[[int], None]
 BLOCK = tarfile.BLOCKSIZE
@@ -42,6 +44,7 @@ class Entry:
 class Sent:
     entries: list[Entry]
     bytes: int
+    warnings: list[str] = field(default_factory=list)  # what the receiver changed or skipped
 
     @property
     def files(self) -> int:
@@ -90,7 +93,7 @@ def _walk(root: Path, folder: Path, prefix: str, seen: set[Path], out: list[Entr
 
 
 def _entry(path: Path, rel: str, st: os.stat_result) -> Entry:
-    mode = stat.S_IMODE(st.st_mode)
+    mode = stat.S_IMODE(st.st_mode) & 0o777  # never setuid, setgid or sticky bits
     if stat.S_ISLNK(st.st_mode):
         return Entry(rel, path, "l", link=os.readlink(path))
     if stat.S_ISDIR(st.st_mode):
@@ -165,27 +168,89 @@ def put(
     """Copy a local file or directory to `remote` (created with its parents), then verify.
 
     A directory's contents land in `remote`; a file becomes `remote`, or goes into it when
-    `remote` ends with '/'.
+    `remote` ends with '/'. `entries` (from `scan` or `changes`) limits what is sent.
     """
-    if not local.exists():
-        dangling = " (a link to nothing)" if local.is_symlink() else ""
-        raise UsageError(f"{local}: no such file or directory{dangling}")
-    dest = remote_path(machine, remote)
-    if local.is_dir():
-        base, entries = dest, entries if entries is not None else scan(local)
-    else:
-        name = local.name if remote.endswith("/") else posixpath.basename(dest)
-        base = dest if remote.endswith("/") else posixpath.dirname(dest)
-        real = local.resolve()
-        entries = [_entry(real, name, real.stat())]
+    base, entries = _layout(machine, local, remote, entries)
     receive = helpers.argv("receive.py", base)
-    result = machine.run(receive, stdin=prefetch(tar_stream(entries, progress)))
-    sent = Sent(entries, sum(e.size for e in entries))
+    result = stream(machine, receive, stdin=prefetch(tar_stream(entries, progress)))
+    sent = Sent(entries, sum(e.size for e in entries), receiver_warnings(result))
     if machine.dry_run:
         return sent
     helpers.check(machine, result, f"copy into {base}", TransferError)
     check_arrived(machine, base, entries, json.loads(result.stdout))
     return sent
+
+
+def _layout(
+    machine: Machine, local: Path, remote: str, entries: list[Entry] | None = None
+) -> tuple[str, list[Entry]]:
+    """Where a copy of `local` lands in the target, and its entries (all, unless given)."""
+    if not local.exists():
+        dangling = " (a link to nothing)" if local.is_symlink() else ""
+        raise UsageError(f"{local}: no such file or directory{dangling}")
+    dest = remote_path(machine, remote)
+    if local.is_dir():
+        return dest, entries if entries is not None else scan(local)
+    name = local.name if remote.endswith("/") else posixpath.basename(dest)
+    base = dest if remote.endswith("/") else posixpath.dirname(dest)
+    real = local.resolve()
+    return base, entries if entries is not None else [_entry(real, name, real.stat())]
+
+
+@dataclass
+class Changes:
+    """What a copy has to send: the entries that differ in the target, and how many files
+    are the same there already."""
+
+    dest: str
+    changed: list[Entry]
+    unchanged: int
+    total: int  # entries in all
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.changed) or self.total == 0  # an empty tree still makes its directory
+
+
+def changes(machine: Machine, local: Path, remote: str, *, checksum: bool = False) -> Changes:
+    """Compare `local` with what `remote` holds: files by size, mtime and mode (rsync's quick
+    check), or by sha256 on both sides with `checksum`; links by target, directories by mode.
+    Under --dry-run nothing is read there: everything counts as changed."""
+    base, entries = _layout(machine, local, remote)
+    theirs = {}
+    if not machine.dry_run:
+        rels = [e.rel for e in entries]
+        theirs = describe_remote(machine, base, rels, quick=not checksum)
+    if checksum:
+        for e in entries:
+            if e.kind == "f":
+                e.sha256 = _sha256(e.path)
+    changed = [e for e in entries if not _same(e, theirs.get(e.rel, {"t": "-"}), checksum)]
+    files = sum(1 for e in entries if e.kind == "f")
+    unchanged = files - sum(1 for e in changed if e.kind == "f")
+    dest = remote_path(machine, remote)
+    return Changes(dest, changed, unchanged, len(entries))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def stream(
+    machine: Machine, argv: list[str], *, stdin: Stdin = None, stdout: Sink | None = None
+) -> Result:
+    """Run `argv` in `machine` with bulk bytes in or out: the one place they travel."""
+    return machine.run(argv, stdin=stdin, stdout=stdout)
+
+
+def receiver_warnings(result: Result) -> list[str]:
+    """The receiver's warnings (bits it dropped), from its stderr."""
+    lines = result.stderr.decode("utf-8", "replace").splitlines()
+    return [line.removeprefix("receive: warning: ") for line in lines if "warning: " in line]
 
 
 def prefetch(chunks: Iterator[bytes], depth: int = 8) -> Iterator[bytes]:
@@ -248,14 +313,18 @@ def _matches(entry: Entry, found: dict) -> bool:
     return True
 
 
-def _same(entry: Entry, found: dict) -> bool:
+def _same(entry: Entry, found: dict, checksum: bool = False) -> bool:
+    """True when `found` (hashtree's description) is `entry` already."""
+    if entry.kind == "l" or found.get("t") != entry.kind:
+        return _matches(entry, found)
+    if found.get("mode") != entry.mode:
+        return False
+    if entry.kind == "f" and checksum:
+        return _matches(entry, found)
     if entry.kind == "f":
         mtime = int(entry.path.stat().st_mtime)
-        return found.get("t") == "f" and (found.get("size"), found.get("mtime")) == (
-            entry.size,
-            mtime,
-        )
-    return _matches(entry, found)
+        return (found.get("size"), found.get("mtime")) == (entry.size, mtime)
+    return True
 
 
 def get_file(machine: Machine, remote: str, local: Path) -> int:
@@ -275,7 +344,7 @@ def get_file(machine: Machine, remote: str, local: Path) -> int:
                 size += len(chunk)
                 f.write(chunk)
 
-            result = machine.run(["cat", "--", src], stdout=take)
+            result = stream(machine, ["cat", "--", src], stdout=take)
         if machine.dry_run:
             return 0
         if not result.ok:

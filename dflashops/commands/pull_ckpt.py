@@ -1,34 +1,34 @@
 """`pull-ckpt STEP --to TARGET [--run RUN]`: copy a complete checkpoint to another target.
 
 The source's `tar -c` stdout feeds the destination's receiver (remote/receive.py) through this
-process, with no temporary copy on any disk; it lands in a temporary directory, every file is
-checked against the checkpoint's own MANIFEST.sha256 (hashed from the destination's disk), and
-only then is it renamed to <ws>/ckpts/RUN/step_STEP, with the run's run.yaml beside it.
-Pulling again is free when the copy there still verifies.
+process, with no temporary copy on any disk. It lands in the destination's one partial
+directory for that checkpoint (<ws>/ckpts/RUN/.partial-step_STEP), where every file is checked
+against the checkpoint's own MANIFEST.sha256 (hashed from the destination's disk) as it lands;
+only once all of them verify is it renamed to <ws>/ckpts/RUN/step_STEP (never into it), with
+the run's run.yaml beside it. A copy cut short (a lost link, Ctrl-C) resumes: the files that
+verified are not sent again. Pulling again is free when the copy there still verifies.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
-import queue
 import tempfile
-import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from dflashops import context, runs, transfer
+from dflashops import remote as helpers
 from dflashops.errors import NotFoundError, OpsError, TransferError, UsageError
 from dflashops.inventory import Target
-from dflashops.remote import argv as helper_argv
+from dflashops.relay import Relayed, relay
 from dflashops.render import Stopwatch, human_bytes, progress
 from dflashops.runs import Checkpoint, RunView
 from dflashops.session import Session
-from dflashops.targets.base import Machine, Result
+from dflashops.targets.base import Machine
+from dflashops.transfer import Progress
 
 MANIFEST = "MANIFEST.sha256"
 
@@ -65,12 +65,19 @@ def register(app: typer.Typer) -> None:
                 "and it verifies against its MANIFEST.sha256; nothing copied"
             )
         else:
-            rate = done["bytes"] / done["seconds"] if done["seconds"] else 0
-            context.say(
-                f"{view.name} step_{step}: {view.target} -> {dest.name}:{done['dest']}, "
-                f"{done['files']} files, {human_bytes(done['bytes'])} in {done['seconds']:.1f}s "
-                f"({human_bytes(rate)}/s), verified against MANIFEST.sha256"
-            )
+            context.say(copied_line(view.name, step, view.target, done))
+
+
+def copied_line(run: str, step: int, source: str, done: dict[str, Any]) -> str:
+    rate = done["sent_bytes"] / done["seconds"] if done["seconds"] else 0
+    line = (
+        f"{run} step_{step}: {source} -> {done['to']}:{done['dest']}, {done['files']} files, "
+        f"{human_bytes(done['bytes'])}; sent {human_bytes(done['sent_bytes'])} in "
+        f"{done['seconds']:.1f}s ({human_bytes(rate)}/s), verified against {MANIFEST}"
+    )
+    if done["kept_files"]:
+        line += f"; {done['kept_files']} files verified by an earlier try were not sent again"
+    return line
 
 
 def find_checkpoint(view: RunView, step: int) -> Checkpoint:
@@ -93,6 +100,11 @@ def find_checkpoint(view: RunView, step: int) -> Checkpoint:
     return match
 
 
+def partial_dir(final: str) -> str:
+    """The one partial directory of a checkpoint's copy, hidden beside it."""
+    return posixpath.join(posixpath.dirname(final), f".partial-{posixpath.basename(final)}")
+
+
 def pull(
     reader: Session, writer: Session, view: RunView, step: int, dest: Target
 ) -> dict[str, Any]:
@@ -101,7 +113,7 @@ def pull(
         reader.machine(view.target), view.name, records="none", checkpoints=True, files=["run.yaml"]
     )
     ckpt = find_checkpoint(view, step)
-    manifest, entries = ckpt.manifest or "", ckpt.entries
+    manifest, entries = ckpt.manifest or "", ckpt.entries or {}
     final = runs.ckpt_copy_dir(dest, view.name, step)
     report = {"run": view.name, "step": step, "from": view.target, "to": dest.name, "dest": final}
     there = runs.probe(reader.machine(dest), dirs=[final], verify=True).dirs.get(final, {})
@@ -111,127 +123,101 @@ def pull(
         why = there.get("problem") or "a different checkpoint"
         context.note(f"{dest.name}:{final} is there but does not verify ({why}); copying again")
     clock = Stopwatch()
-    src_dir = posixpath.join(view.dir, "checkpoints", ckpt.name)
-    names = sorted(entries) + [MANIFEST]
-    tmp = posixpath.join(posixpath.dirname(final), f".tmp-{ckpt.name}-{uuid.uuid4().hex[:8]}")
+    partial = partial_dir(final)
+    head = json.dumps({"manifest": manifest}).encode() + b"\n"
+    earlier = helpers.run(reader.machine(dest), "receive.py", partial, "--plan", final,
+                          stdin=head, what=f"reading {partial}")  # fmt: skip
+    kept = json.loads(earlier.stdout) if earlier.stdout else {"verified": [], "bytes": 0}
+    names = [n for n in sorted(entries) if n not in kept["verified"]]
     src, dst = writer.machine(view.target), writer.machine(dest)
-    label = f"{view.name} step_{step} -> {dest.name}"
-    with progress(label, ckpt.bytes) as advance:
-        found = stream_tree(src, src_dir, names, dst, tmp, advance)
-    if dst.dry_run:
-        finish(dst, tmp, final, (view.raw.get("files") or {}).get("run.yaml"))
-        return {
-            **report,
-            "copied": True,
-            "files": len(names) - 1,
-            "bytes": ckpt.bytes,
-            "seconds": 0,
-        }
-    try:
-        check_copy(found, entries, manifest, dest.name, final)
-    except TransferError:
-        dst.run(["rm", "-rf", "--", tmp])
-        raise
-    finish(dst, tmp, final, (view.raw.get("files") or {}).get("run.yaml"))
-    seconds = round(clock.seconds, 3)
-    return {**report, "copied": True, "files": len(names) - 1, "bytes": ckpt.bytes,
-            "seconds": seconds, "verified": "sha256 against MANIFEST.sha256"}  # fmt: skip
+    src_dir = posixpath.join(view.dir, "checkpoints", ckpt.name)
+    sent = [0]
+
+    def count(n: int) -> None:
+        sent[0] += n
+        advance(n)
+
+    with progress(f"{view.name} step_{step} -> {dest.name}", ckpt.bytes - kept["bytes"]) as advance:
+        done = send(src, src_dir, names, dst, partial, final, head, count)
+    run_yaml = (view.raw.get("files") or {}).get("run.yaml")
+    if not dst.dry_run:
+        placed = check_placed(done, entries, dest.name, final, partial)
+        for gone in done.get("stale") or []:
+            context.note(
+                f"{dest.name}: removed {gone['path']} ({human_bytes(gone['bytes'])}), a partial "
+                "copy nobody had touched for a day"
+            )
+        if placed == "already":
+            context.note(f"{dest.name}:{final} was put in place by another pull meanwhile")
+            return {**report, "copied": False, "files": ckpt.files, "bytes": ckpt.bytes,
+                    "seconds": round(clock.seconds, 3)}  # fmt: skip
+    beside(dst, final, run_yaml)
+    return {**report, "copied": True, "files": len(entries), "bytes": ckpt.bytes,
+            "sent_bytes": sent[0], "kept_files": len(entries) - len(names),
+            "seconds": round(clock.seconds, 3),
+            "verified": "sha256 against MANIFEST.sha256"}  # fmt: skip
 
 
-def stream_tree(
-    src: Machine, src_dir: str, names: list[str], dst: Machine, dst_dir: str, advance: Any
+def send(
+    src: Machine,
+    src_dir: str,
+    names: list[str],
+    dst: Machine,
+    partial: str,
+    final: str,
+    head: bytes,
+    advance: Progress,
 ) -> dict[str, Any]:
-    """`tar -c` of `names` in `src` piped into the receiver in `dst`; the receiver's report."""
-    tar = ["tar", "-C", src_dir, "--format=pax", "-cf", "-", "--", *names]
-    receive = helper_argv("receive.py", dst_dir)
-    pipe = _Pipe(advance)
-    produced: dict[str, Any] = {}
-
-    def produce() -> None:
-        try:
-            produced["result"] = src.run(tar, stdout=pipe.put)
-        except BaseException as exc:  # noqa: BLE001 (reported below, after the receiver ends)
-            produced["error"] = exc
-        finally:
-            pipe.close()
-
-    thread = threading.Thread(target=produce, daemon=True)
-    thread.start()
-    try:
-        received = dst.run(receive, stdin=pipe.chunks())
-    finally:
-        pipe.abandon()
-        thread.join()
-    if "error" in produced:
-        raise produced["error"]
-    sent: Result = produced["result"]
-    if src.dry_run:
+    """`tar -c` of `names` in `src` piped into the checkpoint receiver in `dst`; its report.
+    With nothing left to send (all verified by an earlier try), the receiver only places it."""
+    receive = helpers.argv("receive.py", partial, "--checkpoint", final)
+    if names:
+        tar = ["tar", "-C", src_dir, "--format=pax", "-cf", "-", "--", *names]
+        relayed = relay(src, tar, dst, receive, head=head, progress=advance)
+    else:
+        received = transfer.stream(dst, receive, stdin=head + b"\0" * 1024)
+        relayed = Relayed(received, None, None)
+    if dst.dry_run:
         return {}
-    if not sent.ok:
-        dst.run(["rm", "-rf", "--", dst_dir])
-        raise TransferError(f"{src.name}: tar of {src_dir} failed: {sent.error_text}")
-    if not received.ok:
-        dst.run(["rm", "-rf", "--", dst_dir])
-        raise TransferError(f"{dst.name}: receiving into {dst_dir} failed: {received.error_text}")
-    return json.loads(received.stdout)
+    if relayed.received.ok:
+        return json.loads(relayed.received.stdout)
+    if relayed.error is not None:
+        raise relayed.error
+    if relayed.sent is not None and not relayed.sent.ok:
+        raise TransferError(f"{src.name}: tar of {src_dir} failed: {relayed.sent.error_text}")
+    if relayed.received.returncode == 127:
+        raise OpsError(f"{dst.name}: python3 not found; install it in the target")
+    text = relayed.received.error_text.removeprefix("receive: ")
+    if text.startswith("no space left"):
+        raise TransferError(f"{dst.name}: {text}")
+    raise TransferError(f"{dst.name}: receiving into {partial} failed: {text}")
 
 
-class _Pipe:
-    """A bounded queue from the source's stdout to the destination's stdin. When the receiver
-    is gone, what the source still sends is dropped, so the source can finish."""
-
-    END = object()
-
-    def __init__(self, advance: Any) -> None:
-        self.queue: queue.Queue = queue.Queue(maxsize=16)
-        self.advance = advance
-        self.gone = threading.Event()
-
-    def put(self, chunk: bytes) -> None:
-        self.advance(len(chunk))
-        self._put(chunk)
-
-    def _put(self, item: object) -> None:
-        while not self.gone.is_set():
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def close(self) -> None:
-        self._put(self.END)
-
-    def abandon(self) -> None:
-        self.gone.set()
-
-    def chunks(self):  # noqa: ANN201 (a generator of bytes)
-        while (item := self.queue.get()) is not self.END:
-            yield item
-
-
-def check_copy(
-    found: dict[str, Any], entries: dict[str, str], manifest: str, target: str, where: str
-) -> None:
-    """Every manifest entry arrived with its hash (hashed from the destination's disk), the
-    manifest itself arrived intact, and nothing else came."""
-    expected = {**entries, MANIFEST: hashlib.sha256(manifest.encode()).hexdigest()}
-    bad = sorted(n for n, d in expected.items() if (found.get(n) or {}).get("sha256") != d)
-    extra = sorted(set(found) - set(expected))
-    if bad or extra:
-        shown = ", ".join(bad + extra)
+def check_placed(
+    done: dict[str, Any], entries: dict[str, str], target: str, final: str, partial: str
+) -> bool | str:
+    """The receiver's report says every manifest entry arrived with its hash (hashed from the
+    destination's disk) and the copy is in place (True), or was put there by another pull
+    ("already")."""
+    verified = done.get("verified") or {}
+    if done.get("placed") not in (True, "already"):
+        bad = done.get("bad") or []
+        missing = sorted(set(entries) - set(verified) - set(bad))
         raise TransferError(
-            f"{target}: the copy to {where} does not match its {MANIFEST} ({shown}); "
-            "nothing was kept: run it again"
+            f"{target}: the copy to {final} does not match its {MANIFEST} "
+            f"({', '.join(bad + missing)}); the {len(verified)} files that verify are kept in "
+            f"{partial} for the next try: run it again"
         )
+    if verified != entries:
+        raise TransferError(
+            f"{target}: the receiver placed {final} but reported hashes that do not match its "
+            f"{MANIFEST}; do not use it: run pull-ckpt again"
+        )
+    return done["placed"]
 
 
-def finish(machine: Machine, tmp: str, final: str, run_yaml: str | None) -> None:
-    """Put the verified copy in place (replacing a bad one) and run.yaml beside it."""
-    swap = 'rm -rf -- "$2" && mv -- "$1" "$2"'
-    done = machine.run(["sh", "-c", swap, "sh", tmp, final])
-    if not done.ok and not machine.dry_run:
-        raise OpsError(f"{machine.name}: could not move {tmp} to {final}: {done.error_text}")
+def beside(machine: Machine, final: str, run_yaml: str | None) -> None:
+    """The run's run.yaml beside the checkpoint's copy."""
     if run_yaml is None:
         context.note(f"warning: the run has no run.yaml; none put beside {final}")
         return

@@ -1,4 +1,8 @@
-"""`push TARGET LOCAL REMOTE`: copy a file or a directory in, verified by sha256."""
+"""`push TARGET LOCAL REMOTE`: copy a file or a directory in, verified by sha256.
+
+Like `sync` (but deleting nothing there), only what differs is sent: files whose size, mtime or
+mode differ (rsync's quick check), or, with --checksum, whose sha256 differs.
+"""
 
 from __future__ import annotations
 
@@ -22,39 +26,48 @@ def register(app: typer.Typer) -> None:
             help="Destination in the target (relative paths are under its workspace); "
             "a trailing / puts a file inside that directory.",
         ),
+        checksum: bool = typer.Option(
+            False,
+            "--checksum",
+            help="Compare files by sha256 on both sides (reads them all) instead of by size, "
+            "mtime and mode.",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
-        """Copy a file or a directory into TARGET, then check every file's sha256 there."""
+        """Copy a file or a directory into TARGET (only what differs there), then check every
+        sent file's sha256 there."""
         opts = context.get(ctx)
         opts.want_json(json_out)
         machine = opts.session().machine(target)
-        entries = transfer.scan(local) if local.is_dir() else None
-        total = (
-            sum(e.size for e in entries)
-            if entries
-            else (local.stat().st_size if local.is_file() else 0)
-        )
         clock = Stopwatch()
-        with progress(f"push {local.name}", total) as advance:
-            sent = transfer.put(machine, local, remote, progress=advance, entries=entries)
+        todo = transfer.changes(machine, local, remote, checksum=checksum)
+        files = bytes_ = 0
+        if todo.needed:
+            total = sum(e.size for e in todo.changed)
+            with progress(f"push {local.name}", total) as advance:
+                sent = transfer.put(machine, local, remote, progress=advance, entries=todo.changed)
+            files, bytes_ = sent.files, sent.bytes
+            for warning in sent.warnings:
+                context.note(f"warning: {target}: {warning}")
         if opts.dry_run:
             return
-        dest = transfer.remote_path(machine, remote)
         seconds = clock.seconds
         if opts.json:
             opts.emit(
                 {
                     "target": target,
-                    "dest": dest,
-                    "files": sent.files,
-                    "bytes": sent.bytes,
+                    "dest": todo.dest,
+                    "files": files,
+                    "bytes": bytes_,
+                    "unchanged": todo.unchanged,
                     "seconds": round(seconds, 3),
                     "verified": "sha256",
-                }
+                }  # fmt: skip
             )
-        else:
-            rate = human_bytes(sent.bytes / seconds) + "/s" if seconds > 0 else ""
-            context.say(
-                f"{target}:{dest}: {sent.files} files, {human_bytes(sent.bytes)} "
-                f"in {seconds:.1f}s ({rate}), sha256 verified"
-            )
+            return
+        rate = f" ({human_bytes(bytes_ / seconds)}/s)" if seconds > 0 and bytes_ else ""
+        same = f", {todo.unchanged} unchanged" if todo.unchanged else ""
+        context.say(
+            f"{target}:{todo.dest}: {files} files, {human_bytes(bytes_)} in {seconds:.1f}s"
+            f"{rate}{same}, sha256 verified"
+        )

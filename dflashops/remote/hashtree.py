@@ -1,10 +1,12 @@
 """Runs inside a target with its python3 (stdlib only): describe files under a directory.
 
 argv: BASE [--all] [--follow] [--stat]. stdin: a JSON list of paths relative to BASE (ignored
-with --all). With --follow a link is described by what it points to; with --stat a file is
-described by size and mtime only ("mtime" instead of "sha256"), without reading it.
-stdout: one JSON object {path: {"t": "f", "sha256": hex, "size": n} | {"t": "l", "to": target}
-| {"t": "d"} | {"t": "-"}}, "-" for a path that does not exist.
+with --all). With --follow a link is described by what it points to; without it, a path under
+a link (inside BASE) is "-", as a copy would not write there. With --stat a file is described
+by size and mtime only ("mtime" instead of "sha256"), without reading it.
+stdout: one JSON object {path: {"t": "f", "sha256": hex, "size": n, "mode": m} | {"t": "l",
+"to": target} | {"t": "d", "mode": m} | {"t": "s"} | {"t": "-"}}: "s" for anything else (a fifo,
+a device: never opened), "-" for a path that does not exist.
 """
 
 import hashlib
@@ -14,19 +16,35 @@ import stat
 import sys
 
 
-def describe(path, follow=False, quick=False):
+def under_link(base, rel):
+    """True when a directory on the way from BASE to rel is a link."""
+    path = base
+    for part in rel.split("/")[:-1]:
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            return True
+    return False
+
+
+def describe(base, rel, follow=False, quick=False):
+    path = os.path.join(base, rel)
     if follow:
         path = os.path.realpath(path)
+    elif under_link(base, rel):
+        return {"t": "-"}
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return {"t": "-"}
+    mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         return {"t": "l", "to": os.readlink(path)}
     if stat.S_ISDIR(st.st_mode):
-        return {"t": "d"}
+        return {"t": "d", "mode": mode}
+    if not stat.S_ISREG(st.st_mode):
+        return {"t": "s"}  # a fifo or a device: never opened (it could block)
     if quick:
-        return {"t": "f", "size": st.st_size, "mtime": int(st.st_mtime)}
+        return {"t": "f", "size": st.st_size, "mtime": int(st.st_mtime), "mode": mode}
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -34,7 +52,7 @@ def describe(path, follow=False, quick=False):
             if not chunk:
                 break
             digest.update(chunk)
-    return {"t": "f", "sha256": digest.hexdigest(), "size": st.st_size}
+    return {"t": "f", "sha256": digest.hexdigest(), "size": st.st_size, "mode": mode}
 
 
 def walk(base):
@@ -50,7 +68,7 @@ def main():
     else:
         paths = json.load(sys.stdin)
     follow, quick = "--follow" in sys.argv[2:], "--stat" in sys.argv[2:]
-    out = {rel: describe(os.path.join(base, rel), follow, quick) for rel in paths}
+    out = {rel: describe(base, rel, follow, quick) for rel in paths}
     json.dump(out, sys.stdout)
 
 

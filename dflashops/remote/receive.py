@@ -1,21 +1,88 @@
-"""Runs inside a target with its python3 (stdlib only): unpack a tar stream, then hash from disk.
+"""Runs inside a target with its python3 (stdlib only): unpack a tar stream nobody vouches for,
+then hash what landed, from disk.
 
-argv: BASE. stdin: a POSIX tar (ustar + pax headers) of regular files, directories and
-symlinks with relative names. Each file is written under a temporary name, renamed into
-place, and then read back from disk and hashed on a second thread while the next file
-arrives. stdout: one JSON object {path: {"t": "f", "sha256": hex, "size": n} | {"t": "l",
-"to": target} | {"t": "d"}}. A write error (a full disk) exits non-zero with the reason.
+argv: BASE                     a copy (push, sync): regular files, directories and symlinks
+      BASE --checkpoint FINAL  a checkpoint into its partial directory BASE, then placed at FINAL
+      BASE --plan FINAL        which files of the partial directory BASE verify already
+
+The stream is refused (exit 1, the entry named) at the first entry that has an absolute name,
+a "..", a NUL or a name longer than the file system takes; that appears twice; that would go
+through a link or a file sent earlier in the stream; or that is not a regular file, directory
+or symlink (hard links, devices, fifos...; for a checkpoint, only the regular files its manifest
+lists). A malformed stream (bad header checksum, oversized pax header) is refused too.
+setuid, setgid and sticky bits are dropped with a warning on stderr; owners are never taken
+from the stream, and nothing is written through a link already at the destination.
+
+Each file is written under a name unique to this receiver (.dfo-PID-RANDOM.part in its
+directory), hashed from disk, and only then renamed into place: two receivers into one
+directory never mix their bytes, and a failure removes the file it was writing.
+stdout (a copy): {path: {"t": "f", "sha256": hex, "size": n, "mode": m} | {"t": "l", "to":
+target} | {"t": "d"}}.
+
+A checkpoint: stdin starts with one JSON line {"manifest": TEXT} (its MANIFEST.sha256), then
+the tar. BASE is the one partial directory of FINAL: a receiver holds a lock (flock) on it
+while it writes; each file that matches the manifest is noted in BASE/.dflashops-verified, so
+an interrupted copy resumes where it stopped; once every file verifies, the manifest is
+written and BASE is renamed to FINAL (a bad copy at FINAL is swapped out first), never into
+it. Partial directories nobody holds and nobody touched for a day are removed; a full disk
+removes BASE. stdout: {"placed": true | "already" | false, "verified": {name: sha256},
+"received": [...], "kept": [...], "bad": [...], "stale": [{"path": p, "bytes": n}]}.
 """
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import queue
+import re
+import secrets
+import shutil
+import signal
+import stat
 import sys
 import threading
+import time
 
 BLOCK = 512
 CHUNK = 1 << 20
+PAX_LIMIT = 1 << 20
+NAME_MAX, PATH_MAX = 255, 4096
+MANIFEST = "MANIFEST.sha256"
+MARKER = ".dflashops-verified"
+PART = re.compile(r"^\.dfo-(\d+)-[0-9a-f]+\.part$")
+PARTIAL = re.compile(r"^\.(partial|tmp|old)-step_\d+")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+PART_STALE_AFTER = 600  # a .part of a receiver that is gone, untouched this long
+STALE_AFTER = 24 * 3600  # a partial directory nobody holds, untouched this long
+LOCK_PATIENCE = 60  # waiting for another copy into the same partial directory, while it writes
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+KINDS = {
+    b"0": "file", b"\0": "file", b"1": "hard link", b"2": "symlink", b"3": "character device",
+    b"4": "block device", b"5": "directory", b"6": "fifo", b"7": "contiguous file",
+}  # fmt: skip
+COPYABLE = ("file", "directory", "symlink")
+
+
+class Refused(Exception):
+    """A stream we do not take (hostile or malformed): nothing more of it is read."""
+
+
+class Failed(Exception):
+    """The copy could not be done here (the message says why)."""
+
+
+def warn(text):
+    sys.stderr.write(f"receive: warning: {text}\n")
+
+
+def unlink(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+# ---------------------------------------------------------------- the tar stream
 
 
 def read_exact(stream, n):
@@ -29,27 +96,110 @@ def read_exact(stream, n):
     return b"".join(parts)
 
 
-def octal(field):
-    field = field.rstrip(b"\0 ").strip()
-    return int(field, 8) if field else 0
+def octal(field, what):
+    text = field.rstrip(b"\0 ").strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise Refused(f"a malformed tar header ({what} {field!r})") from None
 
 
 def pax_records(data):
     out, pos = {}, 0
-    while pos < len(data):
-        space = data.index(b" ", pos)
-        length = int(data[pos:space])
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
-        out[key.decode()] = value
-        pos += length
+    try:
+        while pos < len(data):
+            space = data.index(b" ", pos)
+            length = int(data[pos:space])
+            record = data[space + 1 : pos + length]
+            if length <= space - pos or not record.endswith(b"\n"):
+                raise ValueError
+            key, eq, value = record[:-1].partition(b"=")
+            if not eq:
+                raise ValueError
+            out[key.decode()] = value
+            pos += length
+    except ValueError:  # UnicodeDecodeError is one
+        raise Refused("a malformed pax extended header") from None
     return out
 
 
-def safe_join(base, name):
+def checksum_ok(header):
+    """The header's checksum, with its own field as spaces: unsigned, or signed as some old
+    tars wrote it."""
+    stored = octal(header[148:156], "checksum")
+    rest = header[:148] + header[156:]
+    if stored == sum(rest) + 8 * 32:
+        return True
+    return stored == sum(b - 256 if b > 127 else b for b in rest) + 8 * 32
+
+
+class Member:
+    def __init__(self, name, kind, size, mode, mtime_ns, link):
+        self.name, self.kind, self.size = name, kind, size
+        self.mode, self.mtime_ns, self.link = mode, mtime_ns, link
+
+    @property
+    def word(self):
+        return KINDS.get(self.kind, f"entry of type {self.kind!r}")
+
+
+def members(stream):
+    """The stream's entries, up to its end-of-archive block. The caller reads each file's data
+    (and its padding) before asking for the next entry."""
+    pax, offset = {}, 0
+    while True:
+        header = read_exact(stream, BLOCK)
+        if header == b"\0" * BLOCK:
+            return
+        if not checksum_ok(header):
+            raise Refused(f"not a tar stream (bad header checksum at entry {offset})")
+        kind, size = header[156:157], octal(header[124:136], "size")
+        if kind in (b"x", b"g"):
+            if size > PAX_LIMIT:
+                raise Refused(f"a pax header of {size} bytes (at most {PAX_LIMIT})")
+            data = read_exact(stream, size + (-size % BLOCK))[:size]
+            if kind == b"x":
+                pax = pax_records(data)
+            continue
+        offset += 1
+        name = header[0:100].split(b"\0", 1)[0]
+        prefix = header[345:500].split(b"\0", 1)[0] if header[257:263] == b"ustar\0" else b""
+        name = pax.get("path", prefix + b"/" + name if prefix else name)
+        link = pax.get("linkpath", header[157:257].split(b"\0", 1)[0])
+        try:
+            size = int(pax["size"]) if "size" in pax else size
+            mtime = pax.get("mtime", header[136:148].rstrip(b"\0 ").strip() or b"0")
+            mtime_ns = int(float(mtime) * 1e9) if "mtime" in pax else int(mtime, 8) * 10**9
+        except ValueError:
+            raise Refused("a malformed size or mtime in a tar header") from None
+        if size < 0:
+            raise Refused("a negative size in a tar header")
+        mode = octal(header[100:108], "mode")
+        text = name.decode("utf-8", "surrogateescape")
+        yield Member(text, kind, size, mode, mtime_ns, link.decode("utf-8", "surrogateescape"))
+        pax = {}
+
+
+def check_name(name):
+    """(parts, rel) of a stream name, None for the root itself; refused unless it is a plain
+    relative name the file system can hold."""
+    shown = name if len(name) <= 120 else name[:60] + "..." + name[-40:]
+    if "\0" in name:
+        raise Refused(f"{shown!r}: a NUL in a name")
+    if name.startswith("/"):
+        raise Refused(f"{shown!r}: an absolute name")
+    if ".." in name.split("/"):
+        raise Refused(f"{shown!r}: a '..' in a name")
     parts = [p for p in name.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts or name.startswith("/"):
-        raise ValueError(f"unsafe path in stream: {name!r}")
+    if not parts:
+        return None
+    sizes = [len(p.encode("utf-8", "surrogateescape")) for p in parts]
+    if max(sizes) > NAME_MAX or sum(sizes) + len(sizes) > PATH_MAX:
+        raise Refused(f"{shown!r}: a name longer than the file system takes")
     return parts, "/".join(parts)
+
+
+# ---------------------------------------------------------------- writing what arrives
 
 
 def real_dirs(base, parts):
@@ -72,115 +222,550 @@ def make_dir(path, mode):
     os.chmod(path, mode)
 
 
+def make_link(path, to):
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise IsADirectoryError(f"{path} is a directory; a link cannot replace it")
+    unlink(path)
+    os.symlink(to, path)
+
+
 def hash_file(path):
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
-        while True:
-            chunk = f.read(CHUNK)
-            if not chunk:
-                break
+        while chunk := f.read(CHUNK):
             digest.update(chunk)
             size += len(chunk)
     return {"t": "f", "sha256": digest.hexdigest(), "size": size}
 
 
-def hasher(jobs, found):
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        rel, path = job
-        found[rel] = hash_file(path)
-
-
-def write_file(stream, path, size, mode, mtime):
-    if os.path.isdir(path) and not os.path.islink(path):
-        raise IsADirectoryError(
-            f"{path} is a directory: to copy into it, end the destination with /"
-        )
-    tmp = path + ".dflashops-partial"
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def pid_alive(pid):
     try:
-        with os.fdopen(fd, "wb") as f:
-            left = size
-            while left:
-                chunk = stream.read(min(left, CHUNK))
-                if not chunk:
-                    raise EOFError("the tar stream ended inside a file")
-                f.write(chunk)
-                left -= len(chunk)
-        os.chmod(tmp, mode)
-        os.utime(tmp, (mtime, mtime))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    pad = -size % BLOCK
-    if pad:
-        read_exact(stream, pad)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
-def unpack(stream, base, jobs, found):
-    pax = {}
-    while True:
-        header = stream.read(BLOCK)
-        if len(header) < BLOCK or header == b"\0" * BLOCK:
-            return
-        size = octal(header[124:136])
-        kind = header[156:157]
-        if kind in (b"x", b"g"):
-            data = read_exact(stream, size + (-size % BLOCK))[:size]
-            if kind == b"x":
-                pax = pax_records(data)
+def sweep_parts(folder, everything=False):
+    """Remove .part files of receivers that are gone (all of them when `everything`: the
+    caller holds the folder's lock)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = PART.match(name)
+        if not m or int(m.group(1)) == os.getpid():
             continue
-        name = header[0:100].rstrip(b"\0")
-        prefix = header[345:500].rstrip(b"\0")
-        if prefix:
-            name = prefix + b"/" + name
-        name = pax.get("path", name).decode("utf-8", "surrogateescape")
-        link = pax.get("linkpath", header[157:257].rstrip(b"\0")).decode("utf-8", "surrogateescape")
-        size = int(pax["size"]) if "size" in pax else size
-        mode, mtime = octal(header[100:108]) & 0o7777, octal(header[136:148])
-        pax = {}
-        parts, rel = safe_join(base, name)
-        path = real_dirs(base, parts)
-        if kind == b"5":
+        path = os.path.join(folder, name)
+        try:
+            idle = time.time() - os.lstat(path).st_mtime
+        except OSError:
+            continue
+        if everything or (idle > PART_STALE_AFTER and not pid_alive(int(m.group(1)))):
+            unlink(path)
+
+
+class Unpacker:
+    """Unpacks a stream under `base`; files are hashed and landed on a second thread, by
+    `land(rel, tmp, path, info)`, while the next one arrives."""
+
+    def __init__(self, base, accept, land, durable=False):
+        self.base, self.accept, self.land, self.durable = base, accept, land, durable
+        self.seen = {}
+        self.swept = set()
+        self.jobs = queue.Queue(maxsize=64)
+        self.error = None
+        self.thread = threading.Thread(target=self.hasher, daemon=True)
+
+    def run(self, stream):
+        self.thread.start()
+        try:
+            for member in members(stream):
+                self.check_hasher()
+                self.entry(stream, member)
+        finally:
+            self.jobs.put(None)
+            self.thread.join()
+        self.check_hasher()
+
+    def check_hasher(self):
+        if self.error is not None:
+            raise self.error
+
+    def hasher(self):
+        while (job := self.jobs.get()) is not None:
+            rel, tmp, path = job
+            try:
+                if self.error is None:
+                    self.land(rel, tmp, path, hash_file(tmp))
+            except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
+                self.error = exc
+            finally:
+                unlink(tmp)
+
+    def entry(self, stream, member):
+        checked = check_name(member.name)
+        if checked is None:
+            if member.word != "directory":
+                raise Refused(f"a {member.word} with no name")
+            return  # the root itself ("./")
+        parts, rel = checked
+        if rel in self.seen:
+            raise Refused(f"{rel}: appears twice in the stream")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if self.seen.get(above) in ("symlink", "file"):
+                raise Refused(
+                    f"{rel}: would be written through the {self.seen[above]} {above} sent "
+                    "earlier in the stream"
+                )
+        self.accept(rel, member)
+        self.seen[rel] = member.word
+        if member.mode & 0o7000:
+            warn(f"{rel}: setuid, setgid and sticky bits dropped (mode {member.mode & 0o7777:o})")
+        mode = member.mode & 0o777
+        path = real_dirs(self.base, parts)
+        if member.word == "directory":
             make_dir(path, mode)
-            found[rel] = {"t": "d"}
-        elif kind == b"2":
-            if os.path.isdir(path) and not os.path.islink(path):
-                raise IsADirectoryError(f"{path} is a directory; a link cannot replace it")
-            if os.path.lexists(path):
-                os.unlink(path)
-            os.symlink(link, path)
-            found[rel] = {"t": "l", "to": os.readlink(path)}
-        elif kind in (b"0", b"\0"):
-            write_file(stream, path, size, mode, mtime)
-            jobs.put((rel, path))
+            self.landed_dir(rel)
+        elif member.word == "symlink":
+            make_link(path, member.link)
+            self.landed_link(rel, path)
         else:
-            raise ValueError(f"unsupported tar entry type {kind!r} for {name}")
+            tmp = self.write(stream, path, member.size, mode, member.mtime_ns)
+            self.jobs.put((rel, tmp, path))
+
+    def landed_dir(self, rel):
+        """A directory arrived (for a subclass's report)."""
+
+    def landed_link(self, rel, path):
+        """A symlink arrived (for a subclass's report)."""
+
+    def write(self, stream, path, size, mode, mtime_ns):
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise IsADirectoryError(
+                f"{path} is a directory: to copy into it, end the destination with /"
+            )
+        folder = os.path.dirname(path)
+        if folder not in self.swept:
+            self.swept.add(folder)
+            sweep_parts(folder)
+        tmp = os.path.join(folder, f".dfo-{os.getpid()}-{secrets.token_hex(6)}.part")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
+                left = size
+                while left:
+                    chunk = stream.read(min(left, CHUNK))
+                    if not chunk:
+                        raise EOFError("the tar stream ended inside a file")
+                    f.write(chunk)
+                    left -= len(chunk)
+                f.flush()
+                if self.durable:
+                    os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        except BaseException as exc:
+            unlink(tmp)
+            if isinstance(exc, OSError) and exc.filename in (None, tmp):
+                raise OSError(exc.errno, exc.strerror, path) from None
+            raise
+        pad = -size % BLOCK
+        if pad:
+            read_exact(stream, pad)
+        return tmp
+
+
+# ---------------------------------------------------------------- a copy (push, sync)
+
+
+class CopyUnpacker(Unpacker):
+    def __init__(self, base):
+        super().__init__(base, self.copyable, self.replace)
+        self.found = {}
+
+    @staticmethod
+    def copyable(rel, member):
+        if member.word not in COPYABLE:
+            raise Refused(
+                f"{rel}: a {member.word} is refused (only regular files, directories and "
+                "symlinks are copied)"
+            )
+
+    def replace(self, rel, tmp, path, info):
+        os.replace(tmp, path)
+        self.found[rel] = {**info, "mode": os.lstat(path).st_mode & 0o7777}
+
+    def landed_dir(self, rel):
+        self.found[rel] = {"t": "d"}
+
+    def landed_link(self, rel, path):
+        self.found[rel] = {"t": "l", "to": os.readlink(path)}
+
+
+def receive_copy(base, stream):
+    os.makedirs(base, exist_ok=True)
+    unpacker = CopyUnpacker(base)
+    unpacker.run(stream)
+    return unpacker.found
+
+
+# ---------------------------------------------------------------- a checkpoint
+
+
+def read_manifest(stream):
+    """The manifest from the stream's first line: {name: sha256} and its text."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = stream.read(1)
+        if not byte:
+            raise EOFError("the stream ended before its header line")
+        line += byte
+        if len(line) > 16 * PAX_LIMIT:
+            raise Refused("a header line longer than 16 MiB")
+    try:
+        text = json.loads(line)["manifest"]
+    except (ValueError, KeyError, TypeError):
+        raise Refused("the stream does not start with a JSON header line") from None
+    entries = {}
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        name = name[1:] if name.startswith("*") else name
+        if not sep or not SHA256.match(digest) or check_name(name) is None:
+            raise Refused(f"{MANIFEST} is not in sha256sum format: {line[:120]!r}")
+        if name in entries or name in (MANIFEST, MARKER):
+            raise Refused(f"{MANIFEST} lists {name} twice, or a name it cannot list")
+        entries[name] = digest
+    if not entries:
+        raise Refused(f"{MANIFEST} is empty")
+    return entries, text
+
+
+def load_verified(base, manifest):
+    """{name: sha256} of the files of BASE noted as verified that are still as they were."""
+    try:
+        with open(os.path.join(base, MARKER), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            name, digest = rec["name"], rec["sha256"]
+            if manifest.get(name) != digest:
+                continue
+            st = os.lstat(os.path.join(base, name))
+        except (ValueError, KeyError, TypeError, OSError):
+            continue  # a torn last line, a file gone since
+        if stat.S_ISREG(st.st_mode) and [st.st_size, st.st_mtime_ns] == [
+            rec.get("size"),
+            rec.get("mtime_ns"),
+        ]:
+            out[name] = digest
+    return out
+
+
+def tree_bytes(path):
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def activity(path):
+    """What changes while someone writes under `path`: the newest mtime and the total size."""
+    newest, total = 0, 0
+    for root, _dirs, names in os.walk(path):
+        for name in [".", *names]:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            newest, total = max(newest, st.st_mtime_ns), total + st.st_size
+    return newest, total
+
+
+def try_lock(path):
+    """An fd holding an exclusive flock on directory `path`, or None when someone holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def sweep_partials(root, keep):
+    """Remove partial directories under ROOT/*/ that nobody holds and nobody touched for a day
+    (copies cut short long ago, also ones left by older versions)."""
+    removed = []
+    try:
+        runs = os.listdir(root)
+    except OSError:
+        return removed
+    for run in runs:
+        folder = os.path.join(root, run)
+        try:
+            names = os.listdir(folder) if not os.path.islink(folder) else []
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            if path == keep or not PARTIAL.match(name) or os.path.islink(path):
+                continue
+            if not os.path.isdir(path) or time.time() - activity(path)[0] / 1e9 < STALE_AFTER:
+                continue
+            fd = try_lock(path)
+            if fd is None:
+                continue
+            try:
+                size = tree_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
+            removed.append({"path": path, "bytes": size})
+    return removed
+
+
+def holds_manifest(final, text):
+    try:
+        with open(os.path.join(final, MANIFEST), "rb") as f:
+            return f.read() == text.encode()
+    except OSError:
+        return False
+
+
+def lock_partial(base, final, text):
+    """Hold BASE's lock (made if missing); None when another copy put FINAL in place while we
+    waited. A copy that holds BASE is waited for while it writes."""
+    for _ in range(10):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(base, 0o700)
+        fd = None
+        seen, since = activity(base), time.monotonic()
+        while fd is None:
+            fd = try_lock(base)
+            if fd is not None:
+                break
+            now = activity(base)
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > LOCK_PATIENCE:
+                raise Failed(
+                    f"another copy into {base} holds it and wrote nothing for {LOCK_PATIENCE} s; "
+                    "run this again when it has ended"
+                )
+            time.sleep(0.2)
+        held = os.fstat(fd)
+        try:
+            here = os.lstat(base)
+            if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # BASE was renamed (placed) or removed while we waited
+        if holds_manifest(final, text):
+            return None
+    raise Failed(f"{base} keeps being replaced by other copies; run this again")
+
+
+def rename_noreplace(old, new):
+    """Rename `old` to `new` only if `new` does not exist (never into it)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (ImportError, OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        at_fdcwd, noreplace = -100, 1
+        if renameat2(at_fdcwd, os.fsencode(old), at_fdcwd, os.fsencode(new), noreplace) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(code, os.strerror(code), new)
+    if os.path.lexists(new):  # no renameat2 here: the caller's lock keeps other copies out
+        raise FileExistsError(errno.EEXIST, "exists already", new)
+    os.rename(old, new)
+
+
+def place(base, final):
+    """Rename BASE to FINAL, swapping out whatever is at FINAL, under the lock of their parent
+    (so two copies of one checkpoint finish one after the other)."""
+    parent = os.path.dirname(final)
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    old = None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.path.lexists(final):
+            old = os.path.join(parent, f".old-{os.path.basename(final)}-{secrets.token_hex(4)}")
+            os.rename(final, old)
+        try:
+            rename_noreplace(base, final)
+        except OSError:
+            if old is not None and not os.path.lexists(final):
+                os.rename(old, final)
+                old = None
+            raise
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointUnpacker(Unpacker):
+    def __init__(self, base, manifest, verified):
+        super().__init__(base, self.listed, self.check, durable=True)
+        self.manifest, self.verified = manifest, verified
+        self.received, self.bad = [], []
+        self.marker = open(os.path.join(base, MARKER), "a", encoding="utf-8")  # noqa: SIM115
+
+    def listed(self, rel, member):
+        if member.word != "file":
+            raise Refused(f"{rel}: a {member.word} in a checkpoint (only regular files)")
+        if rel not in self.manifest:
+            raise Refused(f"{rel}: not in the checkpoint's {MANIFEST}")
+
+    def check(self, rel, tmp, path, info):
+        if info["sha256"] != self.manifest[rel]:
+            self.bad.append(rel)  # the .part is removed: the next try sends it again
+            return
+        os.replace(tmp, path)
+        st = os.lstat(path)
+        record = {"name": rel, "sha256": info["sha256"], "size": st.st_size,
+                  "mtime_ns": st.st_mtime_ns}  # fmt: skip
+        self.marker.write(json.dumps(record) + "\n")
+        self.marker.flush()
+        os.fsync(self.marker.fileno())
+        self.verified[rel] = info["sha256"]
+        self.received.append(rel)
+
+
+def tidy(base, manifest):
+    """Remove from BASE what the manifest does not list (left by a copy of another version)."""
+    keep = set(manifest) | {MARKER}
+    above = {"/".join(n.split("/")[:i]) for n in manifest for i in range(1, n.count("/") + 1)}
+    for root, dirs, names in os.walk(base):
+        for name in dirs + names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, base).replace(os.sep, "/")
+            if rel in keep or rel in above:
+                continue
+            if name in dirs and not os.path.islink(path):
+                shutil.rmtree(path)
+                dirs.remove(name)
+            else:
+                unlink(path)
+
+
+def write_manifest(base, text):
+    tmp = os.path.join(base, f".dfo-{os.getpid()}-{secrets.token_hex(6)}.part")
+    with open(tmp, "wb") as f:
+        f.write(text.encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, os.path.join(base, MANIFEST))
+
+
+def receive_checkpoint(base, final, stream):
+    manifest, text = read_manifest(stream)
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    stale = sweep_partials(os.path.dirname(os.path.dirname(final)), keep=base)
+    fd = lock_partial(base, final, text)
+    if fd is None:
+        return {"placed": "already", "verified": dict(manifest), "received": [], "kept": [],
+                "bad": [], "stale": stale}  # fmt: skip
+    try:
+        return {**fill(base, final, stream, manifest, text), "stale": stale}
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
+        shutil.rmtree(base, ignore_errors=True)
+        raise Failed(
+            f"no space left on the device of {base} (writing {exc.filename}); "
+            "the partial copy was removed, nothing was kept"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def fill(base, final, stream, manifest, text):
+    """Receive into BASE (whose lock the caller holds) what is not there yet; place it once
+    every file verifies."""
+    for root, _dirs, _names in os.walk(base):
+        sweep_parts(root, everything=True)
+    verified = load_verified(base, manifest)
+    kept = sorted(verified)
+    unpacker = CheckpointUnpacker(base, manifest, verified)
+    try:
+        unpacker.run(stream)
+    finally:
+        unpacker.marker.close()
+    received = unpacker.received
+    report = {"placed": False, "verified": verified, "received": received, "bad": sorted(unpacker.bad),
+              "kept": [n for n in kept if n not in received]}  # fmt: skip
+    if set(verified) != set(manifest):
+        return report
+    tidy(base, manifest)
+    write_manifest(base, text)
+    unlink(os.path.join(base, MARKER))
+    place(base, final)
+    return {**report, "placed": True}
+
+
+def plan(base, final, stream):
+    """Which files of BASE verify already (from its notes; nothing is locked or changed)."""
+    manifest, _text = read_manifest(stream)
+    verified = load_verified(base, manifest) if os.path.isdir(base) else {}
+    size = sum(os.lstat(os.path.join(base, n)).st_size for n in verified)
+    return {"verified": sorted(verified), "bytes": size}
+
+
+# ---------------------------------------------------------------- main
+
+
+def describe(exc):
+    if isinstance(exc, OSError) and exc.filename is not None:
+        if exc.errno in NO_SPACE:
+            return f"no space left on the device of {exc.filename}"
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+def interrupted(signum, _frame):
+    raise Failed(f"stopped by signal {signum}")
 
 
 def main():
-    base = sys.argv[1]
-    os.makedirs(base, exist_ok=True)
-    found = {}
-    jobs = queue.Queue()
-    thread = threading.Thread(target=hasher, args=(jobs, found))
-    thread.start()
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupted)
+    base, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+    stream = sys.stdin.buffer
     try:
-        unpack(sys.stdin.buffer, base, jobs, found)
-    except (OSError, EOFError, ValueError) as exc:
-        sys.stderr.write(f"receive: {exc}\n")
+        if mode == "--checkpoint":
+            doc = receive_checkpoint(base, sys.argv[3], stream)
+        elif mode == "--plan":
+            doc = plan(base, sys.argv[3], stream)
+        else:
+            doc = receive_copy(base, stream)
+    except Refused as exc:
+        sys.stderr.write(f"receive: refused: {exc}\n")
         sys.exit(1)
-    finally:
-        jobs.put(None)
-        thread.join()
-    json.dump(found, sys.stdout)
+    except (OSError, EOFError, Failed) as exc:
+        sys.stderr.write(f"receive: {describe(exc)}\n")
+        sys.exit(1)
+    json.dump(doc, sys.stdout)
 
 
 main()
