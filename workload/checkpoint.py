@@ -227,6 +227,11 @@ class BackgroundWriter:
     def failed(self) -> bool:
         return not self.busy and self._error is not None
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds) for the write to end, raising nothing."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait (at most `timeout` seconds) for the write; True when none is running any more.
         Raises CheckpointWriteError when it failed."""

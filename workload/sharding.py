@@ -10,6 +10,7 @@ parameters, so a run can resume under the other sharding.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,3 +115,23 @@ def load_state(
     if local is not optimizer:
         for group, settings in zip(optimizer.param_groups, saved["param_groups"], strict=True):
             group.update(settings)
+
+
+def shard_file(rank: int) -> str:
+    """Where a zero1 checkpoint keeps rank `rank`'s optimizer states (relative path)."""
+    return f"optimizer/rank_{rank}.pt"
+
+
+def read_shards(directory: Path, files: Sequence[str], rank: int, needed: set[int]) -> dict:
+    """The states of the parameters `needed` from a checkpoint's shard files: this rank's own
+    file first, the others only for what it lacks (another sharding, another partition), each
+    dropped but for what is needed before the next is read."""
+    order = sorted(range(len(files)), key=lambda r: r != rank)
+    found: dict[str, Any] = {"state": {}, "param_groups": None}
+    for r in order:
+        if needed <= found["state"].keys() and found["param_groups"] is not None:
+            break
+        part = torch.load(directory / files[r], map_location="cpu", weights_only=False)
+        found["state"].update({i: s for i, s in part["state"].items() if i in needed})
+        found["param_groups"] = found["param_groups"] or part["param_groups"]
+    return found
