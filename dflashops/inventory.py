@@ -26,6 +26,7 @@ DEFAULTS: dict[str, Any] = {
 CONNECTION_KEYS = (
     "address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout", "max_sessions",
 )  # fmt: skip
+ADDRESS_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.:-]*$")  # an IP address or a plain host name
 TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *DEFAULTS, *CONNECTION_KEYS)
 
 
@@ -85,10 +86,19 @@ class Target:
     gpus: int | None = None
     endpoint: Endpoint | None = None
     vmid: int | None = None
+    address: str | None = None  # where other targets reach it (a run over several targets)
 
     @property
     def host(self) -> str | None:
         return self.endpoint.name if self.endpoint else None
+
+    @property
+    def node_address(self) -> str | None:
+        """The address other targets reach this one at: a pct target's `address`, an ssh
+        target's own address."""
+        if self.address:
+            return self.address
+        return self.endpoint.address if self.kind == "ssh" and self.endpoint else None
 
 
 @dataclass
@@ -236,7 +246,7 @@ class _Parser:
         self, key: str, name: str, spec: dict, defaults: dict, hosts: dict[str, Endpoint]
     ) -> Target:
         self.check_keys(key, spec, TARGET_KEYS)
-        kind = spec.get("kind") or ("pct" if "vmid" in spec else None)
+        kind = spec.get("kind") or ("pct" if "vmid" in spec or "host" in spec else None)
         if kind is None:
             kind = "ssh" if "address" in spec else "pct"
         if kind not in KINDS:
@@ -267,7 +277,7 @@ class _Parser:
 
     def pct_placement(self, key: str, spec: dict, hosts: dict[str, Endpoint]) -> dict:
         for extra in CONNECTION_KEYS:
-            if extra in spec:
+            if extra in spec and extra != "address":
                 raise self.fail(
                     f"{key}.{extra}", "set connection keys on the host, not the container"
                 )
@@ -284,7 +294,16 @@ class _Parser:
         if "vmid" not in spec:
             raise self.fail(key, "missing 'vmid' (the container's numeric ID, as in `pct list`)")
         vmid = self.integer(f"{key}.vmid", spec["vmid"], 100, 999_999_999)
-        return {"endpoint": hosts[host], "vmid": vmid}
+        address = spec.get("address")
+        if address is not None:
+            address = self.text(f"{key}.address", address)
+            if not ADDRESS_RE.match(address):
+                raise self.fail(
+                    f"{key}.address",
+                    f"{address!r}: give the container's IP address on its bridge (e.g. "
+                    "10.1.2.200), where the other targets of a run reach it",
+                )
+        return {"endpoint": hosts[host], "vmid": vmid, "address": address}
 
     def ssh_endpoint(
         self, key: str, name: str, spec: dict, defaults: dict, hosts: dict[str, Endpoint]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
+import signal
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,8 +37,9 @@ def check_name(name: str) -> str:
 
 
 def tmux_session(run: str) -> str:
-    """dflash-RUN; tmux itself turns a '.' of a session name into '_'."""
-    return "dflash-" + run.replace(".", "_")
+    """dflash-RUN, one-to-one: tmux refuses a '.' in a session name, so '.' becomes '=', a
+    character no run name has (tmux's own '.' -> '_' made v5.1 and v5_1 one session)."""
+    return "dflash-" + run.replace(".", "=")
 
 
 def run_dir(target: Target, run: str, where: str = "runs") -> str:
@@ -79,10 +82,40 @@ class RunView:
     now: float  # the target's clock when it was read
     raw: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
+    nodes: list[RunView] = field(default_factory=list)  # every node's view (node 0 first)
 
     @property
     def status(self) -> dict[str, Any]:
         return self.raw.get("state") or {}
+
+    @property
+    def run_id(self) -> str | None:
+        return self.status.get("run_id")
+
+    @property
+    def node_index(self) -> int:
+        index = self.status.get("node")
+        return index if isinstance(index, int) else 0
+
+    @property
+    def node_targets(self) -> list[str]:
+        """The targets of every node, node 0 first (just this one for a one-node run)."""
+        listed = self.status.get("nodes") or []
+        names = [n.get("target") for n in listed if isinstance(n, dict) and n.get("target")]
+        return names or [self.target]
+
+    @property
+    def multi(self) -> bool:
+        return len(self.node_targets) > 1
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """Rank heartbeats of every node, each with its node's target."""
+        views = self.nodes or [self]
+        return sorted(
+            ({**r, "target": v.target} for v in views for r in v.raw.get("ranks") or []),
+            key=lambda r: r.get("rank", 0),
+        )
 
     @property
     def log(self) -> dict[str, Any]:
@@ -176,7 +209,35 @@ class RunView:
             "tmux": tmux_session(self.name) if self.raw.get("tmux") else None,
             "wandb_url": self.status.get("wandb_url"),
             "warnings": self.warnings,
+            "nodes": [node_summary(v) for v in (self.nodes or [self])],
+            "ranks": [rank_summary(r) for r in self.ranks],
         }
+
+
+def node_summary(view: RunView) -> dict[str, Any]:
+    node = view.raw.get("node") or {}
+    return {
+        "node": view.node_index,
+        "target": view.target,
+        "dir": view.dir,
+        "state": view.state,
+        "exit_code": view.exit_code,
+        "alive": node_alive(view.raw),
+        "note": view.note,
+        "finished": node.get("finished"),
+    }
+
+
+def rank_summary(beat: dict[str, Any]) -> dict[str, Any]:
+    keys = ("rank", "target", "pid", "status", "step", "time", "alive", "exit_code")
+    return {k: beat.get(k) for k in keys}
+
+
+def node_alive(raw: dict[str, Any]) -> bool:
+    """Something of this node still runs: its tmux session, launcher, agent or trainer."""
+    node = raw.get("node") or {}
+    procs = [node.get("launcher") or {}, node.get("agent") or {}]
+    return bool(raw.get("tmux")) or bool(raw.get("pid_alive")) or any(p.get("alive") for p in procs)
 
 
 def _round(x: float | None) -> float | None:
@@ -192,13 +253,20 @@ def derive_state(raw: dict[str, Any]) -> tuple[str, str | None]:
     code = st.get("exit_code")
     if code is None:
         code = raw.get("exit_file")
-    alive = bool(raw.get("tmux")) or bool(raw.get("pid_alive"))
+    alive = node_alive(raw)
+    if status == "claiming":
+        return "starting", "being launched"
     if alive:
+        agent = (raw.get("node") or {}).get("agent") or {}
+        if st.get("node", 0) != 0 and status == "launching" and agent.get("alive"):
+            return "running", None  # a node other than 0: its trainer ranks run
         if status in ("finished", "stopped"):
             return status, None
         return ("running" if status == "running" else "starting"), None
     if status in ("finished", "stopped") and code in (0, None):
         return status, None
+    if code == 0 and st.get("node", 0) != 0:
+        return "finished", None  # a node other than 0: node 0 says how the run ended
     if code not in (None, 0):
         return "failed", f"exit code {code}"
     if status == "failed":
@@ -218,6 +286,8 @@ class Probe:
     runs: list[RunView]
     dirs: dict[str, dict[str, Any]]
     paths: dict[str, str]
+    gpus: dict[str, Any] | None = None  # what nvidia-smi says (None: no nvidia-smi there)
+    free_port: int | None = None
 
     def has(self, run: str) -> str | None:
         """'runs' or 'archive' when a run of that name lives here."""
@@ -246,12 +316,68 @@ def probe(machine: Machine, **request: Any) -> Probe:
             context.note(f"{target.name}: {raw['where']}/{raw['name']}: {raw['error']}")
             continue
         state, note = derive_state(raw)
-        views.append(
-            RunView(
-                raw["name"], target.name, raw["where"], raw["dir"], state, doc["now"], raw, note
-            )
-        )
-    return Probe(doc["names"], views, doc["dirs"], doc["paths"])
+        view = RunView(raw["name"], target.name, raw["where"], raw["dir"], state, doc["now"],
+                       raw, note)  # fmt: skip
+        if state == "failed" and root_cause(view):
+            view.note = cause_note(*root_cause(view))
+        views.append(view)
+    return Probe(doc["names"], views, doc["dirs"], doc["paths"], doc.get("gpus"),
+                 doc.get("free_port"))  # fmt: skip
+
+
+def cause_note(rank: int, code: int) -> str:
+    if code < 0:
+        try:
+            return f"rank {rank} killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"rank {rank} killed by signal {-code}"
+    return f"rank {rank} exit code {code}"
+
+
+def group(views: list[RunView]) -> list[RunView]:
+    """One view per run: the nodes of a run over several targets (same name, same run id)
+    become one view, node 0's, with every node's view in `nodes`."""
+    out: list[RunView] = []
+    parts: dict[tuple[str, str], list[RunView]] = {}
+    for view in views:
+        if view.multi and view.run_id and view.where == "runs":
+            parts.setdefault((view.name, view.run_id), []).append(view)
+        else:
+            out.append(view)
+    out += [combine(nodes) for nodes in parts.values()]
+    return out
+
+
+def combine(nodes: list[RunView]) -> RunView:
+    """A run over several nodes as one view: node 0's, failed when any node failed (the note
+    names the first node that failed, by its end time), with the nodes not read noted."""
+    nodes = sorted(nodes, key=lambda v: v.node_index)
+    head = nodes[0]
+    view = RunView(head.name, head.target, head.where, head.dir, head.state, head.now, head.raw,
+                   head.note, nodes)  # fmt: skip
+    missing = [t for t in head.node_targets if t not in {v.target for v in nodes}]
+    if head.node_index != 0:
+        missing.insert(0, head.node_targets[0])
+    failed = [v for v in nodes if v.state == "failed"]
+    if failed:
+        first = min(failed, key=end_time)
+        view.state = "failed"
+        view.note = f"failed on {first.target}: {first.note or 'see its logs'}"
+    elif view.running and any(not v.running for v in nodes):
+        gone = ", ".join(v.target for v in nodes if not v.running)
+        view.note = f"node(s) {gone} not running"
+    if missing:
+        extra = f"not read: {', '.join(missing)}"
+        view.note = f"{view.note}; {extra}" if view.note else extra
+    return view
+
+
+def end_time(view: RunView) -> float:
+    node = view.raw.get("node") or {}
+    for value in (node.get("finished"), view.status.get("finished")):
+        if isinstance(value, (int, float)):
+            return float(value)
+    return float("inf")
 
 
 @dataclass
@@ -260,7 +386,7 @@ class Survey:
     errors: dict[str, OpsError]
 
     def runs(self) -> list[RunView]:
-        return [r for p in self.probes.values() for r in p.runs]
+        return group([r for p in self.probes.values() for r in p.runs])
 
     def all_names(self) -> list[str]:
         return sorted({n for p in self.probes.values() for w in p.names.values() for n in w})
@@ -293,17 +419,21 @@ def survey(session: Session, targets: Iterable[Target] | None = None, **request:
     return Survey(probes, errors)
 
 
-def find(session: Session, name: str, **request: Any) -> RunView:
-    """The run called `name`, wherever it lives (runs/ or archive/ of any target)."""
+def find(session: Session, name: str, *, host: str | None = None, **request: Any) -> RunView:
+    """The run called `name`, wherever it lives (runs/ or archive/ of any target); `host`
+    picks one where the name exists on several targets."""
     check_name(name)
     found = survey(session, names=[name], archive=True, **request)
     matches = [r for r in found.runs() if r.name == name]
+    if host is not None:
+        session.inventory.target(host)  # a name that is no target: one line, exit 4
+        matches = [r for r in matches if host in r.node_targets]
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
         places = ", ".join(f"{r.target}:{r.where}/{name}" for r in matches)
         raise UsageError(
-            f"run {name!r} exists in more than one place ({places}); names must be unique"
+            f"run {name!r} exists in more than one place ({places}); pick one with --host TARGET"
         )
     if found.errors:
         unread = ", ".join(f"{t} ({e.message})" for t, e in found.errors.items())
@@ -325,10 +455,12 @@ def newest_running(session: Session, **request: Any) -> RunView:
     return newest
 
 
-def resolve(session: Session, name: str | None, **request: Any) -> RunView:
+def resolve(
+    session: Session, name: str | None, *, host: str | None = None, **request: Any
+) -> RunView:
     """A named run, or the newest running one when no name is given."""
     if name:
-        return find(session, name, **request)
+        return find(session, name, host=host, **request)
     return newest_running(session, **request)
 
 
@@ -339,6 +471,49 @@ def reread(machine: Machine, run: str, **request: Any) -> RunView:
     if fresh is None:
         raise NotFoundError(f"{machine.name}: run {run} is gone")
     return fresh
+
+
+def refresh(session: Session, view: RunView, **request: Any) -> RunView:
+    """`view` read again: from its target, or from every node of a run over several (in
+    parallel; a node that cannot be read is noted, node 0's error is raised)."""
+    if not view.multi:
+        return reread(session.machine(view.target), view.name, **request)
+    targets = [session.inventory.target(t) for t in view.node_targets]
+    answers = session.each(lambda t: reread(session.machine(t), view.name, **request), targets)
+    if isinstance(answers[0], BaseException):
+        raise answers[0]
+    nodes = [a for a in answers if isinstance(a, RunView) and a.run_id == view.run_id]
+    return combine(nodes)
+
+
+AGENT_NOISE = ("*****", "Setting OMP_NUM_THREADS", "[dflashops]")
+ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def console_text(view: RunView) -> str:
+    return (view.raw.get("console") or {}).get("tail") or ""
+
+
+def trainer_lines(view: RunView) -> list[str]:
+    """The console's last lines as the trainer wrote them: without torchrun's own report of
+    a failure (its traceback and summary follow the trainer's output) and our own lines."""
+    text = console_text(view)
+    agent = text.rfind("Traceback (most recent call last):")
+    if agent >= 0 and "ChildFailedError" in text[agent:]:
+        text = text[:agent]
+    lines = [line.rstrip() for line in text.splitlines()]
+    return [ln for ln in lines if ln.strip() and not any(ln.lstrip().startswith(n) or n in ln
+                                                         for n in AGENT_NOISE)]  # fmt: skip
+
+
+def root_cause(view: RunView) -> tuple[int, int] | None:
+    """(rank, exit code) of the first rank that failed, from torchrun's report in the
+    console; None when there is none. A rank killed by signal N shows as -N."""
+    found = ROOT_CAUSE.findall(console_text(view))
+    if not found:
+        return None
+    rank, code = found[-1]
+    return int(rank), int(code)
 
 
 VALUE_RULE = (

@@ -11,7 +11,7 @@ import typer
 
 from dflashops import context, runs
 from dflashops.errors import UsageError
-from dflashops.render import console, human_bytes, table
+from dflashops.render import console, human_bytes, styled, table
 from dflashops.runs import Checkpoint
 
 
@@ -40,9 +40,12 @@ def register(app: typer.Typer) -> None:
             metavar="K",
             help="Keep checkpoints whose step is a multiple of K.",
         ),
+        host: str = typer.Option(
+            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
-        """Move a finished run to the target's archive/, pruning its checkpoints."""
+        """Move a finished run to the target's archive/ (every node's), pruning checkpoints."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         if keep_last is not None and keep_last < 0:
@@ -50,10 +53,10 @@ def register(app: typer.Typer) -> None:
         if keep_every is not None and keep_every < 1:
             raise UsageError("--keep-every: expected 1 or more")
         with runs.sessions(opts) as (reader, writer):
-            view = runs.find(reader, run, records="none", checkpoints=True)
+            view = runs.find(reader, run, host=host, records="none", checkpoints=True)
             if view.where == "archive":
                 raise UsageError(f"{run} is already archived ({view.target}:{view.dir})")
-            if view.running:
+            if view.running or any(v.running for v in view.nodes):
                 raise UsageError(
                     f"{run} is {view.state} on {view.target}; stop it first (dflashops stop {run})"
                 )
@@ -65,6 +68,10 @@ def register(app: typer.Typer) -> None:
                 writer.machine(view.target), "archive", view.dir,
                 delete=[c.name for c in plan.remove], to=dest,
             )  # fmt: skip
+            for node in view.nodes[1:]:  # the other nodes of a run over several targets
+                other = writer.machine(node.target)
+                runs.control(other, "archive", node.dir,
+                             to=runs.run_dir(other.target, run, "archive"))  # fmt: skip
         doc = {"run": run, "target": view.target, "from": view.dir, "to": dest,
                "kept": [c.name for c in plan.keep]}  # fmt: skip
         if opts.dry_run:
@@ -105,9 +112,9 @@ def show_plan(view: runs.RunView, plan: Plan, dest: str) -> None:
         grid = table("CHECKPOINT", "SIZE", "ACTION")
         for c in sorted(plan.keep + plan.remove, key=lambda c: (c.step, c.name)):
             if c in plan.keep:
-                action = "[green]keep[/]"
+                action = styled("keep", "green")
             else:
-                action = "[red]remove[/]" + ("" if c.complete else " (incomplete)")
+                action = styled("remove", "red") + ("" if c.complete else " (incomplete)")
             grid.add_row(c.name, human_bytes(c.bytes), action)
         out.print(grid)
     out.print(

@@ -18,10 +18,9 @@ from typing import Any
 import typer
 import yaml
 
-from dflashops import bundle, context, runs, transfer
+from dflashops import context, lifecycle, runs, transfer
 from dflashops.commands.launch import apply_set
 from dflashops.commands.pull_ckpt import pull
-from dflashops.commands.setup import sync_workload
 from dflashops.errors import NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.render import console, metric, table
@@ -69,14 +68,17 @@ def register(app: typer.Typer) -> None:
                 reader.machine(dest), machine, run, step, config, prompts, reference, sets or []
             )
             pull(reader, writer, view, step, dest)
-            context.note(f"{dest.name}: syncing the workload")
-            sync_workload(machine)
+            code = lifecycle.local_code()
+            have = runs.probe(reader.machine(dest), names=[], paths=[code.path(dest)])
+            code_dir = lifecycle.ensure_code(
+                machine, code, have.paths.get(code.path(dest)) == "dir"
+            )
             if max_new_tokens is not None:
                 argv += ["--max-new-tokens", str(max_new_tokens)]
             if max_prompts is not None:
                 argv += ["--max-prompts", str(max_prompts)]
             out = runs.eval_result_path(dest, run, step)
-            run_eval(machine, argv + ["--out", out])
+            run_eval(machine, argv + ["--out", out], code_dir)
             if opts.dry_run:
                 runs.dry_run_done(opts, run=run, step=step, on=dest.name, out=out, argv=argv)
                 return
@@ -163,8 +165,9 @@ def push_prompts(machine: Machine, local: Path, run: str) -> str:
     return remote
 
 
-def run_eval(machine: Machine, argv: list[str]) -> None:
-    env = {"PYTHONPATH": posixpath.join(machine.target.workspace, bundle.REMOTE_HOME)}
+def run_eval(machine: Machine, argv: list[str], code_dir: str) -> None:
+    """The evaluator from a code snapshot of its own (a later launch never changes it)."""
+    env = {"PYTHONPATH": code_dir}
     context.note(f"{machine.name}: evaluating (progress below)")
     to_stderr = context.stream_sink(sys.stderr)
     result = machine.run(argv, env=env, stdout=to_stderr, stderr=to_stderr)

@@ -1,19 +1,19 @@
-"""`launch RUN --host TARGET [--config FILE|TEMPLATE] [--set KEY=VALUE]... [--secret NAME]...`
+"""`launch RUN --host TARGET[,TARGET...] [--config FILE|TEMPLATE] [--set KEY=VALUE]...
+[--nproc N] [--secret NAME]... [--force]`
 
-Writes <ws>/runs/RUN/{run.yaml, launch.sh, state.json} (verified copies), secrets into a 0600
-secrets.env that launch.sh sources, and starts launch.sh in the detached tmux session
-dflash-RUN; then waits for the trainer's first sign of life or its early exit.
+One read of every target first (name free everywhere, chosen targets not busy, their GPUs),
+then: the name claimed on each node, the workload snapshot, the run directory (run.yaml,
+launch.json, launcher.py), the memory plan checked on node 0, and the launcher started in a
+detached session of our own tmux server on each node; then it waits for the trainer's first
+sign of life. A launch that fails takes back what it made.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import posixpath
 import re
 import shlex
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,17 +21,15 @@ from typing import Any
 import typer
 import yaml
 
-from dflashops import bundle, context, runs, transfer
-from dflashops.commands.setup import sync_workload
-from dflashops.errors import OpsError, TransferError, UsageError
+from dflashops import bundle, context, lifecycle, runs
+from dflashops.errors import OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
-from dflashops.render import Stopwatch, duration
+from dflashops.lifecycle import Placement
+from dflashops.render import Stopwatch, duration, human_bytes
 from dflashops.runs import RunView
-from dflashops.targets.base import Machine
+from dflashops.session import Session
 from dflashops.yamlfile import YamlFileError, load_located
 
-LAUNCH_SCRIPT = "launch.sh"
-SECRETS = "secrets.env"
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -41,7 +39,8 @@ SECRETS_OPTION = typer.Option(
     "--secret",
     metavar="NAME",
     help="Pass NAME from your environment (e.g. WANDB_API_KEY) to the trainer through a 0600 "
-    "file, never on a command line (resume: replaces the run's secrets).",
+    "file outside the run directory, read and deleted as the trainer starts; never on a "
+    "command line. resume asks for it again.",
 )
 FOLLOW_OPTION = typer.Option(
     False, "--follow", "-f", help="Then watch it, as status --follow does."
@@ -50,6 +49,12 @@ WAIT_OPTION = typer.Option(
     900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
 )
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document.")
+FORCE_OPTION = typer.Option(
+    False,
+    "--force",
+    help="Launch even where the GPUs are held (another run, a process nvidia-smi shows) or "
+    "the memory plan does not fit.",
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -60,7 +65,13 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Argument(
             ..., metavar="RUN", help="A new run name, unique across the inventory."
         ),
-        host: str = typer.Option(..., "--host", metavar="TARGET", help="The target to train on."),
+        host: str = typer.Option(
+            ...,
+            "--host",
+            metavar="TARGET[,TARGET...]",
+            help="The target(s) to train on; several make one run (one torchrun each, "
+            "rank 0 on the target whose address sorts first).",
+        ),
         config: str = typer.Option(
             None,
             "--config",
@@ -73,34 +84,337 @@ def register(app: typer.Typer) -> None:
             metavar="KEY=VALUE",
             help="Override a config key (dotted, YAML-typed), e.g. --set optim.max_steps=500.",
         ),
+        nproc: int = typer.Option(
+            None,
+            "--nproc",
+            min=1,
+            metavar="N",
+            help="Processes per target (default: its gpus in the inventory, else the GPUs "
+            "nvidia-smi shows there, else 1).",
+        ),
         secrets: list[str] = SECRETS_OPTION,
+        force: bool = FORCE_OPTION,
+        skip_unreadable: str = typer.Option(
+            None,
+            "--skip-unreadable",
+            metavar="TARGET[,TARGET...]",
+            help="Launch although these targets cannot be read to check the name is free.",
+        ),
         follow: bool = FOLLOW_OPTION,
         wait: float = WAIT_OPTION,
         json_out: bool = JSON_OPTION,
     ) -> None:
-        """Start a training run in a detached tmux session on a target."""
+        """Start a training run in a detached tmux session on one target or several."""
         opts = context.get(ctx)
         opts.want_json(json_out)
         runs.check_name(run)
         text = resolve_config(config, sets or [], run)
-        env_file = secret_file(secrets or [])
-        target = opts.inventory().target(host)
+        values = secret_values(secrets or [])
+        inventory = opts.inventory()
+        targets = [inventory.target(name) for name in lifecycle.parse_hosts(host)]
+        skip = set(lifecycle.parse_hosts(skip_unreadable)) if skip_unreadable else set()
+        code = lifecycle.local_code()
         with runs.sessions(opts) as (reader, writer):
-            claim_name(reader, run, target)
-            machine = writer.machine(target)
-            rundir = runs.run_dir(target, run)
-            context.note(f"{target.name}: syncing the workload")
-            sync_workload(machine)
-            make_run_dir(machine, rundir, text, run)
-            if env_file is not None:
-                write_secrets(machine, rundir, env_file)
-            start(machine, run, rundir, resume=False)
+            seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc)
+            placement = seen.placement
+            text = f"{text.rstrip()}\n# workload snapshot {code.digest}\n"
+            context.note(f"{run}: {placement.describe()}")
+            if opts.dry_run:
+                show_plan(reader, placement, seen, text, code, force=True)
+            else:
+                lifecycle.claim(reader, writer, placement, skip=skip)
+            made = Made(placement)
+            try:
+                prepare(writer, placement, code, seen.have_code, text, values, made)
+                if not opts.dry_run:
+                    check_plan(writer, placement, seen, code, force=force)
+                start_all(writer, placement)
+            except BaseException:
+                if not opts.dry_run:
+                    lifecycle.take_back(writer, placement, placement.nodes, made.secrets)
+                raise
             if opts.dry_run:
                 context.note("dry run: nothing was changed")
-                runs.dry_run_done(opts, run=run, target=target.name, dir=rundir)
+                runs.dry_run_done(opts, run=run, targets=[t.name for t in targets],
+                                  nodes=placement.record())  # fmt: skip
                 return
-            view = wait_for_life(reader.machine(target), run, timeout=wait)
+            try:
+                view = wait_for_life(reader, placement, timeout=wait)
+            except OpsError:
+                context.note(f"{run}: the launch failed; taking back its run directory")
+                lifecycle.take_back(writer, placement, placement.nodes, made.secrets)
+                raise
             then_follow(opts, reader, view, follow)
+
+
+class Made:
+    """What a launch made so far that taking it back must remove besides run directories."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.secrets: list[str] = []
+
+
+# ---------------------------------------------------------------- before anything is made
+
+
+class Preflight:
+    """What one read of the targets said: where the run goes and what each target has."""
+
+    def __init__(self, placement: Placement, probes: dict[str, runs.Probe]) -> None:
+        self.placement = placement
+        self.probes = probes
+
+    def have_code(self, target: Target, code: lifecycle.Code) -> bool:
+        return self.probes[target.name].paths.get(code.path(target)) == "dir"
+
+    def gpus(self, target: Target) -> dict[str, Any] | None:
+        return self.probes[target.name].gpus
+
+    def gpu_memory_mib(self) -> int | None:
+        """The smallest GPU of the run's nodes (what the plan must fit), None without GPUs."""
+        sizes = []
+        for node in self.placement.nodes:
+            found = self.gpus(node.target) or {}
+            sizes += [g.get("memory_total_mib") for g in found.get("gpus") or []]
+        sizes = [s for s in sizes if isinstance(s, int)]
+        return min(sizes) if sizes else None
+
+
+def preflight(
+    reader: Session,
+    run: str,
+    targets: list[Target],
+    code: lifecycle.Code,
+    *,
+    skip: set[str],
+    force: bool,
+    nproc: int | None,
+) -> Preflight:
+    """Every target read once, in parallel: the name must be free everywhere; the chosen
+    targets are read whole (their runs, GPUs, the code snapshot, a free rendezvous port)."""
+    chosen = {t.name for t in targets}
+    ordered = order_nodes(targets)
+    first = ordered[0]
+    everyone = list(reader.inventory.targets.values())
+
+    def read(target: Target) -> runs.Probe:
+        request: dict[str, Any] = {"names": [run], "archive": True, "records": "none"}
+        if target.name in chosen:
+            request.update(names=None, gpus=True, paths=[code.path(target)])
+            if len(targets) > 1 and target.name == first.name:
+                request["free_port"] = target.node_address
+        return runs.probe(reader.machine(target), **request)
+
+    answers = dict(zip([t.name for t in everyone], reader.each(read, everyone), strict=True))
+    for name in chosen:
+        if isinstance(answers[name], OpsError):
+            raise answers[name]
+    unread = {n: e for n, e in answers.items() if isinstance(e, OpsError) and n not in skip}
+    if unread:
+        shown = ", ".join(f"{n} ({e.message})" for n, e in unread.items())
+        raise UnreachableError(
+            f"run name {run!r} could not be checked on every target (not read: {shown}); make "
+            "them reachable, or pass --skip-unreadable TARGET,... to launch without"
+        )
+    probes = {n: a for n, a in answers.items() if isinstance(a, runs.Probe)}
+    places = [v for p in probes.values() for v in runs.group(p.runs) if v.name == run]
+    if places:
+        raise lifecycle.taken_error(run, places)
+    for target in targets:
+        check_free(target, probes[target.name], force=force)
+    reported = {t.name: gpu_count(probes[t.name]) for t in targets}
+    placement = lifecycle.place(run, ordered, nproc=nproc, reported=reported)
+    placement.port = probes[first.name].free_port
+    if [t.name for t in ordered] != [t.name for t in targets]:
+        context.note(
+            f"{run}: rank 0 (the log and checkpoints) runs on {first.name}: torchrun's "
+            "rendezvous orders the nodes by address"
+        )
+    return Preflight(placement, probes)
+
+
+def order_nodes(targets: list[Target]) -> list[Target]:
+    """Node order = torchrun's group rank order: its c10d rendezvous sorts nodes by their
+    address (as text), so the node with the first address holds rank 0."""
+    if len(targets) == 1:
+        return list(targets)
+    return sorted(targets, key=lambda t: str(t.node_address or ""))
+
+
+def gpu_count(probe: runs.Probe) -> int | None:
+    found = probe.gpus or {}
+    return len(found.get("gpus") or []) or None
+
+
+def check_free(target: Target, probe: runs.Probe, *, force: bool) -> None:
+    """A target whose GPUs another run (or any process nvidia-smi shows) holds is refused."""
+    holders = [v for v in runs.group(probe.runs) if v.running and v.where == "runs"]
+    found = probe.gpus or {}
+    apps = found.get("apps") or []
+    if holders:
+        v = holders[0]
+        step = f", step {v.step}" if v.step is not None else ""
+        why = f"run {v.name} ({v.state}{step}) holds its GPUs; stop it first"
+    elif apps:
+        shown = ", ".join(
+            f"pid {a.get('pid')} {a.get('name')} on GPU {a.get('gpu')} ({a.get('used_mib')} MiB)"
+            for a in apps[:4]
+        )
+        why = f"nvidia-smi shows its GPUs in use: {shown}"
+    else:
+        return
+    if force:
+        context.note(f"warning: {target.name}: {why} (--force: launching anyway)")
+        return
+    raise UsageError(f"{target.name} is busy: {why}, or pass --force")
+
+
+# ---------------------------------------------------------------- making and starting
+
+
+def prepare(
+    writer: Session,
+    placement: Placement,
+    code: lifecycle.Code,
+    have_code: Any,
+    config_text: str,
+    values: dict[str, str],
+    made: Made,
+    *,
+    resume: bool = False,
+    code_dirs: dict[str, str] | None = None,
+) -> None:
+    """On every node in parallel: the code snapshot, secrets, and the run files."""
+
+    def one(node: lifecycle.Node) -> None:
+        machine = writer.machine(node.target)
+        if code_dirs and node.target.name in code_dirs:
+            code_dir = code_dirs[node.target.name]
+        else:
+            code_dir = lifecycle.ensure_code(machine, code, have_code(node.target, code))
+        secret = None
+        if values:
+            secret = lifecycle.secrets_path(placement, node)
+            made.secrets.append(secret)
+            lifecycle.write_secrets(machine, secret, values)
+        doc = lifecycle.launch_doc(placement, node, code_dir=code_dir, secrets_path=secret,
+                                   resume=resume)  # fmt: skip
+        files = lifecycle.node_files(doc, None if resume else config_text)
+        lifecycle.write_run_files(machine, placement.dir(node), files)
+
+    lifecycle.each_node(writer, placement, one)
+
+
+def start_all(writer: Session, placement: Placement) -> None:
+    """Node 0 first (it hosts the rendezvous), then the others."""
+    for node in placement.nodes:
+        lifecycle.start(writer.machine(node.target), placement.run, placement.dir(node))
+
+
+# ---------------------------------------------------------------- the memory plan
+
+
+def plan_argv(placement: Placement, node: lifecycle.Node, gpu_mib: int | None) -> list[str]:
+    argv = [node.target.python, "-m", "workload.plan", "--config", "run.yaml"]
+    argv += ["--nproc", str(node.nproc), "--nnodes", str(len(placement.nodes))]
+    argv += ["--device", "cuda" if gpu_mib else "cpu", "--json"]
+    if gpu_mib:
+        argv += ["--gpu-memory-gib", f"{gpu_mib / 1024:.3f}"]
+    return argv
+
+
+def run_plan(
+    machine: Any, placement: Placement, seen: Preflight, code_dir: str, cwd: str
+) -> dict[str, Any] | None:
+    """The memory plan per rank (workload.plan in the target, configs on the meta device, no
+    weights read), or None when that workload has no plan (an older snapshot)."""
+    node = placement.nodes[0]
+    argv = plan_argv(placement, node, seen.gpu_memory_mib())
+    result = machine.run(argv, env={"PYTHONPATH": code_dir}, cwd=cwd)
+    if machine.dry_run:
+        return None
+    if result.returncode == 2:
+        raise UsageError(f"{placement.run}: {result.error_text.removeprefix('error: ')}")
+    if result.returncode == 127:
+        raise OpsError(
+            f"{placement.run}: {node.target.python} not found on {node.target.name}; "
+            f"run `dflashops setup {node.target.name}` first"
+        )
+    if not result.ok:
+        if b"No module named workload.plan" in result.stderr:
+            return None
+        raise OpsError(f"{node.target.name}: the memory plan failed: {result.error_text}")
+    try:
+        return json.loads(result.stdout)
+    except ValueError:
+        raise OpsError(f"{node.target.name}: the memory plan printed no JSON") from None
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    per = plan.get("per_rank") or {}
+    order = ("target_weights", "drafter_params", "gradients", "optimizer", "activations",
+             "overhead")  # fmt: skip
+    parts = [
+        f"{k.replace('_', ' ')} {human_bytes(per[k])}" for k in order if per.get(k) is not None
+    ]
+    total = per.get("total")
+    room = plan.get("gpu_memory")
+    fits = {True: "fits", False: "DOES NOT FIT", None: "no GPU reading"}[plan.get("fits")]
+    head = f"memory plan per rank ({plan.get('world')} ranks, sharding {plan.get('sharding')}): "
+    head += f"{human_bytes(total)}" + (f" of {human_bytes(room)}" if room else "") + f": {fits}"
+    return [head, "  " + ", ".join(parts)] + [f"  {n}" for n in plan.get("notes") or []]
+
+
+def check_plan(
+    writer: Session, placement: Placement, seen: Preflight, code: lifecycle.Code, *, force: bool
+) -> None:
+    node = placement.nodes[0]
+    machine = writer.machine(node.target)
+    plan = run_plan(machine, placement, seen, code.path(node.target), placement.dir(node))
+    if plan is None:
+        return
+    for line in plan_lines(plan):
+        context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
+    if plan.get("fits") is False:
+        per = plan.get("per_rank") or {}
+        message = (
+            f"{placement.run}: the memory plan needs {human_bytes(per.get('total'))} per rank, the GPUs "
+            f"of {', '.join(n.target.name for n in placement.nodes)} have "
+            f"{human_bytes(plan.get('gpu_memory'))}; shard more (dist.sharding: zero1), shorten "
+            "data.max_length or data.num_anchors, or pass --force"
+        )
+        if not force:
+            raise UsageError(message)
+        context.note(f"warning: {message} (--force: launching anyway)")
+
+
+def show_plan(
+    reader: Session,
+    placement: Placement,
+    seen: Preflight,
+    text: str,
+    code: lifecycle.Code,
+    *,
+    force: bool,
+) -> None:
+    """Under --dry-run: the memory plan from the snapshot already in node 0 (nothing is sent)."""
+    node = placement.nodes[0]
+    if not seen.have_code(node.target, code):
+        context.note(
+            f"{placement.run}: memory plan: not shown (the workload snapshot is not on "
+            f"{node.target.name} yet; a real launch sends it and prints the plan first)"
+        )
+        return
+    machine = reader.machine(node.target)
+    argv = plan_argv(placement, node, seen.gpu_memory_mib())
+    argv[argv.index("run.yaml")] = "/dev/stdin"
+    result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())
+    if result.ok:
+        for line in plan_lines(json.loads(result.stdout)):
+            context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
+    else:
+        context.note(f"{placement.run}: memory plan: {result.error_text}")
 
 
 def then_follow(opts: context.Context, reader: Any, view: RunView, follow: bool) -> None:
@@ -120,8 +434,9 @@ def report(opts: context.Context, view: RunView) -> None:
         opts.emit(view.summary())
         return
     step = f", step {view.step}/{view.total_steps}" if view.step is not None else ""
+    where = ", ".join(view.node_targets)
     context.say(
-        f"{view.name}: {view.state} on {view.target} (tmux {runs.tmux_session(view.name)}"
+        f"{view.name}: {view.state} on {where} (tmux {runs.tmux_session(view.name)}"
         f"{step}); watch it with: dflashops status {view.name} --follow"
     )
 
@@ -183,11 +498,9 @@ def apply_set(data: dict[str, Any], item: str) -> None:
 # ---------------------------------------------------------------- secrets
 
 
-def secret_file(names: list[str]) -> bytes | None:
-    """The secrets.env text for --secret NAME... (values from our environment), or None."""
-    if not names:
-        return None
-    lines = ["# --secret values from `dflashops launch`; mode 0600; sourced by launch.sh"]
+def secret_values(names: list[str]) -> dict[str, str]:
+    """--secret NAME...: the values from our environment (they travel on stdin only)."""
+    values = {}
     for name in names:
         if not SECRET_NAME.match(name):
             raise UsageError(
@@ -197,157 +510,33 @@ def secret_file(names: list[str]) -> bytes | None:
         value = os.environ.get(name)
         if value is None:
             raise UsageError(f"--secret {name}: not set in your environment")
-        lines.append(f"{name}={shlex.quote(value)}")
-    return ("\n".join(lines) + "\n").encode()
+        values[name] = value
+    return values
 
 
-def write_secrets(machine: Machine, rundir: str, content: bytes) -> None:
-    """secrets.env, created 0600 (umask) from our stdin: never on a command line."""
-    path = posixpath.join(rundir, SECRETS)
-    script = 'umask 077 && rm -f -- "$1" && cat > "$1"'
-    result = machine.run(["sh", "-c", script, "sh", path], stdin=content)
-    if machine.dry_run:
-        return
-    if not result.ok:
-        raise OpsError(f"{machine.name}: could not write {path}: {result.error_text}")
-    found = transfer.describe_remote(machine, rundir, [SECRETS]).get(SECRETS, {})
-    if found.get("sha256") != hashlib.sha256(content).hexdigest():
-        raise TransferError(f"{machine.name}: {path} differs after the copy; launch again")
+# ---------------------------------------------------------------- waiting
 
 
-# ---------------------------------------------------------------- the run directory
-
-
-def claim_name(reader: Any, run: str, target: Target) -> None:
-    """Refuse a name used anywhere (runs/ or archive/ of any target)."""
-    found = runs.survey(reader, names=[run], archive=True, records="none")
-    places = found.where(run)
-    if places:
-        shown = ", ".join(f"{t}:{w}/{run}" for t, w in places)
-        raise UsageError(
-            f"run name {run!r} is taken ({shown}); choose another name, or resume it with "
-            f"`dflashops resume {run}`"
-        )
-    if target.name in found.errors:
-        raise found.errors[target.name]
-    for name, err in found.errors.items():
-        context.note(f"warning: {name} not checked for a run named {run!r}: {err.message}")
-
-
-def make_run_dir(machine: Machine, rundir: str, config_text: str, run: str) -> None:
-    """Create the run directory (mkdir fails if it exists: the name is claimed atomically) and
-    copy run.yaml, launch.sh and the first state.json into it, verified."""
-    parent = posixpath.dirname(rundir)
-    made = machine.run(["mkdir", "-p", "--", parent])
-    if not made.ok and not machine.dry_run:
-        raise OpsError(f"{machine.name}: cannot create {parent}: {made.error_text}")
-    made = machine.run(["mkdir", "--", rundir])
-    if not made.ok and not machine.dry_run:
-        if "exists" in made.error_text:
-            raise UsageError(f"run name {run!r} is taken: {machine.name}:{rundir} exists")
-        raise OpsError(f"{machine.name}: cannot create {rundir}: {made.error_text}")
-    with tempfile.TemporaryDirectory(prefix="dflashops-launch-") as tmp:
-        local = Path(tmp)
-        (local / "run.yaml").write_text(config_text)
-        script = local / LAUNCH_SCRIPT
-        script.write_text(launch_script(machine.target, run, rundir))
-        script.chmod(0o755)
-        state = {
-            "status": "launching",
-            "tmux": runs.tmux_session(run),
-            "launched": time.time(),
-            "target": machine.name,
-        }
-        (local / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        transfer.put(machine, local, rundir)
-
-
-RECORD_EXIT = """\
-import json, os, sys, time
-code = int(sys.argv[1])
-try:
-    with open("state.json") as f:
-        state = json.load(f)
-except (OSError, ValueError):
-    state = {}
-state["exit_code"] = code
-if code != 0:
-    state["status"] = "failed"
-state.setdefault("finished", None)
-state["finished"] = state["finished"] or time.time()
-with open(".state.json.exit", "w") as f:
-    json.dump(state, f, indent=2)
-os.replace(".state.json.exit", "state.json")
-"""
-
-
-def launch_script(target: Target, run: str, rundir: str) -> str:
-    """The shell script tmux runs: environment, secrets, the trainer, its exit code recorded."""
-    q = shlex.quote
-    path = os.environ.get("PATH", target.path) if target.kind == "local" else target.path
-    exports = [f"export PATH={q(path)}"]
-    exports.append(f"export PYTHONPATH={q(posixpath.join(target.workspace, bundle.REMOTE_HOME))}")
-    exports.append("export PYTHONUNBUFFERED=1")
-    exports += [f"export {k}={q(v)}" for k, v in target.env.items()]
-    train = [target.python, "-m", "workload.train", "--config", "run.yaml", "--run-dir", rundir]
-    stamp = "$(date -u '+%Y-%m-%d %H:%M:%S') UTC"
-    return "\n".join(
-        [
-            "#!/bin/sh",
-            f"# Written by `dflashops launch` for run {run} on {target.name}; tmux session",
-            f"# {runs.tmux_session(run)} runs it, `dflashops resume {run}` runs it again with",
-            "# --resume. The trainer's output goes to console.log, its exit code to exit_code",
-            "# and state.json, even when it dies hard.",
-            f"cd {q(rundir)} || exit 1",
-            *exports,
-            f"if [ -f {SECRETS} ]; then set -a; . ./{SECRETS}; set +a; fi",
-            "rm -f exit_code",
-            # the shell outlives a hangup or Ctrl-C in the pane, to record how the trainer ended
-            "trap 'echo \"[dflashops] launch.sh got a signal\" >> console.log' HUP INT TERM",
-            f'echo "[dflashops] {stamp}: {shlex.join(train)} $*" >> console.log',
-            f'{shlex.join(train)} "$@" >> console.log 2>&1 < /dev/null',
-            "code=$?",
-            'echo "$code" > exit_code',
-            f'echo "[dflashops] {stamp}: exit code $code" >> console.log',
-            "python3 - \"$code\" >> console.log 2>&1 <<'EOF'",
-            RECORD_EXIT.rstrip("\n"),
-            "EOF",
-            'exit "$code"',
-            "",
-        ]
-    )
-
-
-# ---------------------------------------------------------------- starting and waiting
-
-
-def start(machine: Machine, run: str, rundir: str, *, resume: bool) -> None:
-    """launch.sh in a new detached tmux session (it survives the SSH connection)."""
-    session = runs.tmux_session(run)
-    command = ["sh", posixpath.join(rundir, LAUNCH_SCRIPT)] + (["--resume"] if resume else [])
-    argv = ["tmux", "new-session", "-d", "-s", session, "-c", rundir, shlex.join(command)]
-    result = machine.run(argv)
-    if machine.dry_run:
-        return
-    if result.returncode == 127:
-        raise OpsError(f"{machine.name}: tmux is not installed there (apt install tmux)")
-    if not result.ok:
-        raise OpsError(f"{machine.name}: tmux new-session -s {session}: {result.error_text}")
-
-
-def wait_for_life(machine: Machine, run: str, *, timeout: float) -> RunView:
+def wait_for_life(reader: Session, placement: Placement, *, timeout: float) -> RunView:
     """Until the trainer runs (state.json says so), ends, or `timeout` passes."""
     clock = Stopwatch()
     next_note = 5.0
-    context.note(f"{run}: starting on {machine.name} (the trainer loads the target model first)")
+    run = placement.run
+    head = placement.nodes[0].target
+    where = ", ".join(n.target.name for n in placement.nodes)
+    context.note(f"{run}: starting on {where} (the trainer loads the target model first)")
+    view = runs.reread(reader.machine(head), run, records="recent", console=8192)
     while True:
-        view = runs.reread(machine, run, records="recent", console=8192)
+        view = runs.refresh(reader, view, records="recent", console=8192)
         if view.state == "running" and view.status.get("status") == "running":
             return view
         if view.state in ("finished", "stopped"):
             return view
         if view.state in ("failed", "unknown"):
-            raise trainer_failure(view, machine.target)
+            error = trainer_failure(view, failed_target(reader, view))
+            for line in last_lines(view)[-12:]:
+                context.note(f"  {line}")
+            raise error
         if clock.seconds > timeout:
             context.note(
                 f"{run}: still starting after {duration(clock.seconds)}; it goes on: "
@@ -361,15 +550,22 @@ def wait_for_life(machine: Machine, run: str, *, timeout: float) -> RunView:
         time.sleep(1.0 if clock.seconds < 30 else 3.0)
 
 
+def failed_target(reader: Session, view: RunView) -> Target:
+    nodes = [v for v in view.nodes if v.state == "failed"] or [view]
+    return reader.inventory.target(min(nodes, key=runs.end_time).target)
+
+
 def last_lines(view: RunView) -> list[str]:
-    tail = (view.raw.get("console") or {}).get("tail") or ""
-    lines = [line.rstrip() for line in tail.splitlines()]
-    return [line for line in lines if line.strip() and not line.startswith("[dflashops]")]
+    return runs.trainer_lines(view)
 
 
 def trainer_failure(view: RunView, target: Target) -> OpsError:
     """The trainer's early exit as our error: its config refusal (exit 2) becomes our exit 2."""
-    code = view.exit_code
+    failed = [v for v in view.nodes if v.state == "failed"]
+    if failed:
+        view = min(failed, key=runs.end_time)
+    cause = runs.root_cause(view)
+    code = cause[1] if cause else view.exit_code
     lines = last_lines(view)
     if code == 2:
         refusals = [line for line in lines if line.startswith("error: ")]
@@ -382,6 +578,4 @@ def trainer_failure(view: RunView, target: Target) -> OpsError:
         )
     why = view.note or f"exit code {code}"
     last = lines[-1] if lines else "no output"
-    return OpsError(
-        f"{view.name}: the trainer failed ({why}): {last} (see `dflashops logs {view.name}`)"
-    )
+    return OpsError(f"{view.name}: the trainer failed ({why}): {last}")

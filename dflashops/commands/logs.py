@@ -1,5 +1,7 @@
-"""`logs [RUN] [--tail N] [--follow]`: a run's console.log; following resumes at the byte it
-had reached when the connection drops, and ends when the run does (Ctrl-C only detaches)."""
+"""`logs [RUN] [--tail N] [--follow] [--rank K]`: a run's console.log (rank 0's output, on
+node 0), or rank K's own log (ranks/rank_K.log on the node that runs it); following resumes
+at the byte it had reached when the connection drops, and ends when the node does (Ctrl-C
+only detaches)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ def register(app: typer.Typer) -> None:
             "-f",
             help="Keep printing until the run ends (Ctrl-C detaches, exit 130; the run goes on).",
         ),
+        rank: int = typer.Option(
+            None, "--rank", min=0, metavar="K", help="Rank K's output (default: rank 0's)."
+        ),
+        host: str = typer.Option(
+            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
+        ),
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
         opts = context.get(ctx)
@@ -45,16 +53,17 @@ def register(app: typer.Typer) -> None:
             runs.survey(session, names=[run] if run else None, archive=True, records="none")
             runs.dry_run_done(opts, run=run)
             return
-        view = runs.resolve(session, run, records="none")
+        view = runs.resolve(session, run, records="none", host=host)
+        view, path = rank_log(view, rank)
         machine = session.machine(view.target)
         if opts.json:
             text = bytearray()
-            stream_log(machine, view, tail=max(0, tail), follow=False, out=text.extend)
-            opts.emit({"run": view.name, "target": view.target, "file": console_path(view),
+            stream_log(machine, view, tail=max(0, tail), follow=False, out=text.extend, path=path)
+            opts.emit({"run": view.name, "target": view.target, "file": path, "rank": rank or 0,
                        "text": text.decode("utf-8", "replace")})  # fmt: skip
             return
         try:
-            stream_log(machine, view, tail=max(0, tail), follow=follow)
+            stream_log(machine, view, tail=max(0, tail), follow=follow, path=path)
         except KeyboardInterrupt:
             context.note(f"detached; {view.name} keeps running on {view.target}")
             raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
@@ -105,6 +114,19 @@ def console_path(view: RunView) -> str:
     return posixpath.join(view.dir, "console.log")
 
 
+def rank_log(view: RunView, rank: int | None) -> tuple[RunView, str]:
+    """(the node's view, the file) holding rank `rank`'s output: rank 0's is node 0's
+    console.log; the others write ranks/rank_K.log where they run."""
+    if not rank:
+        return view, console_path(view)
+    beats = {r.get("rank"): r for r in view.ranks}
+    if rank not in beats:
+        known = ", ".join(str(k) for k in sorted(beats)) or "none recorded yet"
+        raise NotFoundError(f"{view.name}: no rank {rank} (ranks: {known})")
+    node = next((v for v in view.nodes or [view] if v.target == beats[rank]["target"]), view)
+    return node, posixpath.join(node.dir, "ranks", f"rank_{rank}.log")
+
+
 def stream_log(
     machine: Machine,
     view: RunView,
@@ -112,18 +134,18 @@ def stream_log(
     tail: int,
     follow: bool,
     out: Callable[[bytes], None] | None = None,
+    path: str | None = None,
 ) -> None:
-    """console.log's bytes to `out` (default: our stdout; a reader that went away there ends
-    the command quietly, see context.command)."""
-    path = console_path(view)
-    state = posixpath.join(view.dir, "state.json")
+    """A log's bytes (default console.log) to `out` (default: our stdout; a reader that went
+    away there ends the command quietly, see context.command)."""
+    path = path or console_path(view)
     sinks = _Sinks(out or context.stream_sink(sys.stdout))
     offset = -1
     while True:
         argv = helper_argv("follow.py", path)
         argv += [
             runs.tmux_session(view.name),
-            state,
+            view.dir,
             str(offset),
             str(tail),
             "1" if follow else "0",

@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
             show_vs(view, other, as_json, opts)
             return
         if run:
-            view = runs.find(session, run, records="recent", checkpoints=True)
+            view = runs.find(session, run, records="recent", checkpoints=True, console=8192)
             show_one(view, as_json, opts)
             return
         found = runs.survey(session, archive=all_, records="recent")
@@ -139,9 +139,14 @@ def details(view: RunView) -> list[tuple[str, str]]:
     st = view.status
     rows = [("dir", f"{view.target}:{view.dir}")]
     if view.raw.get("tmux"):
-        rows.append(("tmux", f"{runs.tmux_session(view.name)} (on {view.target})"))
+        rows.append(("tmux", f"{runs.tmux_session(view.name)} (on {view.target}, our tmux "
+                             "server: tmux -L dflashops)"))  # fmt: skip
     if st.get("pid"):
         rows.append(("pid", str(st["pid"])))
+    rows += node_rows(view)
+    ranks = view.ranks
+    if ranks:
+        rows.append(("ranks", ranks_cell(ranks)))
     if view.started:
         rows.append(("started", f"{duration(view.now - view.started)} ago"))
     if st.get("finished"):
@@ -159,6 +164,36 @@ def details(view: RunView) -> list[tuple[str, str]]:
     else:
         rows.append(("checkpoints", "none yet"))
     return rows
+
+
+def node_rows(view: RunView) -> list[tuple[str, str]]:
+    """One row per node of a run over several targets: state, exit code, what it said last."""
+    if not view.multi:
+        return []
+    rows = []
+    for node in view.nodes:
+        code = f", exit code {node.exit_code}" if node.exit_code is not None else ""
+        note = f" ({node.note})" if node.note else ""
+        rows.append((f"node {node.node_index}", f"{node.target}: {node.state}{code}{note}"))
+        if node.state == "failed":
+            for line in runs.trainer_lines(node)[-3:]:
+                rows.append(("", f"  {line}"))
+    missing = [t for t in view.node_targets if t not in {n.target for n in view.nodes}]
+    rows += [("node", f"{t}: not read") for t in missing]
+    return rows
+
+
+def ranks_cell(ranks: list[dict[str, Any]]) -> str:
+    """'4/4 alive', or which ranks are gone and where."""
+    alive = [r for r in ranks if r.get("alive")]
+    text = f"{len(alive)}/{len(ranks)} alive"
+    gone = [r for r in ranks if not r.get("alive") and r.get("status") not in ("finished",
+                                                                                "stopped")]  # fmt: skip
+    if gone:
+        text += "; not alive: " + ", ".join(
+            f"rank {r.get('rank')} on {r.get('target')} ({r.get('status')})" for r in gone
+        )
+    return text
 
 
 def warn_logs(views: list[RunView]) -> None:
@@ -186,7 +221,7 @@ def runs_table(views: list[RunView]):  # noqa: ANN201 (rich Table)
     out = table(*columns)
     for v in views:
         last = v.last or {}
-        cells = [v.name, v.target, state_cell(v), step_cell(v)]
+        cells = [v.name, ",".join(v.node_targets), state_cell(v), step_cell(v)]
         cells += [metric(last.get(k), k) for k in ROW_METRICS]
         cells += [duration(v.eta), f"{duration(v.age)} ago" if v.age is not None else "-"]
         if notes:

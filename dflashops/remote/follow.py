@@ -1,11 +1,13 @@
 """Runs inside a target with its python3 (stdlib only): print a log file, optionally following it.
 
-argv: PATH SESSION STATE_JSON OFFSET TAIL FOLLOW. Starts at byte OFFSET when it is >= 0, else
+argv: PATH SESSION RUN_DIR OFFSET TAIL FOLLOW. Starts at byte OFFSET when it is >= 0, else
 at the start of the TAIL-th last line (TAIL 0: the whole file). Writes "offset=N" on stderr
 first (where the bytes on stdout start, so a dropped connection can resume exactly there),
-then the file's bytes on stdout. With FOLLOW=1 it keeps reading until the run is over (no tmux
-session SESSION, and the trainer pid of STATE_JSON gone), drains the file and exits 0; it also
-exits when its stdin closes (the operator went away). A file cut shorter starts over from 0.
+then the file's bytes on stdout. With FOLLOW=1 it keeps reading until the run's node is over
+(no tmux session SESSION on our tmux server, and neither the launcher of RUN_DIR/node.json nor
+the trainer of RUN_DIR/state.json still the process recorded, by pid and start time), drains
+the file and exits 0; it also exits when its stdin closes (the operator went away). A file cut
+shorter starts over from 0.
 """
 
 import json
@@ -45,20 +47,39 @@ def _byte_at(f, pos):
     return f.read(1)
 
 
-def alive(session, state_path):
+def proc_start(pid):
     try:
-        out = subprocess.run(["tmux", "has-session", "-t", "=" + session], capture_output=True)
-        if out.returncode == 0:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read()
+    except (OSError, ValueError, TypeError):
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def alive(session, run_dir):
+    try:
+        argv = ["tmux", "-L", "dflashops", "has-session", "-t", "=" + session]
+        if subprocess.run(argv, capture_output=True).returncode == 0:
             return True
     except OSError:
         pass
-    try:
-        with open(state_path, encoding="utf-8") as f:
-            pid = json.load(f).get("pid")
-        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            return b"workload.train" in f.read()
-    except (OSError, ValueError, TypeError, AttributeError):
-        return False
+    launcher = read_json(os.path.join(run_dir, "node.json")).get("launcher") or {}
+    state = read_json(os.path.join(run_dir, "state.json"))
+    for pid, start in ((launcher.get("pid"), launcher.get("start")),
+                       (state.get("pid"), state.get("pid_start"))):  # fmt: skip
+        if pid is not None and start is not None and proc_start(pid) == start:
+            return True
+    return False
 
 
 def watch_stdin(done):
@@ -82,13 +103,13 @@ def copy(f, out):
 
 
 def main():
-    path, session, state_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    path, session, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     offset, lines, follow = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
     gone = threading.Event()
     if follow:
         threading.Thread(target=watch_stdin, args=(gone,), daemon=True).start()
     while not os.path.exists(path):
-        if not follow or not alive(session, state_path) or gone.is_set():
+        if not follow or not alive(session, run_dir) or gone.is_set():
             sys.stderr.write(f"follow: {path}: no such file\n")
             sys.exit(4)
         time.sleep(0.5)
@@ -111,7 +132,7 @@ def main():
                 sys.stderr.flush()
                 f.seek(0)
                 continue
-            if not alive(session, state_path):
+            if not alive(session, run_dir):
                 time.sleep(0.3)
                 copy(f, out)
                 out.flush()

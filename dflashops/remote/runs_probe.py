@@ -3,9 +3,15 @@
 stdin: a JSON request {"ws": workspace, "names": [run, ...] or null for all, "archive": bool,
 "records": "none" | "recent" | "all", "cursor": {"ino": N, "end": N} or null,
 "files": [name, ...], "console": bytes of console.log's tail, "checkpoints": bool,
-"verify": bool, "dirs": [path, ...], "paths": [path, ...]}.
+"verify": bool, "dirs": [path, ...], "paths": [path, ...], "gpus": bool,
+"free_port": address or null}.
 stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "runs": [...],
-"dirs": {path: ...}, "paths": {path: kind}}; see dflashops/runs.py for the fields of a run.
+"dirs": {path: ...}, "paths": {path: kind}, "gpus": {...} or null, "free_port": N or null};
+see dflashops/runs.py for the fields of a run.
+
+Processes are recognised by pid and start time (field 22 of /proc/PID/stat), never by a name:
+after a container restart another process can have the pid. Runs live on a tmux server of our
+own (socket "dflashops"), never the user's.
 
 train_log.jsonl is read as the contract says: numeric values only, a partial last line
 ignored, a malformed line skipped with a warning naming its line number. Only what is asked
@@ -16,10 +22,12 @@ or cut shorter since (then all of it, with "reset": true). Warnings name the bad
 those parsed.
 """
 
+import glob
 import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +39,8 @@ TEMP_DIR = re.compile(r"^\.tmp-step_(\d+)-")
 PROGRESS = re.compile(rb"^step (\d+)/(\d+) ", re.M)
 PLANNED = re.compile(rb"^drafter: .*?, (\d+) steps,", re.M)
 RECENT = 20
+TMUX = ["tmux", "-L", "dflashops"]
+RANK_FILE = re.compile(r"rank_(\d+)\.json$")
 FILE_LIMIT = 1 << 20
 CHUNK = 1 << 16
 
@@ -61,7 +71,7 @@ def read_text(path, limit=FILE_LIMIT):
 def tmux_sessions():
     try:
         out = subprocess.run(
-            ["tmux", "list-sessions", "-F", "#{session_name}"],
+            [*TMUX, "list-sessions", "-F", "#{session_name}"],
             capture_output=True,
             timeout=10,
         )
@@ -73,27 +83,112 @@ def tmux_sessions():
 
 
 def session_name(run):
-    """tmux turns '.' and ':' in session names into '_'."""
-    return "dflash-" + run.replace(".", "_").replace(":", "_")
+    """dflash-RUN, one-to-one: tmux refuses '.' in a session name, and '=' is never in a run's."""
+    return "dflash-" + run.replace(".", "=")
 
 
-def trainer_alive(pid):
+def proc_start(pid):
+    """The start time of `pid` in clock ticks since boot; None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def same_process(pid, start):
+    """True when `pid` still is the process that started at `start` (None: unknown)."""
     if not isinstance(pid, int) or pid <= 0:
         return None
-    try:
+    now = proc_start(pid)
+    if now is None:
+        return False
+    if isinstance(start, int):
+        return now == start
+    try:  # records older than start times: the command line says it is a trainer
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return b"workload.train" in f.read()
-    except FileNotFoundError:
-        return False
     except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    return True
+
+
+def node_info(run_dir):
+    """node.json (written by the launcher) with whether its processes are still those."""
+    node = read_json(os.path.join(run_dir, "node.json"))
+    if not isinstance(node, dict):
+        return None
+    for key in ("launcher", "agent"):
+        proc = node.get(key)
+        if isinstance(proc, dict):
+            proc["alive"] = bool(same_process(proc.get("pid"), proc.get("start")))
+    return node
+
+
+def ranks_info(run_dir):
+    """Every rank heartbeat of this node (ranks/rank_<R>.json) with whether it is alive."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "ranks", "rank_*.json"))):
+        beat = read_json(path)
+        if not isinstance(beat, dict) or not RANK_FILE.search(path):
+            continue
+        beat["alive"] = bool(same_process(beat.get("pid"), beat.get("pid_start")))
+        beat["log"] = os.path.isfile(path[: -len(".json")] + ".log")
+        out.append(beat)
+    return sorted(out, key=lambda b: b.get("rank", 0))
+
+
+NVIDIA_GPUS = ["--query-gpu=index,uuid,name,memory.total,memory.used,utilization.gpu",
+               "--format=csv,noheader,nounits"]  # fmt: skip
+NVIDIA_APPS = ["--query-compute-apps=pid,gpu_uuid,used_memory,process_name",
+               "--format=csv,noheader,nounits"]  # fmt: skip
+
+
+def nvidia_smi(args):
+    try:
+        out = subprocess.run(["nvidia-smi", *args], capture_output=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    rows = out.stdout.decode("utf-8", "replace").strip().splitlines()
+    return [[c.strip() for c in row.split(",")] for row in rows if row.strip()]
+
+
+def number(text):
+    try:
+        return int(float(text))
+    except ValueError:
+        return None
+
+
+def gpus_info():
+    """What nvidia-smi says (None where there is none): GPUs and the processes using them."""
+    gpus = nvidia_smi(NVIDIA_GPUS)
+    if gpus is None:
+        return None
+    index = {row[1]: number(row[0]) for row in gpus if len(row) >= 2}
+    apps = []
+    for row in nvidia_smi(NVIDIA_APPS) or []:
+        if len(row) >= 4:
+            apps.append({"pid": number(row[0]), "gpu": index.get(row[1]),
+                         "used_mib": number(row[2]), "name": row[3]})  # fmt: skip
+    return {
+        "gpus": [
+            {"index": number(r[0]), "name": r[2], "memory_total_mib": number(r[3]),
+             "memory_used_mib": number(r[4]), "utilization": number(r[5])}
+            for r in gpus if len(r) >= 6
+        ],
+        "apps": apps,
+    }  # fmt: skip
+
+
+def free_port(address):
+    """A TCP port free on `address` now (for a rendezvous the launch is about to start)."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
 
 
 def numeric(obj):
@@ -361,7 +456,9 @@ def run_info(ws, where, name, req, sessions):
         "state": state if isinstance(state, dict) else None,
         "exit_file": exit_file(run_dir),
         "tmux": None if sessions is None else session_name(name) in sessions,
-        "pid_alive": trainer_alive((state or {}).get("pid")) if isinstance(state, dict) else None,
+        "pid_alive": same_process(*pid_of(state)),
+        "node": node_info(run_dir),
+        "ranks": ranks_info(run_dir),
         "log": log_info(run_dir, req),
         "console": console_info(run_dir, int(req.get("console") or 0)),
     }
@@ -372,6 +469,12 @@ def run_info(ws, where, name, req, sessions):
         files[fname] = read_text(os.path.join(run_dir, fname))
     info["files"] = files
     return info
+
+
+def pid_of(state):
+    if not isinstance(state, dict):
+        return None, None
+    return state.get("pid"), state.get("pid_start")
 
 
 def path_kind(path):
@@ -406,6 +509,8 @@ def main():
         "runs": runs,
         "dirs": {p: dir_info(p, req.get("verify")) for p in req.get("dirs") or []},
         "paths": {p: path_kind(p) for p in req.get("paths") or []},
+        "gpus": gpus_info() if req.get("gpus") else None,
+        "free_port": free_port(req["free_port"]) if req.get("free_port") else None,
     }
     json.dump(out, sys.stdout)
 

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -35,16 +34,26 @@ def tmux_dir(tmp_path):
     subprocess.run(["tmux", "kill-server"], env=env, capture_output=True)
 
 
+PLAN_STAND_IN = """\
+case " $* " in *" workload.plan "*)
+  echo '{"world": 1, "sharding": "none", "per_rank": {"total": 1048576}, "gpu_memory": null,'
+  echo ' "fits": null, "notes": []}'
+  exit 0 ;;
+esac
+"""
+
+
 @pytest.fixture
 def fake_python(tmp_path) -> Path:
-    """A stand-in for the trainer's interpreter: shows what the launch script gave it, then
-    behaves as $FAKE_MODE says (config error, hard death, or a few log lines)."""
+    """A stand-in for the trainer's interpreter (torchrun and trainer in one): answers the
+    memory plan, shows what the launcher gave it, then behaves as the run.yaml's line
+    `# FAKE_MODE=...` says (config error, hard death, or nothing)."""
     path = tmp_path / "fakepy"
     path.write_text(
-        "#!/bin/sh\n"
-        'echo "argv: $*"\n'
-        'echo "secret: ${DFO_TEST_SECRET:-unset} pythonpath: $PYTHONPATH"\n'
-        'case "$FAKE_MODE" in\n'
+        "#!/bin/sh\n" + PLAN_STAND_IN + 'echo "argv: $*"\n'
+        'echo "secret: ${DFO_TEST_SECRET:+set} pythonpath: $PYTHONPATH"\n'
+        'echo "cuda: ${CUDA_VISIBLE_DEVICES:-unset}"\n'
+        'case "$(sed -n "s/^# FAKE_MODE=//p" run.yaml)" in\n'
         "  config) echo 'error: run.yaml:3: loss.type: expected one of ce, kl' >&2; exit 2 ;;\n"
         "  die) kill -9 $$ ;;\n"
         "esac\n"
@@ -61,7 +70,12 @@ STAND_IN_TRAINER = """\
 # manifest and exit 0, state "stopped"; --resume goes on after the newest checkpoint, its log
 # rewound to it), so the launch machinery can be tried for real in a second.
 import hashlib, json, os, signal, sys, time
+if "workload.plan" in sys.argv:  # the memory plan, answered as workload.plan would
+    print(json.dumps({"world": 1, "sharding": "none", "per_rank": {"total": 1 << 20},
+                      "gpu_memory": None, "fits": None, "notes": []}))
+    sys.exit(0)
 run = sys.argv[sys.argv.index("--run-dir") + 1]
+json.dump(dict(os.environ), open(os.path.join(run, "env.json"), "w"))
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 def state(**kw):
@@ -230,43 +244,63 @@ def test_follow_of_a_finished_run_returns_at_once(cli, ws):
 # ---------------------------------------------------------------- launch machinery
 
 
-def test_launch_script_sources_secrets_and_a_config_error_is_exit_2(cli, ws, tmp_path):
+def test_secrets_reach_the_trainer_only_and_a_config_error_leaves_nothing(cli, ws, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("loss:\n  type: ce\n")
-    env = {"DFO_TEST_SECRET": "s3cr3t-value", "FAKE_MODE": "config"}
-    ran = cli("launch", "sec", "--host", "local", "--config", str(cfg), "--secret", "DFO_TEST_SECRET",
-              "--set", "optim.max_steps=5", env=env)  # fmt: skip
-    assert ran.code == 2, ran.err
-    assert ran.err.strip().splitlines()[-1] == (
+    env = {"DFO_TEST_SECRET": "s3cr3t-value", "CUDA_VISIBLE_DEVICES": "7"}
+    ok = cli("launch", "sec", "--host", "local", "--config", str(cfg), "--secret", "DFO_TEST_SECRET",
+             "--set", "optim.max_steps=5", env=env)  # fmt: skip
+    assert ok.code == 1, ok.err  # the stand-in exits 0 without saying it finished
+    assert "s3cr3t" not in ok.out + ok.err
+    # a failed launch takes back what it made, the secrets file included
+    assert not (ws / "runs" / "sec").exists()
+    assert list((ws / "dflashops" / "secrets").iterdir()) == []
+    cfg.write_text("# FAKE_MODE=config\nloss:\n  type: ce\n")
+    bad = cli("launch", "sec", "--host", "local", "--config", str(cfg), env=env)
+    assert bad.code == 2, bad.err
+    assert bad.err.strip().splitlines()[-1] == (
         "dflashops: error: sec: the trainer refused to start: run.yaml:3: loss.type: expected one "
         "of ce, kl"
     )
-    run = ws / "runs" / "sec"
-    secrets = run / "secrets.env"
-    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
-    assert "DFO_TEST_SECRET=s3cr3t-value" in secrets.read_text()
-    console = (run / "console.log").read_text()
-    assert "secret: s3cr3t-value" in console and f"pythonpath: {ws}/dflashops" in console
-    for name in ("launch.sh", "run.yaml", "state.json", "console.log"):
-        assert "s3cr3t" not in (run / name).read_text().replace("secret: s3cr3t-value", "")
-    assert "s3cr3t" not in ran.out + ran.err
-    assert "max_steps: 5" in (run / "run.yaml").read_text()
-    state = json.loads((run / "state.json").read_text())
-    assert state["exit_code"] == 2 and state["status"] == "failed"
+    assert not (ws / "runs" / "sec").exists()
     dry = cli("--dry-run", "launch", "sec2", "--host", "local", "--config", str(cfg),
               "--secret", "DFO_TEST_SECRET", env=env)  # fmt: skip
     assert dry.code == 0 and "s3cr3t" not in dry.out + dry.err
     assert not (ws / "runs" / "sec2").exists()
 
 
-def test_a_trainer_killed_hard_still_has_its_exit_code_recorded(cli, ws, tmp_path):
+def test_the_trainer_gets_the_secret_and_our_environment_only(trainer_cli, ws, tmp_path):
+    """Secrets arrive in the trainer's environment through a 0600 file outside the run
+    directory that is gone once it started; nothing of our (or a tmux server's) environment
+    such as a stale CUDA_VISIBLE_DEVICES reaches it."""
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("seed: 1\n")
-    ran = cli("launch", "dies", "--host", "local", "--config", str(cfg), env={"FAKE_MODE": "die"})
-    assert ran.code == 1 and "the trainer failed (exit code 137)" in ran.err
-    state = json.loads((ws / "runs" / "dies" / "state.json").read_text())
-    assert state["exit_code"] == 137 and state["status"] == "failed"
-    assert json.loads(cli("--json", "status", "dies").out)["state"] == "failed"
+    cfg.write_text("seed: 0\n")
+    env = {"DFO_TEST_SECRET": "s3cr3t-value", "CUDA_VISIBLE_DEVICES": "7"}
+    ran = trainer_cli("launch", "sec", "--host", "local", "--config", str(cfg),
+                      "--secret", "DFO_TEST_SECRET", env=env)  # fmt: skip
+    assert ran.code == 0, ran.err
+    run = ws / "runs" / "sec"
+    seen = json.loads((run / "env.json").read_text())
+    assert seen["DFO_TEST_SECRET"] == "s3cr3t-value" and "CUDA_VISIBLE_DEVICES" not in seen
+    assert list((ws / "dflashops" / "secrets").iterdir()) == []  # read, then deleted
+    for path in run.rglob("*"):
+        if path.is_file() and path.name != "env.json":
+            assert b"s3cr3t" not in path.read_bytes(), path
+    assert "s3cr3t" not in ran.out + ran.err
+    assert trainer_cli("stop", "sec").code == 0
+    archived = trainer_cli("archive", "sec")
+    assert archived.code == 0, archived.err
+    again = trainer_cli("resume", "sec")  # archived: refused, and no secret is reused anywhere
+    assert again.code == 2
+
+
+def test_a_trainer_killed_hard_is_reported_and_taken_back(cli, ws, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("# FAKE_MODE=die\nseed: 1\n")
+    ran = cli("launch", "dies", "--host", "local", "--config", str(cfg))
+    assert ran.code == 1 and "the trainer failed (exit code 137)" in ran.err, ran.err
+    assert not (ws / "runs" / "dies").exists()
+    assert cli("--json", "status", "dies").code == 4
 
 
 def test_launch_refuses_bad_input_before_touching_anything(cli, ws, tmp_path):
@@ -385,6 +419,7 @@ def test_a_missing_interpreter_points_at_setup(tmp_path, ws, tmux_dir):
     ran = dflashops("launch", "nopy", "--host", "local", "--config", str(cfg), inventory=inv)
     assert ran.code == 1
     assert ran.err.strip().endswith("not found on local; run `dflashops setup local` first")
+    assert not (ws / "runs" / "nopy").exists()
 
 
 # ---------------------------------------------------------------- --json: one document on stdout
@@ -593,13 +628,15 @@ def trainer_cli(tmp_path, ws, tmux_dir):
     return run
 
 
-def _interrupted(inventory: Path, *args: str, after: float = 1.5) -> tuple[int, str]:
-    """Run the CLI and press Ctrl-C (SIGINT) after `after` seconds: (exit code, stderr)."""
+def _interrupted(inventory: Path, *args: str) -> tuple[int, str]:
+    """Run the CLI and press Ctrl-C (SIGINT) once it has printed something on stdout (it is
+    following by then): (exit code, stderr)."""
     full = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
-    proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(after)
-    proc.send_signal(signal.SIGINT)
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
+        assert proc.stdout.read(1), "printed nothing"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
         return proc.wait(timeout=30), proc.stderr.read().decode()
     finally:
         proc.kill()
