@@ -51,8 +51,23 @@ def global_options(
         False, "--dry-run", help="Print the exact argv per host; change nothing."
     ),
     verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More detail on stderr."),
+    timeout: float = typer.Option(
+        None,
+        "--timeout",
+        metavar="SECONDS",
+        min=0.1,
+        help="How long any remote call may go without an answer before it fails with exit 3 "
+        "(default: 15 for hosts, 120 for copies and launches, else 30; a call that streams "
+        "output or keeps copying bytes runs on while the connection answers).",
+    ),
 ) -> None:
-    ctx.obj = Context(inventory_path=inventory, json=json_out, dry_run=dry_run, verbose=verbose)
+    ctx.obj = Context(
+        inventory_path=inventory,
+        json=json_out,
+        dry_run=dry_run,
+        verbose=verbose,
+        timeout=timeout,
+    )
 
 
 for module in (hosts, exec_cmd, push, run_script, setup):

@@ -18,6 +18,18 @@ from dflashops.inventory import Inventory, find_inventory, load_inventory
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The deadline of every remote call when --timeout is not given (see Machine.run): reading
+# commands answer in well under a second, so their deadline is short. Where calls move data
+# or do long steps, the deadline is one of progress (nothing moved for that long) and a
+# target may hash a large file back from disk in between.
+DEFAULT_TIMEOUT_S = 30.0
+COMMAND_TIMEOUT_S = {
+    "hosts": 15.0,
+    **dict.fromkeys(
+        ("push", "setup", "run-script", "launch", "resume", "pull-ckpt", "eval", "archive"), 120.0
+    ),
+}
+
 
 @dataclass
 class Context:
@@ -25,6 +37,8 @@ class Context:
     json: bool = False
     dry_run: bool = False
     verbose: int = 0
+    timeout: float | None = None  # --timeout: overrides every command's default deadline
+    command: str = ""  # the command being run (its default deadline)
     _inventory: Inventory | None = field(default=None, repr=False)
     _session: Any = field(default=None, repr=False)
 
@@ -37,8 +51,19 @@ class Context:
         if self._session is None:
             from dflashops.session import Session
 
-            self._session = Session(self.inventory(), dry_run=self.dry_run, announce=self.announce)
+            self._session = Session(
+                self.inventory(),
+                dry_run=self.dry_run,
+                announce=self.announce,
+                timeout=self.deadline(),
+            )
         return self._session
+
+    def deadline(self) -> float:
+        """Seconds a remote call may go without an answer: --timeout, else the command's."""
+        if self.timeout is not None:
+            return self.timeout
+        return COMMAND_TIMEOUT_S.get(self.command, DEFAULT_TIMEOUT_S)
 
     def want_json(self, flag: bool = False) -> bool:
         """True when JSON was asked for, globally or by the command's own --json."""
@@ -111,6 +136,8 @@ def command(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         ctx = next((a for a in args if isinstance(a, typer.Context)), kwargs.get("ctx"))
+        if ctx is not None and isinstance(ctx.find_root().obj, Context):
+            ctx.find_root().obj.command = ctx.info_name or ""
         try:
             return fn(*args, **kwargs)
         except OpsError as exc:

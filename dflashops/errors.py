@@ -45,6 +45,14 @@ class HostKeyError(UnreachableError):
     """The host's key is not pinned, or does not match the pinned one."""
 
 
+class NoAnswerError(UnreachableError):
+    """Nothing came back within the deadline (`--timeout`): a hung command, a dead peer."""
+
+    def __init__(self, who: str, seconds: float) -> None:
+        super().__init__(f"{who}: no answer in {seconds:g} s")
+        self.seconds = seconds
+
+
 class NotFoundError(OpsError):
     code = ExitCode.NOT_FOUND
 

@@ -1,7 +1,13 @@
-"""Human output: sizes, durations, progress bars (always on stderr)."""
+"""Human output: sizes, durations, progress bars (always on stderr), tables.
+
+Text is text: every string printed through `console()` or put in a `table()` shows exactly as
+it is (a log line, a container name or an error with `[/]`, `[bold]` or `:smile:` in it);
+colour comes only from `styled()`.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -59,12 +65,13 @@ class _LazyBar:
             BarColumn,
             DownloadColumn,
             Progress,
+            TextColumn,
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
 
         self.bar = Progress(
-            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+            TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
             TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
         )  # fmt: skip
         self.bar.start()
@@ -122,19 +129,40 @@ METRIC_FORMATS = {
 }
 
 
+# A whole string of this form is taken as a colour of ours, not text: the form some commands
+# still build (`f"[green]{state}[/]"`); they should move to `styled`. Anything else is literal.
+_OUR_STYLE = re.compile(r"\[(green|red|yellow|bold|dim|cyan|blue|magenta|white)\]([^\[\]]*)\[/\]")
+
+
+def styled(text: object, style: str | None = None):  # noqa: ANN201 (rich.text.Text)
+    """`text` exactly as it is (brackets and all), in `style` ("green", "bold red", ...)."""
+    from rich.text import Text
+
+    return Text(str(text), style=style or "")
+
+
 def console(*, stderr: bool = False):  # noqa: ANN201 (rich.console.Console, imported lazily)
-    """A rich console; when not a terminal, wide enough that tables never wrap."""
+    """A rich console that prints strings literally (no markup, no emoji codes); when not a
+    terminal, wide enough that tables never wrap."""
     import os
 
     from rich.console import Console
 
-    class QuietConsole(Console):
+    class LiteralConsole(Console):
         def on_broken_pipe(self) -> None:  # rich would exit 1; ours ends as every command does
             raise BrokenPipeError
 
+        def render_str(self, text: str, **kwargs):  # noqa: ANN003, ANN202
+            ours = _OUR_STYLE.fullmatch(text)
+            if ours is not None and kwargs.get("markup") is None:
+                return styled(ours.group(2), f"{kwargs.get('style') or ''} {ours.group(1)}")
+            return super().render_str(text, **{**kwargs, "markup": False, "emoji": False})
+
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else int(os.environ.get("COLUMNS", 0) or 220)
-    return QuietConsole(file=stream, width=width, highlight=False, soft_wrap=False)
+    return LiteralConsole(
+        file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False
+    )
 
 
 def metric(value: object, key: str = "") -> str:

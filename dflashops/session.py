@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target, parse_jump
-from dflashops.ssh import Connection, resolve
-from dflashops.targets.base import Machine
+from dflashops.ssh import Connection
+from dflashops.sshconfig import resolve
+from dflashops.targets.base import DEFAULT_TIMEOUT_S, Machine
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -24,10 +24,12 @@ class Session:
         *,
         dry_run: bool = False,
         announce: Callable[[str], None] = print,
+        timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.inventory = inventory
         self.dry_run = dry_run
         self.announce = announce
+        self.timeout = timeout  # seconds: the deadline of every remote call (Machine.run)
         self._connections: dict[Endpoint, Connection] = {}
         self._machines: dict[str, Machine] = {}
         self._lock = threading.Lock()
@@ -45,7 +47,7 @@ class Session:
         with self._lock:
             conn = self._connections.get(key)
             if conn is None:
-                conn = Connection(endpoint, self._jump)
+                conn = Connection(endpoint, self._jump, self.timeout)
                 self._connections[key] = conn
             return conn
 
@@ -91,8 +93,7 @@ class Session:
         if found is not None:
             return found
         made = self._make(target)
-        made.dry_run = self.dry_run
-        made.announce = self.announce
+        made.dry_run, made.announce, made.timeout = self.dry_run, self.announce, self.timeout
         with self._lock:
             return self._machines.setdefault(target.name, made)
 
@@ -117,23 +118,39 @@ class Session:
             name=endpoint.name, kind="ssh", workspace="/", python="python3", endpoint=endpoint
         )
         made = SshMachine(target, self.connection(endpoint))
-        made.dry_run, made.announce = self.dry_run, self.announce
+        made.dry_run, made.announce, made.timeout = self.dry_run, self.announce, self.timeout
         return made
 
     def each(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R | OpsError]:
-        """`fn` over `items` in parallel (one thread per item); errors are returned in place."""
+        """`fn` over `items` in parallel (up to 32 threads); an OpsError is returned in place
+        of its item's result. Every remote call has its deadline, so a target that does not
+        answer comes back as NoAnswerError while the others' answers are kept. The threads
+        are daemons: one still stuck (in a local call) never holds up the end of the command."""
         items = list(items)
-
-        def guarded(item: T) -> R | OpsError:
-            try:
-                return fn(item)
-            except OpsError as exc:
-                return exc
-
         if len(items) <= 1:
-            return [guarded(item) for item in items]
-        with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
-            return list(pool.map(guarded, items))
+            return [_guarded(fn, item) for item in items]
+        results: list = [None] * len(items)
+        failures: list[BaseException] = []
+        slots = threading.Semaphore(32)
+
+        def work(index: int, item: T) -> None:
+            with slots:
+                try:
+                    results[index] = _guarded(fn, item)
+                except BaseException as exc:  # noqa: BLE001 (a bug of ours: raised below)
+                    failures.append(exc)
+
+        threads = [
+            threading.Thread(target=work, args=(i, item), daemon=True)
+            for i, item in enumerate(items)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        return results
 
     def close(self) -> None:
         with self._lock:
@@ -141,3 +158,10 @@ class Session:
             self._connections.clear()
         for conn in connections:
             conn.close()
+
+
+def _guarded(fn: Callable[[T], R], item: T) -> R | OpsError:
+    try:
+        return fn(item)
+    except OpsError as exc:
+        return exc

@@ -1,30 +1,36 @@
-"""One lazily opened SSH connection per host, with strict host keys, ~/.ssh/config and ProxyJump."""
+"""One lazily opened SSH connection per host: strict host keys, the ssh configuration as
+OpenSSH reads it (dflashops.sshconfig), ProxyJump, and a keepalive that needs an answer."""
 
 from __future__ import annotations
 
 import errno
+import shlex
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashops.errors import HostKeyError, OpsError, UnreachableError
+from dflashops.errors import HostKeyError, NoAnswerError, OpsError, UnreachableError
 from dflashops.inventory import Endpoint
+from dflashops.knownhosts import CHANGED, REVOKED, TRUSTED, KnownHosts, preferred_key_types
+from dflashops.sshconfig import Resolved, resolve
 
 if TYPE_CHECKING:
     import paramiko
 
-KEEPALIVE_S = 15
+__all__ = ["Connection", "Resolved", "host_key_files", "load_paramiko", "pinned_keys_file"]
+
+KEEPALIVE_MAX_S = 15.0
 WINDOW = 16 << 20
 PACKET = 1 << 15
 
 
 def load_paramiko():  # noqa: ANN201
     """Import paramiko without the `invoke` package it pulls in (a third of its import time,
-    used only for `Match exec` in ~/.ssh/config, which then reports that invoke is missing)."""
+    used only for `Match exec`, which dflashops.sshconfig runs by the shell instead)."""
     import sys
 
     with _IMPORT_LOCK:
@@ -47,78 +53,14 @@ def pinned_keys_file() -> Path:
     return Path.home() / ".config" / "dflashops" / "known_hosts"
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """An endpoint with ~/.ssh/config applied: what we really connect to."""
-
-    endpoint: Endpoint
-    hostname: str
-    port: int
-    user: str
-    identities: tuple[str, ...]
-    jump: str | None
-    proxy_command: str | None
-
-    @property
-    def key_name(self) -> str:
-        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.endpoint.name} ({self.user}@{self.hostname}:{self.port})"
-
-
-def resolve(endpoint: Endpoint) -> Resolved:
-    """Apply ~/.ssh/config: what the inventory sets wins, then the config, then ssh's defaults."""
-    paramiko = load_paramiko()
-
-    config_path = Path.home() / ".ssh" / "config"
-    found: dict = {}
-    if config_path.is_file():
-        found = paramiko.SSHConfig.from_path(str(config_path)).lookup(endpoint.address)
-    identities = (str(endpoint.identity),) if endpoint.identity else ()
-    if not identities:
-        identities = tuple(str(Path(p).expanduser()) for p in found.get("identityfile", []))
-    jump = endpoint.jump or found.get("proxyjump")
-    if jump is not None and jump.strip().lower() == "none":
-        jump = None
-    proxy_command = found.get("proxycommand")
-    if proxy_command is not None and proxy_command.strip().lower() == "none":
-        proxy_command = None
-    return Resolved(
-        endpoint=endpoint,
-        hostname=found.get("hostname", endpoint.address),
-        port=endpoint.port or int(found.get("port", 22)),
-        user=endpoint.user or found.get("user") or "root",
-        identities=identities,
-        jump=jump,
-        proxy_command=proxy_command,
-    )
-
-
-def host_key_files(endpoint: Endpoint) -> list[Path]:
-    files = [Path.home() / ".ssh" / "known_hosts", pinned_keys_file()]
-    if endpoint.known_hosts:
-        files.append(endpoint.known_hosts)
-    return [f for f in files if f.is_file()]
-
-
-class _Refuse:
-    """Missing-host-key policy: remember the key, accept nothing."""
-
-    def __init__(self) -> None:
-        self.seen: paramiko.PKey | None = None
-
-    def missing_host_key(self, client, hostname, key) -> None:  # noqa: ANN001 (paramiko API)
-        self.seen = key
-        raise _UnknownKey(hostname, key)
-
-
-class _UnknownKey(Exception):
-    def __init__(self, hostname: str, key: paramiko.PKey) -> None:
-        super().__init__(hostname)
-        self.hostname = hostname
-        self.key = key
+def host_key_files(target: Resolved) -> list[Path]:
+    """Every file whose keys we trust for `target`: the config's UserKnownHostsFile (by
+    default ~/.ssh/known_hosts) and GlobalKnownHostsFile, ours, and the host's own."""
+    files = [Path(p) for p in target.known_hosts] or [Path.home() / ".ssh" / "known_hosts"]
+    files.append(pinned_keys_file())
+    if target.endpoint.known_hosts:
+        files.append(Path(target.endpoint.known_hosts))
+    return [f for f in dict.fromkeys(files) if f.is_file()]
 
 
 class Connection:
@@ -126,29 +68,41 @@ class Connection:
 
     `lookup_jump(spec, origin)` gives the Connection of a ProxyJump spec's last hop. At most
     `endpoint.max_sessions` commands run on it at once: sshd refuses sessions past its
-    MaxSessions (10 by default, as on Proxmox), so more wait for a free one.
+    MaxSessions (10 by default, as on Proxmox), so more wait for a free one. `deadline` (s):
+    how long the server may leave a keepalive or a channel open unanswered before the
+    connection counts as dead (NoAnswerError for every call on it).
     """
 
-    def __init__(self, endpoint: Endpoint, lookup_jump) -> None:  # noqa: ANN001
+    def __init__(self, endpoint: Endpoint, lookup_jump, deadline: float = 30.0) -> None:  # noqa: ANN001
         self.endpoint = endpoint
+        self.deadline = deadline
         self._lookup_jump = lookup_jump
-        self._client: paramiko.SSHClient | None = None
+        self._transport: paramiko.Transport | None = None
+        self.heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(endpoint.max_sessions)
+        self.typed_passphrase = False  # a key unlocked by a typed passphrase was used
 
     @property
     def resolved(self) -> Resolved:
         return resolve(self.endpoint)
 
+    @property
+    def connect_timeout(self) -> float:
+        return min(self.endpoint.connect_timeout, self.deadline)
+
     def transport(self) -> paramiko.Transport:
         with self._lock:
-            if self._client is None:
-                self._client = self._open()
-            transport = self._client.get_transport()
-            if transport is None or not transport.is_active():
-                self._client = self._open()
-                transport = self._client.get_transport()
-            return transport
+            if self._transport is None or not self._transport.is_active():
+                self._stop_heartbeat()
+                self._transport = self._open()
+                self.heartbeat = Heartbeat(self._transport, self.deadline)
+            return self._transport
+
+    def dead(self) -> bool:
+        """Whether the keepalive found the server gone (calls then fail with NoAnswerError)."""
+        beat = self.heartbeat
+        return beat is not None and beat.dead
 
     def open_channel(self) -> tuple[paramiko.Channel, Callable[[], None]]:
         """A session channel and the function that gives its slot back (call it once)."""
@@ -161,80 +115,78 @@ class Connection:
                 self._slots.release()
 
         try:
-            channel = self.transport().open_session(
-                window_size=WINDOW,
-                max_packet_size=PACKET,
-                timeout=max(30.0, self.endpoint.connect_timeout),
-            )
-        except OpsError:
+            transport = self.transport()
+        except BaseException:
             release()
             raise
+        try:
+            channel = transport.open_session(
+                window_size=WINDOW, max_packet_size=PACKET, timeout=self.deadline
+            )
         except Exception as exc:  # paramiko.ChannelException, SSHException, EOFError
             release()
-            raise UnreachableError(
-                f"{self.resolved.label}: sshd refused a new session ({exc}); lower 'max_sessions' "
-                f"for {self.endpoint.name} in hosts.yaml below sshd's MaxSessions"
-            ) from None
+            raise self._refused_session(exc) from None
         return channel, release
 
-    def _open(self) -> paramiko.SSHClient:
+    def _refused_session(self, exc: Exception) -> OpsError:
+        if self.dead() or "Timeout opening channel" in str(exc):
+            return NoAnswerError(self.endpoint.name, self.deadline)
+        return UnreachableError(
+            f"{self.resolved.label}: sshd refused a new session ({exc}); lower 'max_sessions' "
+            f"for {self.endpoint.name} in hosts.yaml below sshd's MaxSessions"
+        )
+
+    def _open(self) -> paramiko.Transport:
+        from dflashops.sshkeys import log_in
+
         paramiko = load_paramiko()
-
         _quiet_paramiko()
-
         target = self.resolved
-        client = paramiko.SSHClient()
-        for path in host_key_files(self.endpoint):
-            client.load_host_keys(str(path))
-        client.set_missing_host_key_policy(_Refuse())
-        sock = self._socket(target)
+        known = KnownHosts.load(host_key_files(target))
+        transport = _transport(self._socket(target), known.key_types(target.key_name))
+        transport.banner_timeout = transport.auth_timeout = self.connect_timeout
         try:
-            client.connect(
-                target.hostname,
-                port=target.port,
-                username=target.user,
-                key_filename=list(target.identities) or None,
-                look_for_keys=not target.identities,
-                allow_agent=True,
-                timeout=self.endpoint.connect_timeout,
-                banner_timeout=self.endpoint.connect_timeout,
-                auth_timeout=self.endpoint.connect_timeout,
-                sock=sock,
-                transport_factory=_transport,
-            )
-        except _UnknownKey as exc:
-            client.close()
-            raise HostKeyError(
-                f"{target.label}: host key not trusted ({exc.key.get_name()} {exc.key.fingerprint});"
-                f" check it, then pin it with `dflashops hosts trust {self.endpoint.name}`"
-            ) from None
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise HostKeyError(
-                f"{target.label}: host key CHANGED (now {exc.key.fingerprint}, pinned "
-                f"{exc.expected_key.fingerprint}): refusing to connect; if the host was really "
-                f"reinstalled, remove the old key and run `dflashops hosts trust {self.endpoint.name}`"
-            ) from None
-        except paramiko.AuthenticationException:
-            client.close()
-            who = ", ".join(target.identities) or "ssh-agent and ~/.ssh keys"
-            raise UnreachableError(
-                f"{target.label}: authentication refused (tried {who}); "
-                f"set 'identity' for {self.endpoint.name} in hosts.yaml"
-            ) from None
+            transport.start_client(timeout=self.connect_timeout)
+            self._check_host_key(target, known, transport.get_remote_server_key())
+            self.typed_passphrase = log_in(transport, target).typed
+        except OpsError:
+            transport.close()
+            raise
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            client.close()
-            raise UnreachableError(f"{target.label}: {_explain(exc, self.endpoint)}") from None
-        client.get_transport().set_keepalive(KEEPALIVE_S)
-        return client
+            transport.close()
+            raise UnreachableError(f"{target.label}: {self._explain(exc)}") from None
+        return transport
+
+    def _check_host_key(self, target: Resolved, known: KnownHosts, key: paramiko.PKey) -> None:
+        found = known.verdict(target.key_name, key)
+        what = f"{key.get_name()} {key.fingerprint}"
+        name = self.endpoint.name
+        if found.state == TRUSTED:
+            return
+        if found.state == REVOKED:
+            raise HostKeyError(
+                f"{target.label}: host key {what} is marked @revoked in {found.entry.where}: "
+                "refusing to connect"
+            )
+        if found.state == CHANGED:
+            raise HostKeyError(
+                f"{target.label}: host key CHANGED (now {key.fingerprint}, pinned in "
+                f"{found.entry.where}): refusing to connect; if the host was really reinstalled, "
+                f"remove the old key and run `dflashops hosts trust {name}`"
+            )
+        raise HostKeyError(
+            f"{target.label}: host key not trusted ({what}); check it, then pin it with "
+            f"`dflashops hosts trust {name}`"
+        )
 
     def _socket(self, target: Resolved):  # noqa: ANN202
         if target.jump:
             hop = self._lookup_jump(target.jump, self.endpoint)
             try:
                 return hop.transport().open_channel(
-                    "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0)
-                )
+                    "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0),
+                    timeout=self.connect_timeout,
+                )  # fmt: skip
             except OpsError:
                 raise
             except Exception as exc:  # paramiko.ChannelException and friends
@@ -242,18 +194,16 @@ class Connection:
                     f"{target.label}: jump host {target.jump} could not reach it: {exc}"
                 ) from None
         if target.proxy_command:
-            paramiko = load_paramiko()
-
-            return paramiko.ProxyCommand(target.proxy_command)
+            return load_paramiko().ProxyCommand(_shell_command(target.proxy_command))
         return self._dial(target)
 
     def _dial(self, target: Resolved) -> socket.socket:
         try:
             sock = socket.create_connection(
-                (target.hostname, target.port), timeout=self.endpoint.connect_timeout
+                (target.hostname, target.port), timeout=self.connect_timeout
             )
         except OSError as exc:
-            raise UnreachableError(f"{target.label}: {_explain(exc, self.endpoint)}") from None
+            raise UnreachableError(f"{target.label}: {self._explain(exc)}") from None
         # SSH is request/response at start (key exchange, auth, each channel open): without
         # this, Nagle plus delayed ACKs add about 40 ms to many of those round trips.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -272,41 +222,123 @@ class Connection:
             sock.close()
             raise
         try:
-            transport.start_client(timeout=self.endpoint.connect_timeout)
+            transport.banner_timeout = self.connect_timeout
+            transport.start_client(timeout=self.connect_timeout)
             return transport.get_remote_server_key()
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise UnreachableError(f"{target.label}: {_explain(exc, self.endpoint)}") from None
+            raise UnreachableError(f"{target.label}: {self._explain(exc)}") from None
         finally:
             transport.close()
 
+    def _explain(self, exc: BaseException) -> str:
+        seconds = self.connect_timeout
+        if isinstance(exc, (socket.timeout, TimeoutError)) or "banner" in str(exc):
+            return f"no answer in {seconds:g} s (host down, unreachable or its sshd stuck)"
+        if isinstance(exc, socket.gaierror):
+            return f"cannot resolve '{self.endpoint.address}'"
+        if isinstance(exc, ConnectionRefusedError):
+            return "connection refused (is sshd running on that port?)"
+        if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return "host unreachable (no route to it)"
+        if isinstance(exc, EOFError):
+            return "the server closed the connection during the handshake"
+        return str(exc) or type(exc).__name__
+
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._stop_heartbeat()
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
 
 
-def _transport(sock, **kwargs):  # noqa: ANN001, ANN202
-    """A transport that prefers AES-GCM (no separate MAC pass: much faster bulk copies) and
-    reports commands killed by a signal."""
+class Heartbeat:
+    """Asks the server for an answer every deadline/4 seconds (keepalive@openssh.com with
+    want_reply, which sshd answers even when it does not know the request); when none has come
+    for `deadline` seconds the connection is closed, which ends every call on it. It runs end
+    to end, so it sees a dead server behind a jump host or a ProxyCommand too (TCP keepalive
+    sees only the first hop, and paramiko's own keepalive asks for no answer)."""
+
+    def __init__(self, transport: paramiko.Transport, deadline: float) -> None:
+        paramiko = load_paramiko()
+
+        self.transport = transport
+        self.deadline = deadline
+        self.interval = min(max(deadline / 4, 0.25), KEEPALIVE_MAX_S)
+        self.answered = time.monotonic()
+        self.dead = False
+        self._stopped = threading.Event()
+        self._message = paramiko.Message()
+        self._message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
+        self._message.add_string("keepalive@openssh.com")
+        self._message.add_boolean(True)
+        table = transport._handler_table
+        for kind in (paramiko.common.MSG_REQUEST_SUCCESS, paramiko.common.MSG_REQUEST_FAILURE):
+            table[kind] = self._hook(table[kind])
+        for loop in (self._ask, self._watch):
+            threading.Thread(target=loop, daemon=True, name="dflashops-keepalive").start()
+
+    def _hook(self, handler: Callable) -> Callable:
+        def answered(message: paramiko.Message) -> None:
+            self.answered = time.monotonic()
+            handler(message)
+
+        return answered
+
+    def _ask(self) -> None:
+        """Sends on a thread of its own: a send may block (a full socket to a stopped peer)
+        while the watcher still sees the time pass."""
+        while not self._stopped.wait(self.interval):
+            try:
+                self.transport._send_user_message(self._message)
+            except Exception:  # noqa: BLE001 (the connection is going; the watcher tells)
+                return
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(self.interval, 0.5)):
+            if not self.transport.is_active():
+                return
+            if time.monotonic() - self.answered > self.deadline:
+                self.dead = True
+                self.transport.close()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _shell_command(command: str) -> str:
+    """A ProxyCommand as OpenSSH runs it (`exec` in the shell), in the form paramiko's
+    ProxyCommand splits back into an argv."""
+    return shlex.join(["/bin/sh", "-c", f"exec {command}"])
+
+
+def _transport(sock, pinned_types: list[str]):  # noqa: ANN001, ANN202
+    """A transport that prefers AES-GCM (no separate MAC pass: much faster bulk copies), asks
+    for the host key types we have pinned first, and reports commands killed by a signal."""
     paramiko = load_paramiko()
 
-    transport = paramiko.Transport(sock, **kwargs)
+    transport = paramiko.Transport(sock)
     handlers = dict(transport._channel_handler_table)
     handlers[paramiko.common.MSG_CHANNEL_REQUEST] = _channel_request
     transport._channel_handler_table = handlers
     options = transport.get_security_options()
     gcm = tuple(c for c in options.ciphers if c.endswith("-gcm@openssh.com"))
     options.ciphers = gcm + tuple(c for c in options.ciphers if c not in gcm)
+    options.key_types = preferred_key_types(pinned_types, tuple(options.key_types))
     return transport
 
 
 def _detect_dead_peer(sock: socket.socket) -> None:
-    """A host that is powered off or cut off is noticed within about a minute, not the
-    quarter of an hour TCP retransmissions take (paramiko's keepalive expects no reply)."""
+    """TCP keepalive as well: a host that is powered off is noticed even between calls."""
     options = (
         (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
-        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", KEEPALIVE_S),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 15),
         (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 5),
         (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
         (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", 60_000),
@@ -340,17 +372,3 @@ def _quiet_paramiko() -> None:
     if not logger.handlers:
         logger.addHandler(logging.NullHandler())
         logger.propagate = False
-
-
-def _explain(exc: BaseException, endpoint: Endpoint) -> str:
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return f"no answer within {endpoint.connect_timeout:g}s (host down or unreachable)"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve '{endpoint.address}'"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is sshd running on that port?)"
-    if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-        return "host unreachable (no route to it)"
-    if isinstance(exc, EOFError):
-        return "the server closed the connection during the handshake"
-    return str(exc) or type(exc).__name__

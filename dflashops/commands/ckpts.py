@@ -6,7 +6,7 @@ import typer
 
 from dflashops import context, runs
 from dflashops.errors import ExitCode
-from dflashops.render import console, duration, human_bytes, table
+from dflashops.render import console, duration, human_bytes, styled, table
 from dflashops.runs import Checkpoint, RunView
 
 
@@ -59,14 +59,14 @@ def checkpoint_doc(c: Checkpoint) -> dict:
     }
 
 
-def state_of(c: Checkpoint) -> str:
+def state_of(c: Checkpoint):  # noqa: ANN201 (rich Text: the problem shown literally)
     if c.temporary:
-        return "[yellow]being written[/]"
+        return styled("being written", "yellow")
     if not c.complete:
-        return "[red]incomplete (no manifest)[/]"
+        return styled("incomplete (no manifest)", "red")
     if c.verified is False:
-        return f"[red]CORRUPT: {c.problem}[/]"
-    return "[green]complete, verified[/]" if c.verified else "[green]complete[/]"
+        return styled(f"CORRUPT: {c.problem}", "red")
+    return styled("complete, verified" if c.verified else "complete", "green")
 
 
 def show(view: RunView, points: list[Checkpoint], verify: bool) -> None:

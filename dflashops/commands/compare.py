@@ -17,7 +17,7 @@ import typer
 from dflashops import context, runs
 from dflashops.commands.status import warn_logs
 from dflashops.errors import NotFoundError, UnreachableError, UsageError
-from dflashops.render import console, metric, table
+from dflashops.render import console, metric, styled, table
 from dflashops.runs import RunView
 from dflashops.yamlfile import did_you_mean
 
@@ -184,13 +184,14 @@ def relative(cell: dict | None, base: dict | None) -> str:
     return f" ({100 * (cell['value'] - base['value']) / abs(base['value']):+.0f}%)"
 
 
-def format_cell(cell: dict | None, key: str, step: int, best: float | None) -> str:
+def format_cell(cell: dict | None, key: str, step: int, best: float | None):  # noqa: ANN201
+    """The cell as rich Text (bold: the best); the value shown literally."""
     if cell is None:
-        return "-"
+        return styled("-")
     text = metric(cell["value"], key)
     if cell["step"] != step:
         text += f" @{cell['step']}"
-    return f"[bold]{text}[/]" if best is not None and cell["value"] == best else text
+    return styled(text, "bold" if best is not None and cell["value"] == best else None)
 
 
 def draw(views: list[RunView], keys: list[str], steps: list[int], path: Path) -> None:

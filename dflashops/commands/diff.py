@@ -17,7 +17,7 @@ import yaml
 
 from dflashops import context, runs
 from dflashops.commands.compare import pick_runs
-from dflashops.render import console, table
+from dflashops.render import console, styled, table
 from dflashops.runs import RunView
 
 FILES = ["resolved.yaml", "run.yaml", "audit.json"]
@@ -152,9 +152,9 @@ def build_rows(
     return rows
 
 
-def audit_cell(items: dict[str, dict[str, Any]]) -> str:
+def audit_cell(items: dict[str, dict[str, Any]]):  # noqa: ANN201 (rich Text, shown literally)
     if not items:
-        return ""
+        return styled("")
     first = next(iter(items.values()))
     worst = max(items.values(), key=lambda i: list(MARKS).index(i.get("level", "info")))
     note = worst.get("note", "")
@@ -162,7 +162,7 @@ def audit_cell(items: dict[str, dict[str, Any]]) -> str:
     level = worst.get("level", "info")
     colour = {"warn": "yellow", "error": "red"}.get(level)
     text = f"recipe {text_of(recipe)}: {note}" if recipe is not None else note
-    return f"[{colour}]{text}[/]" if colour else text
+    return styled(text, colour)
 
 
 def show(

@@ -9,19 +9,20 @@ from pathlib import Path
 import typer
 
 from dflashops import context
-from dflashops.errors import ExitCode, OpsError, UsageError
+from dflashops.errors import ExitCode, HostKeyError, NoAnswerError, OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target
 
 # Run inside each target: free disk under the workspace (or its nearest existing parent),
-# GPU count, whether the target's python exists. Paths arrive as arguments, never inlined.
+# GPU count, whether the target's python runs. Paths arrive as arguments, never inlined.
 PROBE = r"""
 d="$1"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
 df -Pk "$d" | awk 'NR==2 {print "disk_free_kb=" $4}'
 if command -v nvidia-smi >/dev/null 2>&1; then
   echo "gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
 fi
-if command -v "$2" >/dev/null 2>&1; then echo "python=yes"; else echo "python=no"; fi
+if "$2" -c '' </dev/null >/dev/null 2>&1; then echo "python=yes"; else echo "python=no"; fi
 """
+NO_ANSWER = "no answer"
 
 
 @dataclass
@@ -72,7 +73,7 @@ def register(app: typer.Typer) -> None:
         elif not opts.dry_run:
             render(host_rows, target_rows)
         if any(not r.reachable for r in host_rows) or any(
-            r.state == "unreachable" for r in target_rows
+            r.state in ("unreachable", NO_ANSWER) for r in target_rows
         ):
             raise typer.Exit(int(ExitCode.UNREACHABLE))
 
@@ -160,6 +161,8 @@ def _error_row(target: Target, error: OpsError) -> TargetRow:
     state = "unreachable" if error.code == ExitCode.UNREACHABLE else "error"
     if error.code == ExitCode.NOT_FOUND:
         state = "missing"
+    if isinstance(error, NoAnswerError):
+        state = NO_ANSWER
     return TargetRow(
         target.name, target.kind, _where(target), ",".join(target.role), state, error=error.message
     )
@@ -174,13 +177,13 @@ def _where(target: Target) -> str:
 
 
 def render(host_rows: list[HostRow], target_rows: list[TargetRow]) -> None:
-    from dflashops.render import console, human_bytes, table
+    from dflashops.render import console, human_bytes, styled, table
 
     out = console()
     if host_rows:
         hosts = table("HOST", "ADDRESS", "REACHABLE", "CTS", "NOTE")
         for r in host_rows:
-            mark = "[green]yes[/]" if r.reachable else "[red]no[/]"
+            mark = styled("yes", "green") if r.reachable else styled("no", "red")
             hosts.add_row(r.name, r.address, mark, _dash(r.containers), r.error or "")
         out.print(hosts)
         out.print()
@@ -191,7 +194,7 @@ def render(host_rows: list[HostRow], target_rows: list[TargetRow]) -> None:
         colour = {"running": "green", "stopped": "yellow"}.get(r.state, "red")
         free = human_bytes(r.disk_free_bytes) if r.disk_free_bytes is not None else "-"
         python = {True: "ok", False: "missing", None: "-"}[r.python]
-        targets.add_row(r.name, r.kind, r.where, r.role, f"[{colour}]{r.state}[/]",
+        targets.add_row(r.name, r.kind, r.where, r.role, styled(r.state, colour),
                         _dash(r.gpus), free, python, r.error or "")  # fmt: skip
     out.print(targets)
 
@@ -201,25 +204,30 @@ def _dash(value: object) -> str:
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001
-    from dflashops.ssh import host_key_files, load_paramiko, pinned_keys_file
-
-    paramiko = load_paramiko()
+    from dflashops.knownhosts import CHANGED, REVOKED, TRUSTED, KnownHosts, fingerprint
+    from dflashops.ssh import host_key_files, pinned_keys_file
 
     conn = session.connection(endpoint)
     resolved = conn.resolved
     key = conn.server_key()
     fp, name = key.fingerprint, resolved.key_name
-    for path in host_key_files(endpoint):
-        known = paramiko.HostKeys(str(path)).lookup(name) or {}
-        pinned = known.get(key.get_name())
-        if pinned is not None and pinned == key:
-            context.note(f"{endpoint.name}: {key.get_name()} {fp} is already trusted ({path})")
-            return
-        if pinned is not None:
-            raise UsageError(
-                f"{endpoint.name}: the key now offered ({fp}) differs from the one pinned in {path} "
-                f"({pinned.fingerprint}); if the host was reinstalled, delete that line and try again"
-            )
+    found = KnownHosts.load(host_key_files(resolved)).verdict(name, key)
+    if found.state == TRUSTED:
+        context.note(
+            f"{endpoint.name}: {key.get_name()} {fp} is already trusted ({found.entry.where})"
+        )
+        return
+    if found.state == REVOKED:
+        raise HostKeyError(
+            f"{endpoint.name}: the key now offered ({fp}) is marked @revoked in "
+            f"{found.entry.where}; not pinning it"
+        )
+    if found.state == CHANGED:
+        raise UsageError(
+            f"{endpoint.name}: the key now offered ({fp}) differs from the one pinned in "
+            f"{found.entry.where} ({fingerprint(found.entry.blob)}); if the host was reinstalled, "
+            "delete that line and try again"
+        )
     context.note(f"{resolved.label} offers {key.get_name()} key {fp}")
     if session.dry_run:
         return

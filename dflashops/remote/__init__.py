@@ -1,5 +1,11 @@
 """Small stdlib-only programs that run inside targets with their `python3 -c` (never imported
-by the operator itself: their text is sent as an argument)."""
+by the operator itself: their text is sent as an argument).
+
+Each runs behind a watchdog that makes it die with the command that started it: when our
+channel closes (a deadline passed, Ctrl-C, a dropped connection), sshd closes the helper's
+stdout, and a thread waiting for exactly that interrupts the helper (SIGTERM when the helper
+handles it, as receive.py does to clean up, else SIGINT), then ends it 5 s later.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +19,45 @@ if TYPE_CHECKING:
     from dflashops.targets.base import Machine, Result
 
 
+WATCHDOG = """\
+def _dflashops_watchdog():
+    import os, select, signal, threading, time
+    main = threading.main_thread().ident
+    def watch():
+        poll = select.poll()
+        poll.register(1, 0)  # errors only: the reader of our stdout went away
+        while not any(e & (select.POLLERR | select.POLLHUP) for _, e in poll.poll()):
+            pass
+        handled = callable(signal.getsignal(signal.SIGTERM))
+        signal.pthread_kill(main, signal.SIGTERM if handled else signal.SIGINT)
+        time.sleep(5)
+        os._exit(143)
+    threading.Thread(target=watch, daemon=True).start()
+_dflashops_watchdog()
+del _dflashops_watchdog
+"""
+
+
 @cache
 def source(name: str) -> str:
     """The text of the helper program `name` (e.g. "receive.py")."""
     return (Path(__file__).parent / name).read_text()
 
 
+def python_argv(code: str, *args: str, name: str = "<helper>") -> list[str]:
+    """The argv that runs python `code` in a target behind the watchdog (compiled on its own,
+    so that its `from __future__` imports and tracebacks stay its own)."""
+    return ["python3", "-c", f"{WATCHDOG}exec(compile({code!r}, {name!r}, 'exec'))\n", *args]
+
+
+@cache
+def _argv(name: str) -> tuple[str, ...]:
+    return tuple(python_argv(source(name), name=name))
+
+
 def argv(name: str, *args: str) -> list[str]:
     """The argv that runs helper `name` with `args` in a target."""
-    return ["python3", "-c", source(name), *args]
+    return [*_argv(name), *args]
 
 
 def run(machine: Machine, name: str, *args: str, stdin: bytes = b"", what: str) -> Result:

@@ -10,16 +10,21 @@ import contextlib
 import hashlib
 import shlex
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
+from dflashops.errors import NoAnswerError
 from dflashops.inventory import Target
 
 Sink = Callable[[bytes], None]
 Stdin = bytes | BinaryIO | Iterable[bytes] | None
 CHUNK = 1 << 20
+WRITE_SLICE = 1 << 18  # stdin goes in by this much at a time: a slow link still shows progress
 TAIL = 8192
+DEFAULT_TIMEOUT_S = 30.0
+TICK_S = 0.1
 
 
 @dataclass
@@ -50,7 +55,9 @@ class Process(Protocol):
     def close_stdin(self) -> None: ...
     def read_stdout(self, size: int) -> bytes: ...
     def read_stderr(self, size: int) -> bytes: ...
-    def wait(self) -> int: ...
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code; None when it has not come within `timeout` seconds."""
+
     def kill(self) -> None: ...
 
 
@@ -61,6 +68,7 @@ class Machine:
         self.target = target
         self.dry_run = False
         self.announce: Callable[[str], None] = print
+        self.timeout = DEFAULT_TIMEOUT_S  # seconds: the deadline of every call (see `run`)
 
     @property
     def via(self) -> str:
@@ -89,7 +97,10 @@ class Machine:
         head = ["/usr/bin/env", "-i"] if clear else ["env"]
         return [*head, *chdir, *base, *assignments]
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
+    ) -> Process:
+        """Start `argv`; `bulk` asks for the fastest way to stream many bytes (see `run`)."""
         raise NotImplementedError
 
     def describe_argv(self, argv: list[str], env=None, cwd=None) -> str:
@@ -105,33 +116,51 @@ class Machine:
         cwd: str | None = None,
         stdout: Sink | None = None,
         stderr: Sink | None = None,
+        timeout: float | None = None,
+        bulk: bool = False,
     ) -> Result:
         """Run `argv` exactly as given. Output is captured unless a sink is given for it;
-        a streamed stderr still leaves its last few KiB in `Result.stderr` for diagnostics."""
+        a streamed stderr still leaves its last few KiB in `Result.stderr` for diagnostics.
+
+        Deadline (`timeout`, default `self.timeout`: `--timeout` or the command's default):
+        when stdout is captured, the call fails with NoAnswerError (exit 3) and the command is
+        stopped once nothing has come out of it and none of our stdin has gone in for that
+        long: a hung command fails, a copy that keeps moving bytes never does. When stdout
+        streams to a sink (a long job, a followed log), the command may stay quiet for hours;
+        then only the connection's keepalive, which needs an answer within the same deadline,
+        bounds the call. `bulk`: a copy of many bytes (the OpenSSH client where installed).
+        """
         if not argv:
             raise ValueError("empty argv")
         if self.dry_run:
             self.announce(f"{self.via}: {self.describe_argv(argv, env, cwd)}")
             return Result(list(argv), 0)
-        proc = self.spawn(list(argv), dict(env or {}), cwd)
+        limit = self.timeout if timeout is None else timeout
+        watch = _Watch(limit if stdout is None else None)
+        proc = self.spawn(list(argv), dict(env or {}), cwd, bulk=bulk)
         out: list[bytes] = []
         err = _Tail(limit=None if stderr is None else TAIL)
         held = _Holdback(stderr, self.is_way_in_error) if stderr is not None else None
         readers = [
-            _Pump(proc.read_stdout, stdout or out.append, proc),
-            _Pump(proc.read_stderr, err.tee(held.take if held else None), proc),
+            _Pump(proc.read_stdout, stdout or out.append, proc, watch),
+            _Pump(proc.read_stderr, err.tee(held.take if held else None), proc, watch),
         ]
-        feeder = _Feeder(proc, stdin)
+        feeder = _Feeder(proc, stdin, watch)
         try:
             for reader in readers:
-                reader.join()
+                reader.join(watch)
+            # Our own stdin may never end (a pipe held open by a parent): don't wait for it
+            # once the command is done. Data we generate ourselves is always waited for.
+            feeder.finish(watch, wait=not _is_stream(stdin))
+            while (code := proc.wait(TICK_S)) is None:
+                watch.check()
+        except _Silent:
+            proc.kill()
+            raise NoAnswerError(self.name, limit) from None
         except BaseException:
             proc.kill()
             raise
-        # Our own stdin may never end (a pipe held open by a parent): don't wait for it once
-        # the command is done. Data we generate ourselves is always waited for.
-        feeder.finish(wait=not _is_stream(stdin))
-        result = Result(list(argv), proc.wait(), b"".join(out), err.value())
+        result = Result(list(argv), code, b"".join(out), err.value())
         self.check(result)
         if held:
             held.release()
@@ -204,19 +233,39 @@ class _Holdback:
             self.held = b""
 
 
+class _Silent(Exception):
+    """The command showed no life within its deadline."""
+
+
+class _Watch:
+    """When the command last showed life: bytes out of it, or our stdin taken by it."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit = limit
+        self.last = time.monotonic()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def check(self) -> None:
+        if self.limit is not None and time.monotonic() - self.last > self.limit:
+            raise _Silent
+
+
 class _Pump:
     """Drains one output stream into a sink on its own thread. If the sink fails (our stdout
     closed, a full disk), the command is stopped, the stream is still drained so the command
     can exit, and the sink's error is raised by `join`."""
 
-    def __init__(self, read: Callable[[int], bytes], sink: Sink, proc: Process) -> None:
-        self.read, self.sink, self.proc = read, sink, proc
+    def __init__(self, read: Callable[[int], bytes], sink: Sink, proc: Process, watch: _Watch):
+        self.read, self.sink, self.proc, self.watch = read, sink, proc, watch
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self.loop, daemon=True)
         self.thread.start()
 
     def loop(self) -> None:
         while chunk := self.read(CHUNK):
+            self.watch.touch()
             if self.error is not None:
                 continue
             try:
@@ -225,8 +274,10 @@ class _Pump:
                 self.error = exc
                 self.proc.kill()
 
-    def join(self) -> None:
-        self.thread.join()
+    def join(self, watch: _Watch) -> None:
+        while self.thread.is_alive():
+            self.thread.join(TICK_S)
+            watch.check()
         if self.error is not None:
             raise self.error
 
@@ -234,9 +285,10 @@ class _Pump:
 class _Feeder:
     """Writes stdin on its own thread; errors from producing the data are raised by finish()."""
 
-    def __init__(self, proc: Process, stdin: Stdin) -> None:
+    def __init__(self, proc: Process, stdin: Stdin, watch: _Watch) -> None:
         self.proc = proc
         self.stdin = stdin
+        self.watch = watch
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self.feed, daemon=True)
         self.thread.start()
@@ -245,7 +297,9 @@ class _Feeder:
         try:
             for chunk in _chunks(self.stdin):
                 try:
-                    self.proc.write(chunk)
+                    for start in range(0, len(chunk), WRITE_SLICE):
+                        self.proc.write(chunk[start : start + WRITE_SLICE])
+                        self.watch.touch()
                 except (OSError, EOFError):
                     return  # the command stopped reading; its exit code tells the story
         except BaseException as exc:  # noqa: BLE001 (re-raised in finish)
@@ -254,9 +308,10 @@ class _Feeder:
             with contextlib.suppress(OSError, EOFError):
                 self.proc.close_stdin()
 
-    def finish(self, wait: bool) -> None:
-        if wait:
-            self.thread.join()
+    def finish(self, watch: _Watch, wait: bool) -> None:
+        while wait and self.thread.is_alive():
+            self.thread.join(TICK_S)
+            watch.check()
         if self.error is not None:
             raise self.error
 

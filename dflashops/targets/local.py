@@ -54,10 +54,13 @@ class LocalProcess:
             return message
         return self.popen.stderr.read1(size)
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int | None:
         if not self.popen:
             return self.failed or 0
-        code = self.popen.wait()
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
         return 128 - code if code < 0 else code
 
     def kill(self) -> None:
@@ -75,7 +78,9 @@ class LocalMachine(Machine):
     def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
         return [*self.env_argv(env, cwd or self.target.workspace), *argv]
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
+    ) -> Process:
         Path(self.target.workspace).mkdir(parents=True, exist_ok=True)
         workdir = cwd or self.target.workspace
         if not Path(workdir).is_dir():  # as `env -C` reports it on the other kinds

@@ -34,9 +34,11 @@ class PctMachine(Machine):
         base = (f"PATH={self.target.path}", "HOME=/root", "LANG=C.UTF-8", "USER=root")
         return ["pct", "exec", vmid, "--", *self.env_argv(env, cwd, base=base, clear=True), *argv]
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
+    ) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))
-        return ChannelProcess(self.connection, command)
+        return ChannelProcess(self.connection, command, self.name)
 
     @cached_property
     def _not_running(self) -> re.Pattern:

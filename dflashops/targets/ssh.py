@@ -6,7 +6,7 @@ import shlex
 import time
 from typing import TYPE_CHECKING
 
-from dflashops.errors import UnreachableError
+from dflashops.errors import NoAnswerError, UnreachableError
 from dflashops.targets.base import Machine, Process
 
 if TYPE_CHECKING:
@@ -18,11 +18,14 @@ CLOSE_WAIT_S = 2.0
 
 
 class ChannelProcess:
-    """A remote command on its own session channel of the shared connection."""
+    """A remote command on its own session channel of the shared connection; `who` names
+    the target in errors."""
 
-    def __init__(self, connection: Connection, command: str) -> None:
+    def __init__(self, connection: Connection, command: str, who: str) -> None:
         self.name = connection.endpoint.name
+        self.who = who
         self.channel, self._release = connection.open_channel()
+        self.heartbeat = connection.heartbeat
         try:
             self.channel.exec_command(command)
         except Exception:
@@ -42,14 +45,18 @@ class ChannelProcess:
     def read_stderr(self, size: int) -> bytes:
         return self.channel.recv_stderr(size)
 
-    def wait(self) -> int:
-        code = self.channel.recv_exit_status()
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self.channel.status_event.wait(timeout):
+            return None
+        code = self.channel.exit_status
         # sshd counts a session against MaxSessions until it has closed it too: give the slot
         # back only then, or a burst of commands trips over sessions still being torn down.
         deadline = time.monotonic() + CLOSE_WAIT_S
         while not self.channel.closed and time.monotonic() < deadline:
             time.sleep(0.002)
         self.kill()
+        if code < 0 and self.heartbeat is not None and self.heartbeat.dead:
+            raise NoAnswerError(self.who, self.heartbeat.deadline)
         if code < 0:
             raise UnreachableError(
                 f"{self.name}: the connection dropped before the command's exit status came"
@@ -70,6 +77,8 @@ class SshMachine(Machine):
         """PATH and the target's variables set; the login's HOME and USER kept."""
         return [*self.env_argv(env, cwd, base=(f"PATH={self.target.path}",)), *argv]
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Process:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
+    ) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))
-        return ChannelProcess(self.connection, command)
+        return ChannelProcess(self.connection, command, self.name)

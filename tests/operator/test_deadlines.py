@@ -1,0 +1,262 @@
+"""Deadlines: a stuck sshd (SIGSTOP), a container whose python3 hangs, a helper left behind.
+Real sshd servers of the test bed, real signals; nothing mocked. Times are measured from the
+fault to the exit, and must stay within the deadline given with --timeout plus slack for a
+loaded machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from dflashops import remote
+from dflashops.errors import NoAnswerError
+from dflashops.inventory import load_inventory
+from dflashops.session import Session
+from tests.operator.cli import dflashops
+
+pytestmark = pytest.mark.testbed
+
+DEADLINE = 3
+SLACK = 5  # the watch ticks, the process start and teardown on a loaded 2-core machine
+
+
+@pytest.fixture
+def home(tmp_path):
+    path = tmp_path / "home"
+    (path / ".ssh").mkdir(parents=True)
+    return path
+
+
+def sshd_pids(host) -> list[int]:
+    """The host's sshd: the listener and every per-connection sshd under it."""
+    parents: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        names[int(entry.name)] = name
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [host.sshd_pid]
+    while todo:
+        pid = todo.pop()
+        if names.get(pid) == "sshd":
+            found.append(pid)
+            todo += parents.get(pid, [])
+    return found
+
+
+@contextmanager
+def frozen_sshd(host):
+    """SIGSTOP the host's whole sshd (connections stay open, nothing answers); SIGCONT after."""
+    pids = sshd_pids(host)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def start(inv: Path, home: Path, *args: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inv), *args]
+    env = {**os.environ, "HOME": str(home)}
+    return subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+
+
+def exec_then_freeze(inv: Path, home: Path, target: str, host) -> tuple[int, str, float]:
+    """`exec` a long quiet job, freeze `host`'s sshd once it runs: (exit code, stderr, seconds
+    from the freeze to the exit)."""
+    proc = start(inv, home, "--timeout", str(DEADLINE), "exec", target, "--",
+                 "sh", "-c", "echo started; sleep 120")  # fmt: skip
+    assert proc.stdout.readline() == b"started\n"
+    with frozen_sshd(host):
+        frozen = time.monotonic()
+        try:
+            proc.wait(timeout=DEADLINE + 30)
+        finally:
+            proc.kill()
+        took = time.monotonic() - frozen
+    return proc.returncode, proc.stderr.read().decode(), took
+
+
+def test_exec_ends_within_the_deadline_when_sshd_stops(testbed, tmp_path, home):
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    code, err, took = exec_then_freeze(inv, home, "ct201", testbed["pve1"])
+    assert code == 3, err
+    assert err == f"dflashops: error: ct201: no answer in {DEADLINE} s\n"
+    assert took < DEADLINE + SLACK, took
+
+
+def test_a_stopped_sshd_behind_a_jump_host_is_noticed(testbed, tmp_path, home):
+    """The jump host answers (its TCP connection is fine); only an end-to-end keepalive that
+    needs an answer sees that the server behind it is gone."""
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct301": ("pve2", 301)},
+                                  extra_hosts={"pve1": {"address": testbed["pve1"].address}})  # fmt: skip
+    inv.write_text(inv.read_text().replace("  pve2:\n", "  pve2:\n    jump: pve1\n"))
+    code, err, took = exec_then_freeze(inv, home, "ct301", testbed["pve2"])
+    assert code == 3 and f"no answer in {DEADLINE} s" in err, err
+    assert took < DEADLINE + SLACK, took
+
+
+RELAY = """\
+import socket, sys, threading
+sock = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+def up():
+    while data := sys.stdin.buffer.read1(65536):
+        sock.sendall(data)
+threading.Thread(target=up, daemon=True).start()
+while data := sock.recv(65536):
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+"""
+
+
+def test_a_stopped_sshd_behind_a_proxy_command_is_noticed(testbed, tmp_path, home):
+    """The ProxyCommand (a local TCP relay) stays alive: TCP keepalive would see nothing."""
+    relay = tmp_path / "relay.py"
+    relay.write_text(RELAY)
+    pve1 = testbed["pve1"]
+    (home / ".ssh" / "config").write_text(
+        f"Host relayed\n  HostName {pve1.address}\n  Port {pve1.port}\n"
+        f"  ProxyCommand {sys.executable} {relay} %h %p\n"
+    )
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    inv.write_text(inv.read_text().replace(f"address: {pve1.address}", "address: relayed"))
+    code, err, took = exec_then_freeze(inv, home, "ct201", pve1)
+    assert code == 3 and f"no answer in {DEADLINE} s" in err, err
+    assert took < DEADLINE + SLACK, took
+
+
+def test_a_long_quiet_exec_is_not_cut_by_the_deadline(testbed, tmp_path, home):
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    ran = dflashops("--timeout", "1", "exec", "ct201", "--", "sh", "-c", "sleep 4; echo done",
+                    inventory=inv, home=home)  # fmt: skip
+    assert ran.code == 0 and ran.out == "done\n", ran.err
+
+
+HUNG_PYTHON = '#!/bin/sh\nsleep 600\nexec /usr/bin/python3 "$@"\n'
+
+
+@pytest.fixture
+def hung(make_container):
+    """A running container whose python3 (first on the target's PATH) hangs."""
+    ct = make_container("pve2")
+    wrapper = ct.host_path("/root/bin/python3")
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(HUNG_PYTHON)
+    wrapper.chmod(0o755)
+    return ct
+
+
+def hung_inventory(testbed, tmp_path, hung) -> Path:
+    extra = {"path": "/root/bin:/usr/sbin:/usr/bin:/sbin:/bin", "python": "/root/bin/python3"}
+    return testbed.write_inventory(
+        tmp_path / "hosts.yaml",
+        {"ct201": ("pve1", 201), "ct301": ("pve2", 301), "stuck": ("pve2", hung.vmid, extra)},
+    )
+
+
+def timed(*args: str, inv: Path, home: Path):
+    began = time.monotonic()
+    ran = dflashops(*args, inventory=inv, home=home, timeout=60)
+    return ran, time.monotonic() - began
+
+
+def test_hosts_shows_who_answered_and_marks_a_hung_python(testbed, tmp_path, home, hung):
+    inv = hung_inventory(testbed, tmp_path, hung)
+    ran, took = timed("--timeout", str(DEADLINE), "--json", "hosts", inv=inv, home=home)
+    assert ran.code == 3, ran.err
+    rows = {t["name"]: t for t in json.loads(ran.out)["targets"]}
+    assert rows["ct201"]["state"] == rows["ct301"]["state"] == "running"
+    assert rows["ct201"]["python"] is True
+    assert rows["stuck"]["state"] == "no answer"
+    assert rows["stuck"]["error"] == f"stuck: no answer in {DEADLINE} s"
+    assert took < DEADLINE + SLACK, took
+    table, _ = timed("--timeout", str(DEADLINE), "hosts", inv=inv, home=home)
+    assert table.code == 3
+    assert "ct201" in table.out and f"stuck: no answer in {DEADLINE} s" in table.out
+
+
+def test_status_all_shows_who_answered_and_names_the_hung_target(testbed, tmp_path, home, hung):
+    run = testbed["pve1"][201].host_path("/workspace/runs/deadline-r1")
+    run.mkdir(parents=True)
+    now = time.time()
+    state = {"status": "finished", "exit_code": 0, "started": now - 60, "finished": now}
+    (run / "state.json").write_text(json.dumps(state))
+    try:
+        inv = hung_inventory(testbed, tmp_path, hung)
+        ran, took = timed("--timeout", str(DEADLINE), "status", "--all", inv=inv, home=home)
+    finally:
+        subprocess.run(["rm", "-rf", str(run)], check=True)
+    assert ran.code == 3, ran.err
+    assert "deadline-r1" in ran.out
+    assert f"stuck: no answer in {DEADLINE} s" in ran.err
+    assert took < DEADLINE + SLACK, took
+
+
+def alive(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_a_helper_dies_with_the_call_that_started_it(testbed, tmp_path):
+    """Past its deadline the call closes its channel; the helper, busy with something else
+    than its stdin, notices its stdout went away and ends."""
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    marker = uuid.uuid4().hex
+    code = f"# {marker}\nimport time\nprint('up', flush=True)\ntime.sleep(600)\n"
+    with Session(load_inventory(inv)) as session:
+        machine = session.machine("ct201")
+        began = time.monotonic()
+        with pytest.raises(NoAnswerError, match=f"ct201: no answer in {DEADLINE} s"):
+            machine.run(remote.python_argv(code), timeout=DEADLINE)
+        assert time.monotonic() - began < DEADLINE + SLACK
+    deadline = time.monotonic() + 10
+    while alive(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive(marker) == []
+
+
+def dribble(pieces: int, pause: float):
+    for _ in range(pieces):
+        time.sleep(pause)
+        yield b"x" * 1024
+
+
+def test_a_copy_that_keeps_moving_outlives_the_deadline_and_one_that_stalls_does_not(
+    testbed, tmp_path
+):
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    count = ["sh", "-c", "wc -c"]
+    with Session(load_inventory(inv)) as session:
+        machine = session.machine("ct201")
+        moving = machine.run(count, stdin=dribble(8, 0.5), timeout=2)  # 4 s in all
+        assert moving.text.strip() == "8192"
+        began = time.monotonic()
+        with pytest.raises(NoAnswerError):
+            machine.run(count, stdin=dribble(2, 6), timeout=2)
+        assert time.monotonic() - began < 2 + SLACK
