@@ -244,7 +244,7 @@ def stream(
     machine: Machine, argv: list[str], *, stdin: Stdin = None, stdout: Sink | None = None
 ) -> Result:
     """Run `argv` in `machine` with bulk bytes in or out: the one place they travel."""
-    return machine.run(argv, stdin=stdin, stdout=stdout)
+    return machine.run(argv, stdin=stdin, stdout=stdout, bulk=True)
 
 
 def receiver_warnings(result: Result) -> list[str]:
