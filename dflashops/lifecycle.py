@@ -38,6 +38,7 @@ CODE_HOME = "code"  # <ws>/dflashops/code/<digest>/: immutable workload snapshot
 SECRETS_HOME = "secrets"  # <ws>/dflashops/secrets/: read and deleted by the launcher
 CLAIM_WAIT_S = 30.0
 RDZV_JOIN_S = 600  # how long node 0 waits for the others to join (rendezvous)
+LOOPBACK = "127.0.0.1"  # a one-node run's address: its ranks talk over lo
 
 
 # ---------------------------------------------------------------- where a run runs
@@ -318,8 +319,8 @@ def torchrun_argv(placement: Placement, node: Node, rundir: str, *, resume: bool
             "--rdzv-conf", f"is_host={is_host},join_timeout={RDZV_JOIN_S}",
             "--local-addr", str(target.node_address),
         ]  # fmt: skip
-    else:
-        head += ["--standalone", "--nnodes", "1"]
+    else:  # the loopback address: no need for the container to resolve its own hostname
+        head += ["--standalone", "--nnodes", "1", "--local-addr", LOOPBACK]
     train = ["-m", "workload.train", "--config", "run.yaml", "--run-dir", rundir]
     return head + train + (["--resume"] if resume else [])
 
@@ -349,7 +350,7 @@ def launch_doc(
     resume: bool,
 ) -> dict[str, Any]:
     rundir = placement.dir(node)
-    address = node.target.node_address if placement.multi else None
+    address = node.target.node_address if placement.multi else LOOPBACK
     return {
         "run": placement.run,
         "run_id": placement.run_id,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflashops.remote import source as remote_source
 from tests.operator.cli import Ran, dflashops
@@ -671,3 +672,112 @@ def test_stop_resume_and_ctrl_c_on_the_local_target(trainer_cli, ws, tmp_path):
     ]
     done = trainer_cli("stop", "st")
     assert done.code == 0 and done.out == "st: not running (stopped); nothing to stop\n"
+
+
+# ---------------------------------------------------------------- hostile values, run identity
+
+HOSTILE = 'it\'s "q" $(touch {pwned}/sub) `touch {pwned}/tick` ;|&<> \\ end'
+
+
+def test_no_value_a_user_sets_reaches_a_shell(tmp_path, tmux_dir):
+    """Quotes, $(...), backticks and newlines in the workspace, the python path, env values and
+    config values arrive as they are, and nothing they spell runs."""
+    pwned = tmp_path / "pwned"
+    pwned.mkdir()
+    hostile = HOSTILE.format(pwned=pwned)
+    odd = tmp_path / hostile.replace("/", "_")
+    odd.mkdir()
+    stub = odd / "python"
+    stub.write_text(STAND_IN_TRAINER)
+    stub.chmod(0o755)
+    ws = odd / "ws"
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(yaml.safe_dump({
+        "version": 1,
+        "targets": {"local": {
+            "kind": "local", "workspace": str(ws), "python": str(stub),
+            "env": {"TMUX_TMPDIR": str(tmux_dir), "ODD": hostile + "\nsecond line"},
+        }},
+    }))  # fmt: skip
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    ran = dflashops("launch", "odd", "--host", "local", "--config", str(cfg),
+                    "--set", f"note={hostile}", inventory=inv)  # fmt: skip
+    assert ran.code == 0, ran.err
+    run = ws / "runs" / "odd"
+    seen = json.loads((run / "env.json").read_text())
+    assert seen["ODD"] == hostile + "\nsecond line"
+    assert yaml.safe_load((run / "run.yaml").read_text())["note"] == hostile
+    assert dflashops("stop", "odd", inventory=inv).code == 0
+    assert list(pwned.iterdir()) == []
+    refused = dflashops("launch", "x$(touch y)", "--host", "local", "--config", str(cfg),
+                        inventory=inv)  # fmt: skip
+    assert refused.code == 2 and "run name" in refused.err
+
+
+def test_names_are_one_to_one_with_sessions_and_a_failed_launch_leaves_nothing(
+    trainer_cli, ws, tmp_path, tmux_dir
+):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    for name in ("v5.1", "v5_1"):  # --force: the first one holds the target
+        ran = trainer_cli("launch", name, "--host", "local", "--config", str(cfg), "--force")
+        assert ran.code == 0, ran.err
+    env = {**os.environ, "TMUX_TMPDIR": str(tmux_dir)}
+    sessions = subprocess.run(["tmux", "-L", "dflashops", "list-sessions", "-F",
+                               "#{session_name}"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert sorted(sessions.stdout.split()) == ["dflash-v5=1", "dflash-v5_1"]
+    for name in ("v5.1", "v5_1"):
+        assert json.loads(trainer_cli("--json", "status", name).out)["state"] == "running"
+        assert trainer_cli("stop", name).code == 0
+    # tmux missing on the target: the launch fails and nothing of it is left
+    no_tmux = tmp_path / "no-tmux.yaml"
+    stub = ws.parent / "stand-in"
+    only_python = tmp_path / "bin"
+    only_python.mkdir()
+    (only_python / "python3").symlink_to("/usr/bin/python3")
+    no_tmux.write_text(
+        f"version: 1\ntargets:\n  local: {{kind: local, workspace: {ws}, python: {stub}}}\n"
+    )
+    failed = dflashops("launch", "lost", "--host", "local", "--config", str(cfg),
+                       inventory=no_tmux, env={"PATH": str(only_python)})  # fmt: skip
+    assert failed.code == 1 and "tmux is not installed" in failed.err, failed.err
+    assert not (ws / "runs" / "lost").exists()
+    again = trainer_cli("launch", "lost", "--host", "local", "--config", str(cfg))
+    assert again.code == 0, again.err
+    assert trainer_cli("stop", "lost").code == 0
+
+
+def test_two_launches_of_one_name_on_two_targets_cannot_both_win(tmp_path, tmux_dir):
+    stub = tmp_path / "stand-in"
+    stub.write_text(STAND_IN_TRAINER)
+    stub.chmod(0o755)
+    inv = tmp_path / "two.yaml"
+    env = json.dumps({"TMUX_TMPDIR": str(tmux_dir)})
+    inv.write_text(
+        "version: 1\ntargets:\n"
+        + "".join(
+            f"  {name}: {{kind: local, workspace: {tmp_path / name}, python: {stub}, env: {env}}}\n"
+            for name in ("one", "two")
+        )
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    full = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inv), "launch", "race"]
+    procs = [
+        subprocess.Popen(
+            [*full, "--host", host, "--config", str(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for host in ("one", "two")
+    ]
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, err in results if code == 2)
+    assert "run name 'race' is taken" in loser
+    left = [name for name in ("one", "two") if (tmp_path / name / "runs" / "race").exists()]
+    assert len(left) == 1
+    assert dflashops("stop", "race", inventory=inv).code == 0

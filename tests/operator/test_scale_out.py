@@ -1,0 +1,249 @@
+"""Runs over several processes and several containers, on the fake Proxmox bed: real sshd, a
+faithful pct, two ns containers on two hosts bridged like Proxmox CTs (static addresses, no
+shared DNS), torchrun with gloo on CPU, and the real tiny trainer.
+
+Where a GPU is needed (nvidia-smi's reading of GPUs, their memory and the processes holding
+them) a stand-in `nvidia-smi` script answers in its place: no GPU can run here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.operator.cli import Ran, dflashops
+from tests.operator.test_runs import tiny_build
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+A_VMID, B_VMID = 971, 972
+FAKE_BIN = "/root/fakebin"
+FAKE_NVIDIA_SMI = """\
+#!/bin/sh
+# Stands in for nvidia-smi (no GPU here): 2 GPUs of $MIB MiB, and, when the file busy exists,
+# a process holding GPU 0.
+MIB=$(cat /root/fakebin/mib 2>/dev/null || echo 81559)
+case "$*" in
+  *--query-gpu*)
+    echo "0, GPU-aaaa, NVIDIA A100-SXM4-80GB, $MIB, 0, 0"
+    echo "1, GPU-bbbb, NVIDIA A100-SXM4-80GB, $MIB, 0, 0" ;;
+  *--query-compute-apps*)
+    [ -f /root/fakebin/busy ] && echo "4242, GPU-aaaa, 70000, python" ;;
+  *) echo "GPU 0: NVIDIA A100-SXM4-80GB"; echo "GPU 1: NVIDIA A100-SXM4-80GB" ;;
+esac
+exit 0
+"""
+
+
+@pytest.fixture(scope="module")
+def cts(testbed):
+    if testbed.mode != "netns":
+        pytest.skip("container networks need the test bed's netns mode")
+    a = testbed["pve1"].add_container(A_VMID, "ns", network=True)
+    b = testbed["pve2"].add_container(B_VMID, "ns", network=True)
+    try:
+        yield {"a": a, "b": b}
+    finally:
+        testbed["pve1"].remove_container(A_VMID)
+        testbed["pve2"].remove_container(B_VMID)
+
+
+@pytest.fixture(scope="module")
+def cli(testbed, cts, tmp_path_factory):
+    where = tmp_path_factory.mktemp("scale")
+    a, b = cts["a"], cts["b"]
+    gpu_path = f"{FAKE_BIN}:/usr/sbin:/usr/bin:/sbin:/bin"
+    inv = testbed.write_inventory(
+        where / "hosts.yaml",
+        {
+            "a": ("pve1", A_VMID, {"address": a.address}),
+            "b": ("pve2", B_VMID, {"address": b.address}),
+            "a2": ("pve1", A_VMID, {"gpus": 2}),
+            "agpu": ("pve1", A_VMID, {"path": gpu_path}),
+        },
+        extra_defaults={"python": sys.executable},
+    )
+    home = where / "home"
+    home.mkdir()
+
+    def run(*args: str, timeout: float = 300) -> Ran:
+        return dflashops(*args, inventory=inv, home=home, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def config(cli, cts, tmp_path_factory) -> Path:
+    tiny = tiny_build()
+    for target in ("a", "b"):
+        pushed = cli("push", target, str(tiny), "/workspace/tiny")
+        assert pushed.code == 0, pushed.err
+    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
+    cfg["target"]["path"] = "/workspace/tiny/target"
+    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
+    cfg["optim"].update(max_steps=6, batch_size=1)
+    cfg["log"]["log_every"] = 1
+    cfg["checkpoint"].update(every=3, keep_last=3)
+    cfg["dist"] = {"timeout_s": 60}
+    path = tmp_path_factory.mktemp("cfg") / "tiny-run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def status(cli, run: str) -> dict:
+    ran = cli("--json", "status", run)
+    assert ran.code == 0, ran.err
+    return json.loads(ran.out)
+
+
+def log_of(ct, run: str) -> list[dict]:
+    text = ct.host_path(f"/workspace/runs/{run}/train_log.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def trainers(ct) -> list[str]:
+    """Command lines of the trainer processes (torchrun agents and ranks) in a container."""
+    probe = (
+        "import os\n"
+        "for p in os.listdir('/proc'):\n"
+        "    try: c = open(f'/proc/{p}/cmdline','rb').read().replace(b'\\0', b' ')\n"
+        "    except OSError: continue\n"
+        "    if b'workload.train' in c and b'/proc' not in c: print(p, c.decode()[:120])\n"
+    )
+    return ct.run(["python3", "-c", probe]).stdout.decode().splitlines()
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(1)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def digest(ct, path: str) -> str:
+    return hashlib.sha256(ct.host_path(path).read_bytes()).hexdigest()
+
+
+def close(a: dict, b: dict, keys=("loss", "acc", "streak", "dds8", "grad_norm", "lr")) -> bool:
+    return a["step"] == b["step"] and all(
+        (a.get(k) is None and b.get(k) is None) or abs(a[k] - b[k]) <= 1e-5 for k in keys
+    )
+
+
+# ---------------------------------------------------------------- two nodes = one world
+
+
+def test_two_containers_on_two_hosts_train_like_four_ranks_on_one(cli, cts, config):
+    """2 x 2 processes over two hosts log what 4 processes on one container log, and write the
+    same checkpoint; stopped and resumed across both nodes on the way."""
+    one = cli("launch", "one4", "--host", "a", "--nproc", "4", "--config", str(config))
+    assert one.code == 0, one.err
+    assert cli("status", "one4", "--follow", "--interval", "1").code == 0
+    two = cli("launch", "two2", "--host", "b,a", "--nproc", "2", "--config", str(config),
+              "--set", "optim.max_steps=6")  # fmt: skip
+    assert two.code == 0, two.err
+    assert "two2: running on a, b" in two.out or "two2: finished on a, b" in two.out, two.out
+    doc = status(cli, "two2")
+    assert [n["target"] for n in doc["nodes"]] == ["a", "b"]  # rank 0 on the address first
+    stopped = cli("--json", "stop", "two2")
+    assert stopped.code == 0, stopped.err
+    stop_doc = json.loads(stopped.out)
+    assert stop_doc["state"] in ("stopped", "finished"), stop_doc
+    assert all(n["alive"] is False for n in stop_doc["nodes"])
+    assert trainers(cts["a"]) == [] and trainers(cts["b"]) == []
+    if stop_doc["state"] == "stopped":
+        resumed = cli("resume", "two2")
+        assert resumed.code == 0, resumed.err
+    assert cli("status", "two2", "--follow", "--interval", "1").code == 0
+    ranks = status(cli, "two2")["ranks"]
+    assert sorted((r["rank"], r["target"]) for r in ranks) == [
+        (0, "a"), (1, "a"), (2, "b"), (3, "b")
+    ]  # fmt: skip
+    single, double = log_of(cts["a"], "one4"), log_of(cts["a"], "two2")
+    assert [r["step"] for r in double] == list(range(1, 7))
+    assert all(close(x, y) for x, y in zip(single, double, strict=True)), (single, double)
+    weights = "checkpoints/step_6/model.safetensors"
+    assert digest(cts["a"], f"/workspace/runs/one4/{weights}") == digest(
+        cts["a"], f"/workspace/runs/two2/{weights}"
+    )
+    assert not cts["b"].host_path("/workspace/runs/two2/checkpoints").exists() or not any(
+        cts["b"].host_path("/workspace/runs/two2/checkpoints").iterdir()
+    )
+    rank3 = cli("logs", "two2", "--rank", "3")
+    assert rank3.code == 0 and rank3.out.strip(), rank3.err
+    archived = cli("archive", "two2")
+    assert archived.code == 0, archived.err
+    for ct in cts.values():
+        assert ct.host_path("/workspace/archive/two2").is_dir()
+        assert not ct.host_path("/workspace/runs/two2").exists()
+
+
+def test_a_node_that_dies_takes_the_run_down(cli, cts, config):
+    started = cli("launch", "dies2", "--host", "a,b", "--nproc", "1", "--config", str(config),
+                  "--set", "optim.max_steps=100000")  # fmt: skip
+    assert started.code == 0, started.err
+    busy = cli("launch", "other", "--host", "b", "--config", str(config))
+    assert busy.code == 2 and "b is busy: run dies2 (running" in busy.err, busy.err
+    assert not cts["b"].host_path("/workspace/runs/other").exists()
+    ranks = wait_for(
+        lambda: [r for r in status(cli, "dies2")["ranks"] if r["alive"]] or None,
+        120, "rank heartbeats",
+    )  # fmt: skip
+    victim = next(r for r in ranks if r["target"] == "b")
+    killed = time.monotonic()
+    cts["b"].run(["kill", "-9", str(victim["pid"])])
+    doc = wait_for(
+        lambda: (d := status(cli, "dies2"))["state"] == "failed" and d, 60, "the run failed"
+    )
+    assert time.monotonic() - killed < 60
+    assert "failed on b" in doc["note"], doc["note"]
+    wait_for(lambda: trainers(cts["a"]) == [] and trainers(cts["b"]) == [], 60,
+             "no trainer process left")  # fmt: skip
+    shown = cli("status", "dies2")
+    assert "node 1" in shown.out and "b: failed" in shown.out, shown.out
+
+
+# ---------------------------------------------------------------- one node, its GPUs
+
+
+def test_a_target_with_two_gpus_runs_two_ranks_without_a_flag(cli, cts, config):
+    ran = cli("launch", "g2", "--host", "a2", "--config", str(config), "--set",
+              "optim.max_steps=2")  # fmt: skip
+    assert ran.code == 0, ran.err
+    assert "g2: 2 rank(s): a2 x2" in ran.err
+    assert cli("status", "g2", "--follow", "--interval", "1").code == 0
+    state = json.loads(cts["a"].host_path("/workspace/runs/g2/state.json").read_text())
+    assert state["world_size"] == 2
+
+
+def test_gpus_held_or_too_small_are_refused_before_anything_is_made(cli, cts, config):
+    ct = cts["a"]
+    ct.run(["mkdir", "-p", FAKE_BIN])
+    ct.run(["sh", "-c", f"cat > {FAKE_BIN}/nvidia-smi && chmod +x {FAKE_BIN}/nvidia-smi"],
+           input=FAKE_NVIDIA_SMI.encode())  # fmt: skip
+    try:
+        ct.run(["touch", f"{FAKE_BIN}/busy"])
+        held = cli("launch", "held", "--host", "agpu", "--config", str(config))
+        assert held.code == 2 and "agpu is busy: nvidia-smi shows its GPUs in use: pid 4242" in (
+            held.err
+        ), held.err
+        ct.run(["rm", f"{FAKE_BIN}/busy"])
+        ct.run(["sh", "-c", f"echo 16 > {FAKE_BIN}/mib"])  # 16 MiB GPUs: the plan cannot fit
+        small = cli("launch", "small", "--host", "agpu", "--config", str(config))
+        assert small.code == 2, small.err
+        last = small.err.strip().splitlines()[-1]
+        assert "the memory plan needs" in last and "have 16.0 MiB" in last, last
+        assert "2 rank(s): agpu x2" in small.err  # nvidia-smi's count, no flag
+        for run in ("held", "small"):
+            assert not ct.host_path(f"/workspace/runs/{run}").exists()
+    finally:
+        ct.run(["rm", "-rf", FAKE_BIN])
