@@ -546,36 +546,46 @@ def holds_manifest(final, text):
 
 def lock_partial(base, final, text):
     """Hold BASE's lock (made if missing); None when another copy put FINAL in place while we
-    waited. A copy that holds BASE is waited for while it writes."""
+    waited."""
     for _ in range(10):
         with contextlib.suppress(FileExistsError):
             os.mkdir(base, 0o700)
-        fd = None
-        seen, since = activity(base), time.monotonic()
-        while fd is None:
-            fd = try_lock(base)
-            if fd is not None:
-                break
-            now = activity(base)
-            if now != seen:
-                seen, since = now, time.monotonic()
-            elif time.monotonic() - since > LOCK_PATIENCE:
-                raise Failed(
-                    f"another copy into {base} holds it and wrote nothing for {LOCK_PATIENCE} s; "
-                    "run this again when it has ended"
-                )
-            time.sleep(0.2)
-        held = os.fstat(fd)
         try:
-            here = os.lstat(base)
-            if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
-                return fd
+            fd = wait_for_lock(base)
         except FileNotFoundError:
-            pass
-        os.close(fd)  # BASE was renamed (placed) or removed while we waited
+            fd = None  # BASE was renamed (placed) or removed meanwhile
+        if fd is not None:
+            if same_file(fd, base):
+                return fd
+            os.close(fd)
         if holds_manifest(final, text):
             return None
     raise Failed(f"{base} keeps being replaced by other copies; run this again")
+
+
+def same_file(fd, path):
+    try:
+        here = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
+def wait_for_lock(base):
+    """An fd holding BASE's lock; a copy that holds it is waited for while it writes."""
+    seen, since = activity(base), time.monotonic()
+    while (fd := try_lock(base)) is None:
+        now = activity(base)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > LOCK_PATIENCE:
+            raise Failed(
+                f"another copy into {base} holds it and wrote nothing for {LOCK_PATIENCE} s; "
+                "run this again when it has ended"
+            )
+        time.sleep(0.2)
+    return fd
 
 
 def rename_noreplace(old, new):

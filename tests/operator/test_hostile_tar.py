@@ -1,0 +1,262 @@
+"""Hostile tar streams (issue 9, item 8): the receiver as the remote side runs it (`python3 -c`
+inside a container of the test bed), and through the command line (`push`, and `pull-ckpt`
+from a container whose `tar` is an attacker's)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dflashops.remote import source
+from tests.operator.cli import dflashops
+from tests.operator.test_runs_local import make_run
+
+pytestmark = pytest.mark.testbed
+
+DST = "/workspace/dst"
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", **fields) -> tuple:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode = kind, len(data), fields.pop("mode", 0o644)
+    for key, value in fields.items():
+        setattr(info, key, value)
+    return info, data
+
+
+def tar_of(*members: tuple) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return out.getvalue()
+
+
+def with_bad_checksum(stream: bytes) -> bytes:
+    return stream[:148] + b"0000000\0" + stream[156:]
+
+
+def pax_named(path: str) -> bytes:
+    """A file whose pax header names it `path` (the header's own name field says "ok")."""
+    info = tarfile.TarInfo("ok")
+    info.pax_headers = {"path": path}
+    return tar_of((info, b""))
+
+
+def with_huge_pax_header() -> bytes:
+    info = tarfile.TarInfo("x" * 10)
+    info.pax_headers = {"comment": "y" * (2 << 20)}
+    return tar_of((info, b""))
+
+
+# (case, stream, the refusal it gets)
+HOSTILE = [
+    ("absolute name", tar_of(member("/tmp/pwned", data=b"x")), "an absolute name"),
+    ("dot-dot", tar_of(member("../pwned", data=b"x")), "a '..' in a name"),
+    ("dot-dot inside", tar_of(member("a/../../pwned", data=b"x")), "a '..' in a name"),
+    (
+        "a link, then a file through it",
+        tar_of(member("esc", tarfile.SYMTYPE, linkname="/tmp"), member("esc/pwned", data=b"x")),
+        "would be written through the symlink esc sent earlier",
+    ),
+    (
+        "a relative link out, then a file through it",
+        tar_of(member("up", tarfile.SYMTYPE, linkname="../.."), member("up/tmp/pwned", data=b"x")),
+        "would be written through the symlink up",
+    ),
+    ("a hard link out", tar_of(member("hl", tarfile.LNKTYPE, linkname="/etc/passwd")),
+     "a hard link is refused"),
+    ("a character device", tar_of(member("null", tarfile.CHRTYPE, devmajor=1, devminor=3)),
+     "a character device is refused"),
+    ("a block device", tar_of(member("sda", tarfile.BLKTYPE, devmajor=8, devminor=0)),
+     "a block device is refused"),
+    ("a fifo", tar_of(member("fifo", tarfile.FIFOTYPE)), "a fifo is refused"),
+    ("a name component over 255 bytes", tar_of(member("n" * 300, data=b"x")),
+     "a name longer than the file system takes"),
+    ("a path over 4096 bytes", tar_of(member("/".join(["d" * 200] * 25), data=b"x")),
+     "a name longer than the file system takes"),
+    ("one name twice", tar_of(member("dup", data=b"first"), member("dup", data=b"second")),
+     "dup: appears twice in the stream"),
+    ("a file, then a file under it", tar_of(member("f", data=b"x"), member("f/g", data=b"y")),
+     "would be written through the file f"),
+    ("a NUL in a pax name", pax_named("ok\0/../../pwned"), "a NUL in a name"),
+    ("an absolute pax name", pax_named("/tmp/pwned"), "an absolute name"),
+    ("not a tar (bad checksum)", with_bad_checksum(tar_of(member("a", data=b"x"))),
+     "bad header checksum"),
+    ("a pax header of 2 MiB", with_huge_pax_header(), "a pax header of"),
+]  # fmt: skip
+
+
+@pytest.fixture
+def ct(make_container):
+    return make_container("pve1")
+
+
+def receive(ct, stream: bytes, *args: str):
+    """The receiver exactly as a copy runs it in a target: `python3 -c SOURCE BASE ...`."""
+    return ct.run(["python3", "-c", source("receive.py"), DST, *args], input=stream)
+
+
+def special_files(root: Path) -> list[str]:
+    """Everything under root that is not a regular file, a directory or a symlink, or that has
+    a setuid, setgid or sticky bit."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(folder, name))
+            plain = stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)
+            if not plain or (not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o7000):
+                found.append(os.path.join(folder, name))
+    return found
+
+
+def pwned_anywhere(ct) -> list[str]:
+    roots = [ct.host_path(p) for p in ("/tmp", "/root", "/workspace")]
+    return [str(p) for r in roots for p in r.rglob("pwned*")]
+
+
+@pytest.mark.parametrize("case,stream,refusal", HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_the_receiver_refuses_a_hostile_stream_and_nothing_lands_outside(ct, case, stream, refusal):
+    ran = receive(ct, stream)
+    err = ran.stderr.decode()
+    assert ran.returncode == 1, (case, err)
+    assert "receive: refused: " in err and refusal in err, (case, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert pwned_anywhere(ct) == [] and not Path("/tmp/pwned").exists()
+    assert special_files(ct.host_path(DST)) == []
+    assert not [p for p in ct.host_path(DST).rglob("*") if p.name.endswith(".part")]
+
+
+def test_setuid_setgid_and_sticky_bits_are_dropped_with_a_warning(ct):
+    stream = tar_of(
+        member("suid", data=b"#!/bin/sh\n", mode=0o4755),
+        member("sgid", data=b"x", mode=0o2750),
+        member("sticky", tarfile.DIRTYPE, mode=0o1777),
+        member("plain", data=b"y", mode=0o640),
+    )
+    ran = receive(ct, stream)
+    assert ran.returncode == 0, ran.stderr
+    got = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in ct.host_path(DST).iterdir()}
+    assert got == {"suid": 0o755, "sgid": 0o750, "sticky": 0o777, "plain": 0o640}
+    warnings = ran.stderr.decode().splitlines()
+    assert [w.split(":")[2].strip() for w in warnings] == ["suid", "sgid", "sticky"]
+    assert all("setuid, setgid and sticky bits dropped" in w for w in warnings)
+    report = json.loads(ran.stdout)
+    assert report["suid"]["mode"] == 0o755 and report["plain"]["t"] == "f"
+
+
+def test_an_existing_link_at_the_destination_is_replaced_not_followed(ct):
+    outside = ct.host_path("/workspace/outside")
+    outside.mkdir()
+    ct.host_path(DST).mkdir()
+    (ct.host_path(DST) / "sub").symlink_to("/workspace/outside")
+    (ct.host_path(DST) / "file").symlink_to("/workspace/outside/target")
+    ran = receive(ct, tar_of(member("sub/x", data=b"x"), member("file", data=b"y")))
+    assert ran.returncode == 0, ran.stderr
+    assert list(outside.iterdir()) == []
+    assert not (ct.host_path(DST) / "sub").is_symlink()
+    assert (ct.host_path(DST) / "file").read_bytes() == b"y"
+
+
+def checkpoint_head(files: dict[str, bytes]) -> bytes:
+    import hashlib
+
+    text = "".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n" for n, d in files.items())
+    return json.dumps({"manifest": text}).encode() + b"\n"
+
+
+@pytest.mark.parametrize(
+    "case,stream,refusal",
+    [
+        ("a symlink", tar_of(member("model.bin", tarfile.SYMTYPE, linkname="/etc/passwd")),
+         "model.bin: a symlink in a checkpoint"),
+        ("a name the manifest does not list", tar_of(member("extra.py", data=b"x")),
+         "extra.py: not in the checkpoint's MANIFEST.sha256"),
+        ("a directory", tar_of(member("model.bin", tarfile.DIRTYPE)),
+         "model.bin: a directory in a checkpoint"),
+    ],
+    ids=["symlink", "unlisted", "directory"],
+)  # fmt: skip
+def test_a_checkpoint_stream_takes_only_the_files_its_manifest_lists(ct, case, stream, refusal):
+    head = checkpoint_head({"model.bin": b"weights"})
+    final = "/workspace/ckpts/r/step_1"
+    ran = ct.run(
+        ["python3", "-c", source("receive.py"), "/workspace/ckpts/r/.partial-step_1",
+         "--checkpoint", final],
+        input=head + stream,
+    )  # fmt: skip
+    assert ran.returncode == 1 and refusal in ran.stderr.decode(), ran.stderr
+    assert not ct.host_path(final).exists()
+
+
+def test_a_manifest_naming_paths_outside_is_refused(ct):
+    head = json.dumps({"manifest": f"{'0' * 64}  ../../etc/passwd\n"}).encode() + b"\n"
+    ran = ct.run(
+        ["python3", "-c", source("receive.py"), "/workspace/ckpts/r/.partial-step_1",
+         "--checkpoint", "/workspace/ckpts/r/step_1"],
+        input=head + tar_of(),
+    )  # fmt: skip
+    assert ran.returncode == 1 and "a '..' in a name" in ran.stderr.decode(), ran.stderr
+
+
+# ---------------------------------------------------------------- through the command line
+
+
+def test_push_of_a_setuid_file_arrives_without_the_bit(testbed, ct, tmp_path):
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct": ct})
+    f = tmp_path / "tool"
+    f.write_bytes(b"#!/bin/sh\necho hi\n")
+    f.chmod(0o4755)
+    ran = dflashops("push", "ct", str(f), "/workspace/tool", inventory=inv, home=tmp_path)
+    assert ran.code == 0, ran.err
+    assert stat.S_IMODE(ct.host_path("/workspace/tool").stat().st_mode) == 0o755
+
+
+EVIL_TAR = """#!/usr/bin/python3
+# An attacker's `tar` in the source container: whatever it is asked for, it sends a stream that
+# tries to write outside the destination.
+import io, sys, tarfile
+out = io.BytesIO()
+with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    link = tarfile.TarInfo("config.json")
+    link.type, link.linkname = tarfile.SYMTYPE, "/tmp"
+    tar.addfile(link)
+    data = b"pwned"
+    info = tarfile.TarInfo("config.json/pwned")
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+sys.stdout.buffer.write(out.getvalue())
+"""
+
+
+def test_pull_ckpt_from_a_container_whose_tar_is_hostile(testbed, make_container, tmp_path):
+    """The source container is compromised: its `tar` sends a link and a file through it. The
+    destination refuses the stream; nothing lands outside, nothing looks complete."""
+    src, dst = make_container("pve1"), make_container("pve2")
+    make_run(src.host_path("/workspace"), "victim", ckpts=(10,))
+    evil = src.host_path("/workspace/evil")
+    evil.mkdir()
+    (evil / "tar").write_text(EVIL_TAR)
+    (evil / "tar").chmod(0o755)
+    path = "/workspace/evil:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    inv = testbed.write_inventory(
+        tmp_path / "hosts.yaml",
+        {"src": (src.host.name, src.vmid, {"path": path}), "dst": dst},
+        extra_defaults={"python": "/usr/bin/python3"},
+    )
+    ran = dflashops("pull-ckpt", "10", "--to", "dst", "--run", "victim", inventory=inv,
+                    home=tmp_path)  # fmt: skip
+    assert ran.code == 1, ran.err
+    assert "refused" in ran.err and "config.json" in ran.err, ran.err
+    assert len(ran.err.strip().splitlines()) == 1
+    assert pwned_anywhere(dst) == []
+    run_dir = dst.host_path("/workspace/ckpts/victim")
+    assert not (run_dir / "step_10").exists()
+    assert not list(run_dir.rglob("MANIFEST.sha256"))
+    assert special_files(dst.host_path("/workspace")) == []
