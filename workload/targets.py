@@ -107,7 +107,9 @@ def load_target(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> tuple[torch.nn.Module, Any]:
-    """Load `path` with AutoModelForCausalLM + AutoTokenizer, offline, frozen, in eval mode."""
+    """Load `path` with AutoModelForCausalLM + AutoTokenizer, offline, frozen, in eval mode,
+    each weight read straight onto `device` (a rank never holds the whole target in host RAM:
+    eight ranks of a 27B target would need 8 x 54 GB)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -119,10 +121,10 @@ def load_target(
         dtype=_resolve_dtype(dtype, device.type),
         attn_implementation=attn_implementation,
         local_files_only=True,
+        device_map={"": device},  # each tensor straight to the device: no whole copy in host RAM
     )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     force_torch_fallback_off_gpu(model)
-    model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
