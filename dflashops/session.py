@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target, parse_jump
+from dflashops.openssh import Configs
 from dflashops.ssh import Connection
 from dflashops.sshconfig import resolve
 from dflashops.targets.base import DEFAULT_TIMEOUT_S, Machine
@@ -31,6 +32,7 @@ class Session:
         self.announce = announce
         self.timeout = timeout  # seconds: the deadline of every remote call (Machine.run)
         self._connections: dict[Endpoint, Connection] = {}
+        self._openssh = Configs()  # the OpenSSH client's private config, for bulk copies
         self._machines: dict[str, Machine] = {}
         self._lock = threading.Lock()
 
@@ -47,7 +49,7 @@ class Session:
         with self._lock:
             conn = self._connections.get(key)
             if conn is None:
-                conn = Connection(endpoint, self._jump, self.timeout)
+                conn = Connection(endpoint, self._jump, self.timeout, self._openssh)
                 self._connections[key] = conn
             return conn
 
@@ -158,6 +160,7 @@ class Session:
             self._connections.clear()
         for conn in connections:
             conn.close()
+        self._openssh.close()
 
 
 def _guarded(fn: Callable[[T], R], item: T) -> R | OpsError:

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 from dflashops.errors import HostKeyError, NoAnswerError, OpsError, UnreachableError
 from dflashops.inventory import Endpoint
 from dflashops.knownhosts import CHANGED, REVOKED, TRUSTED, KnownHosts, preferred_key_types
-from dflashops.sshconfig import Resolved, resolve
+from dflashops.sshconfig import Resolved, client, resolve
 
 if TYPE_CHECKING:
     import paramiko
+
+    from dflashops.openssh import Configs, OpenSshProcess
 
 __all__ = ["Connection", "Resolved", "host_key_files", "load_paramiko", "pinned_keys_file"]
 
@@ -73,10 +75,17 @@ class Connection:
     connection counts as dead (NoAnswerError for every call on it).
     """
 
-    def __init__(self, endpoint: Endpoint, lookup_jump, deadline: float = 30.0) -> None:  # noqa: ANN001
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        lookup_jump,  # noqa: ANN001
+        deadline: float = 30.0,
+        openssh: Configs | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.deadline = deadline
         self._lookup_jump = lookup_jump
+        self._openssh = openssh
         self._transport: paramiko.Transport | None = None
         self.heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
@@ -98,6 +107,27 @@ class Connection:
                 self._transport = self._open()
                 self.heartbeat = Heartbeat(self._transport, self.deadline)
             return self._transport
+
+    def jump_connection(self) -> Connection:
+        """The connection to the last hop of this one's jump chain."""
+        return self._lookup_jump(self.resolved.jump, self.endpoint)
+
+    def bulk_process(self, command: str, who: str) -> OpenSshProcess | None:
+        """`command` run by the OpenSSH client (bulk copies), or None where that client is not
+        installed or a key needed a typed passphrase (a client in batch mode could not use it).
+        The paramiko connection is opened first, so host keys and logins are checked, and
+        reported, the one way."""
+        if self._openssh is None or client() is None:
+            return None
+        self.transport()
+        hop: Connection | None = self
+        while hop is not None:
+            if hop.typed_passphrase:
+                return None
+            hop = hop.jump_connection() if hop.resolved.jump else None
+        from dflashops.openssh import OpenSshProcess
+
+        return OpenSshProcess(self._openssh.argv(self, command), who, self.deadline)
 
     def dead(self) -> bool:
         """Whether the keepalive found the server gone (calls then fail with NoAnswerError)."""

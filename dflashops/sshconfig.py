@@ -60,10 +60,15 @@ def user_config() -> Path:
     return Path.home() / ".ssh" / "config"
 
 
+def client() -> str | None:
+    """The OpenSSH client, where it is installed."""
+    return shutil.which("ssh")
+
+
 def resolve(endpoint: Endpoint) -> Resolved:
     """Apply the ssh configuration: what the inventory sets wins, then the config, then
     ssh's defaults (user root, port 22)."""
-    return _resolve(endpoint, str(Path.home()), bool(shutil.which("ssh")))
+    return _resolve(endpoint, str(Path.home()), bool(client()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -109,7 +114,7 @@ def _by_openssh(endpoint: Endpoint) -> dict[str, list[str]]:
     with tempfile.NamedTemporaryFile("w", prefix="dflashops-", suffix=".conf") as wrapper:
         wrapper.write("\n".join(lines))
         wrapper.flush()
-        argv = ["ssh", "-G", "-F", wrapper.name]
+        argv = [client() or "ssh", "-G", "-F", wrapper.name]
         if endpoint.user:
             argv += ["-l", endpoint.user]
         if endpoint.port:

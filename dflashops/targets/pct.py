@@ -38,6 +38,10 @@ class PctMachine(Machine):
         self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
     ) -> Process:
         command = shlex.join(self.wrap(argv, env, cwd))
+        if bulk:
+            process = self.connection.bulk_process(command, self.name)
+            if process is not None:
+                return process
         return ChannelProcess(self.connection, command, self.name)
 
     @cached_property

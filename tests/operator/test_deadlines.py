@@ -60,17 +60,26 @@ def sshd_pids(host) -> list[int]:
     return found
 
 
-@contextmanager
-def frozen_sshd(host):
-    """SIGSTOP the host's whole sshd (connections stay open, nothing answers); SIGCONT after."""
+def freeze(host) -> list[int]:
+    """SIGSTOP the host's whole sshd (connections stay open, nothing answers)."""
     pids = sshd_pids(host)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextmanager
+def frozen_sshd(host):
+    pids = freeze(host)
     try:
         yield
     finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+        thaw(pids)
 
 
 def start(inv: Path, home: Path, *args: str) -> subprocess.Popen:
