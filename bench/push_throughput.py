@@ -1,19 +1,70 @@
 """`dflashops push` of a 1 GB directory into a container against `ssh host 'cat > /dev/null'`
-of the same bytes (target: at least 0.7x the throughput).
+of the same bytes, side by side (target: at least 0.7x the throughput).
 
 Run: python bench/push_throughput.py [--mb 1024] [--runs 3]. Needs root. Ours includes the
-sha256 verification inside the container; the baseline verifies nothing.
+sha256 verification inside the container; the baseline verifies nothing. Push runs twice per
+round: as installed (the OpenSSH client carries the bytes) and with no OpenSSH client on PATH
+(paramiko's one channel), interleaved with the baseline; best of the rounds. "whole" is the
+command as a user runs it (process start, login, change check included); "copy" is the
+command's own timing of the copy (its --json seconds); CPU s/GB counts every process involved
+(see _cpu.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
-from _bed import bed, dflashops_argv, home_env, openssh_argv, timed
+from _bed import bed, dflashops_argv, home_env, openssh_argv
+from _cpu import CpuMeter
+
+NO_OPENSSH = "/nonexistent"  # a PATH without the OpenSSH client: paramiko carries the bytes
+
+
+class Trial:
+    """Wall seconds, the command's own seconds (None for the baseline) and CPU seconds."""
+
+    def __init__(self, meter: CpuMeter, argv: list[str], env: dict, stdin_path: Path | None):
+        cpu = meter.seconds()
+        began = time.perf_counter()
+        with open(stdin_path or os.devnull, "rb") as stdin:
+            done = subprocess.run(argv, stdin=stdin, capture_output=True, env=env, check=True)
+        self.wall = time.perf_counter() - began
+        self.own = json.loads(done.stdout)["seconds"] if done.stdout.startswith(b"{") else None
+        after = meter.seconds()
+        self.cpu = None if cpu is None else after - cpu
+
+
+def make_tree(root: Path, mb: int, files: int = 8) -> Path:
+    root.mkdir(parents=True)
+    chunk = os.urandom(1 << 20)
+    for i in range(files):
+        with open(root / f"shard-{i}.bin", "wb") as f:
+            for _ in range(mb // files):
+                f.write(chunk)
+    return root
+
+
+def joined(tree: Path, out: Path) -> Path:
+    with open(out, "wb") as f:
+        for p in sorted(tree.iterdir()):
+            with open(p, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+    return out
+
+
+def report(label: str, trials: list[Trial], mb: float) -> Trial:
+    best = min(trials, key=lambda t: t.wall)
+    copy = f"{mb / best.own:8.1f}" if best.own else "       -"
+    cpu = f"{best.cpu / (mb / 1000):8.2f}" if best.cpu is not None else "       -"
+    print(f"{label:<42} {mb / best.wall:8.1f} {copy} {cpu}")
+    return best
 
 
 def main() -> None:
@@ -21,37 +72,40 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
+    meter = CpuMeter()
+    try:
+        run(args.mb, args.runs, meter)
+    finally:
+        meter.close()
+
+
+def run(size_mb: int, runs: int, meter: CpuMeter) -> None:
     with bed({"pve1": [201]}) as tb, tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        src = Path(tmp) / "ckpt"
-        src.mkdir()
-        files = 8
-        chunk = os.urandom(1 << 20)
-        for i in range(files):
-            with open(src / f"shard-{i}.bin", "wb") as f:
-                for _ in range(args.mb // files):
-                    f.write(chunk)
-        total = sum(p.stat().st_size for p in src.iterdir())
-        joined = Path(tmp) / "joined.bin"
-        with open(joined, "wb") as out:
-            for p in sorted(src.iterdir()):
-                out.write(p.read_bytes())
+        src = make_tree(Path(tmp) / "ckpt", size_mb)
+        flat = joined(src, Path(tmp) / "joined.bin")
+        mb = flat.stat().st_size / 1e6
         inv = tb.write_inventory(Path(tmp) / "hosts.yaml", {"ct201": ("pve1", 201)})
         env = home_env(Path(tmp))
-        ours, base = [], []
-        for i in range(args.runs):
-            ours.append(
-                timed(dflashops_argv(inv, "push", "ct201", str(src), f"bench/{i}"), env=env)
-            )
-            with open(joined, "rb") as f:
-                base.append(timed(openssh_argv(tb, "pve1", "cat > /dev/null"), stdin=f, env=env))
-            shutil.rmtree(tb["pve1"][201].host_path(f"/workspace/bench/{i}"))
-        mb = total / 1e6
-        best_ours, best_base = min(ours), min(base)
-        print(f"push {mb:.0f} MB dir into CT (verified)   {mb / best_ours:7.1f} MB/s")
-        print(f"ssh host 'cat > /dev/null' same bytes  {mb / best_base:7.1f} MB/s")
-        print(
-            f"throughput ratio ours/baseline         {best_base / best_ours:7.2f}x (best of {args.runs})"
-        )
+        plain = {**env, "PATH": NO_OPENSSH}
+        ct = tb["pve1"][201]
+        ours, channel, base = [], [], []
+        for i in range(runs):
+            for trials, environ in ((ours, env), (channel, plain)):
+                dest = f"bench/{i}-{len(trials)}-{environ['PATH'] == NO_OPENSSH}"
+                argv = dflashops_argv(inv, "--json", "push", "ct201", str(src), dest)
+                trials.append(Trial(meter, argv, environ, None))
+                shutil.rmtree(ct.host_path(f"/workspace/{dest}"))
+            base.append(Trial(meter, openssh_argv(tb, "pve1", "cat > /dev/null"), env, flat))
+        print(f"{mb:.0f} MB in 8 files, best of {runs}{'':>14}MB/s whole  MB/s copy  CPU s/GB")
+        a = report("push, the OpenSSH client carries the bytes", ours, mb)
+        b = report("push, paramiko's channel (no ssh on PATH)", channel, mb)
+        c = report("ssh host 'cat > /dev/null', same bytes", base, mb)
+        print(f"ratio push/ssh cat: whole command {c.wall / a.wall:.2f}x, copy alone "
+              f"{c.wall / a.own:.2f}x (paramiko's channel: {c.wall / b.wall:.2f}x, "
+              f"{c.wall / b.own:.2f}x)")  # fmt: skip
+        if a.cpu is not None:
+            print(f"CPU per byte, ssh cat/push: {c.cpu / a.cpu:.2f}x "
+                  f"(paramiko's channel: {c.cpu / b.cpu:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":

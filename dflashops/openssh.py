@@ -10,6 +10,7 @@ ProxyCommand, BatchMode, no ControlMaster, and a ServerAlive keepalive with the 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ OWN_ERROR = re.compile(
     r"|channel \d+: open failed|ssh_dispatch_run_fatal|Load key|ProxyCommand|kex_)"
 )
 TAIL = 4096
+PIPE_SIZE = 1 << 20  # fewer, larger hand-overs between us and the client than 64 KiB pipes
 
 
 class Configs:
@@ -143,6 +145,9 @@ class OpenSshProcess:
             stderr=subprocess.PIPE,
             start_new_session=True,  # our Ctrl-C is ours to handle, not the client's
         )
+        for pipe in (self.popen.stdin, self.popen.stdout):
+            with contextlib.suppress(OSError, AttributeError):  # Linux only; a hint
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         self._tail = b""
 
     def write(self, data: bytes) -> None:

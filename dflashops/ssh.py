@@ -176,7 +176,7 @@ class Connection:
         transport = _transport(self._socket(target), known.key_types(target.key_name))
         transport.banner_timeout = transport.auth_timeout = self.connect_timeout
         try:
-            transport.start_client(timeout=self.connect_timeout)
+            self._handshake(transport)
             self._check_host_key(target, known, transport.get_remote_server_key())
             self.typed_passphrase = log_in(transport, target).typed
         except OpsError:
@@ -253,12 +253,19 @@ class Connection:
             raise
         try:
             transport.banner_timeout = self.connect_timeout
-            transport.start_client(timeout=self.connect_timeout)
+            self._handshake(transport)
             return transport.get_remote_server_key()
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise UnreachableError(f"{target.label}: {self._explain(exc)}") from None
         finally:
             transport.close()
+
+    def _handshake(self, transport: paramiko.Transport) -> None:
+        """Key exchange within the connect timeout (paramiko's start_client just returns when
+        its timeout passes)."""
+        transport.start_client(timeout=self.connect_timeout)
+        if not transport.initial_kex_done:
+            raise TimeoutError
 
     def _explain(self, exc: BaseException) -> str:
         seconds = self.connect_timeout

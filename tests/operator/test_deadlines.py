@@ -125,6 +125,16 @@ def test_a_stopped_sshd_behind_a_jump_host_is_noticed(testbed, tmp_path, home):
     assert took < DEADLINE + SLACK, took
 
 
+def test_an_sshd_stopped_before_we_connect_is_no_answer_too(testbed, tmp_path, home):
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    with frozen_sshd(testbed["pve1"]):
+        ran, took = timed("--timeout", str(DEADLINE), "exec", "ct201", "--", "true", inv=inv,
+                          home=home)  # fmt: skip
+    assert ran.code == 3, ran
+    assert f"no answer in {DEADLINE} s" in ran.err and len(ran.err.splitlines()) == 1
+    assert took < DEADLINE + SLACK, took
+
+
 RELAY = """\
 import socket, sys, threading
 sock = socket.create_connection((sys.argv[1], int(sys.argv[2])))
