@@ -26,8 +26,11 @@ def _dflashops_watchdog():
     def watch():
         poll = select.poll()
         poll.register(1, 0)  # errors only: the reader of our stdout went away
-        while not any(e & (select.POLLERR | select.POLLHUP) for _, e in poll.poll()):
-            pass
+        events = 0
+        while not events & (select.POLLERR | select.POLLHUP):
+            events = poll.poll()[0][1]
+            if events & select.POLLNVAL:
+                return  # no stdout at all: nothing to watch
         handled = callable(signal.getsignal(signal.SIGTERM))
         signal.pthread_kill(main, signal.SIGTERM if handled else signal.SIGINT)
         time.sleep(5)
