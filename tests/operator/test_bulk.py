@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from dflashops.errors import HostKeyError, NoAnswerError
 from dflashops.inventory import load_inventory
 from dflashops.session import Session
 from tests.operator.cli import dflashops
-from tests.operator.test_deadlines import freeze, thaw
+from tests.operator.test_deadlines import RELAY, freeze, thaw
 
 pytestmark = pytest.mark.testbed
 
@@ -77,6 +78,23 @@ def test_push_through_a_jump_host_goes_through_it(testbed, tmp_path, home):
         froms == [testbed["pve1"].address] * 2
     )  # paramiko's login and the client's, both via pve1
     assert digest(testbed["pve2"][301].host_path("/workspace/bulk/jumped.bin")) == digest(src)
+
+
+def test_push_through_a_proxy_command_goes_through_it(testbed, tmp_path, home):
+    relay = tmp_path / "relay.py"
+    relay.write_text(RELAY)
+    pve1, count = testbed["pve1"], tmp_path / "relayed"
+    (home / ".ssh" / "config").write_text(
+        f"Host relayed\n  HostName {pve1.address}\n  Port {pve1.port}\n"
+        f"  ProxyCommand sh -c 'echo >> {count}; exec {sys.executable} {relay} %h %p'\n"
+    )
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    inv.write_text(inv.read_text().replace(f"address: {pve1.address}", "address: relayed"))
+    src = big_file(tmp_path)
+    ran = dflashops("push", "ct201", str(src), "bulk/proxied.bin", inventory=inv, home=home)
+    assert ran.code == 0, ran.err
+    assert count.read_text() == "\n\n"  # paramiko's connection and the client's
+    assert digest(testbed["pve1"][201].host_path("/workspace/bulk/proxied.bin")) == digest(src)
 
 
 def test_the_openssh_client_refuses_a_key_that_changed_after_login(testbed, tmp_path, home):
