@@ -13,6 +13,7 @@ import io
 import json
 import os
 import posixpath
+import secrets
 import stat
 import tarfile
 from collections.abc import Callable, Iterator
@@ -332,11 +333,12 @@ def get_file(machine: Machine, remote: str, local: Path) -> int:
     target's own hash of it; `local` appears only once the copy is verified."""
     src = remote_path(machine, remote)
     local.parent.mkdir(parents=True, exist_ok=True)
-    partial = local.with_name(local.name + ".dflashops-partial")
+    # unique: two copies into one place never share it
+    partial = local.with_name(f".{local.name}.{os.getpid()}-{secrets.token_hex(4)}.part")
     digest = hashlib.sha256()
     size = 0
     try:
-        with open(partial, "wb") as f:
+        with open(partial, "xb") as f:
 
             def take(chunk: bytes) -> None:
                 nonlocal size

@@ -205,8 +205,8 @@ def check_placed(
         missing = sorted(set(entries) - set(verified) - set(bad))
         raise TransferError(
             f"{target}: the copy to {final} does not match its {MANIFEST} "
-            f"({', '.join(bad + missing)}); the {len(verified)} files that verify are kept in "
-            f"{partial} for the next try: run it again"
+            f"({', '.join(bad + missing)}); what verifies ({len(verified)} of {len(entries)} "
+            f"files) is kept in {partial} for the next try: run it again"
         )
     if verified != entries:
         raise TransferError(

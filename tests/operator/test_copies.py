@@ -360,3 +360,56 @@ def test_push_sends_only_what_changed(inventory, home, testbed, tmp_path):
     full = dflashops("--json", "push", "ct201", str(tree), "/workspace/inc", "--checksum",
                      inventory=inventory, home=home)  # fmt: skip
     assert json.loads(full.out)["files"] == 1 and sha(there) == sha(tree / "f3.bin")
+
+
+def test_leftovers_of_a_killed_receiver_are_swept_by_the_next_copy(
+    inventory, home, testbed, tmp_path
+):
+    folder = testbed["pve1"][201].host_path("/workspace/sweep")
+    folder.mkdir()
+    hour_ago = time.time() - 3600
+    dead_old, dead_new, alive_old = (folder / n for n in (
+        ".dfo-4194000-0a0b0c0d0e0f.part", ".dfo-4194001-0a0b0c0d0e0f.part", ".dfo-1-0a0b0c0d0e0f.part"
+    ))  # fmt: skip
+    for path in (dead_old, dead_new, alive_old):
+        path.write_bytes(b"half a file")
+    for path in (dead_old, alive_old):
+        os.utime(path, (hour_ago, hour_ago))
+    f = tmp_path / "new.bin"
+    f.write_bytes(b"x")
+    ran = dflashops("push", "ct201", str(f), "/workspace/sweep/", inventory=inventory, home=home)
+    assert ran.code == 0, ran.err
+    # gone: a dead receiver's, untouched for an hour; kept: a young one, and one whose pid lives
+    assert sorted(p.name for p in folder.iterdir()) == sorted([dead_new.name, alive_old.name,
+                                                               "new.bin"])  # fmt: skip
+
+
+def test_two_copies_out_into_one_local_path_at_once(
+    inventory, home, testbed, tmp_path, monkeypatch
+):
+    import threading
+
+    from dflashops.inventory import load_inventory
+    from dflashops.session import Session
+    from dflashops.transfer import get_file
+
+    data = os.urandom(8 << 20)
+    testbed["pve1"][201].host_path("/workspace/out.bin").write_bytes(data)
+    monkeypatch.setenv("HOME", str(home))
+    local = tmp_path / "got" / "out.bin"
+    sizes, errors = [], []
+
+    def copy() -> None:
+        try:
+            with Session(load_inventory(inventory)) as session:
+                sizes.append(get_file(session.machine("ct201"), "/workspace/out.bin", local))
+        except Exception as exc:  # noqa: BLE001 (asserted below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=copy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and sizes == [8 << 20, 8 << 20]
+    assert local.read_bytes() == data and [p.name for p in local.parent.iterdir()] == ["out.bin"]
