@@ -16,7 +16,6 @@ SIGINT/SIGTERM finish the current step, save a checkpoint and exit 0; a second s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workload import checkpoint as ckpt
@@ -51,21 +50,19 @@ from workload.config import (
     load_config,
     recipe_layer_ids,
 )
-from workload.data import Batch, BatchStream, DataError, load_examples, sample_anchors
-from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
-from workload.metrics import empty_sums, finalize, metric_sums
+from workload.data import BatchStream, DataError, load_examples
+from workload.metrics import empty_sums, finalize
 from workload.model import (
     WEIGHTS_NAME,
     DFlashDrafter,
     build_drafter_config,
     default_target_layer_ids,
-    select_target_features,
 )
+from workload.step import DDS_BUDGETS, DrafterStep, noise_std, train_step
 from workload.targets import embedding_rows, load_target, text_config
 
 LOG_NAME = "train_log.jsonl"
 STATE_NAME = "state.json"
-DDS_BUDGETS = (8,)
 # what a log interval sums on each rank (reduced over ranks for the log line)
 SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
 clock = time.monotonic  # seconds of a log interval (tests replace it)
@@ -113,29 +110,7 @@ def init_distributed() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local, device)
 
 
-def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on GPU (fp32 master weights); fp32 on CPU unless precision: bf16."""
-    precision = cfg.optim.precision
-    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 # ---------------------------------------------------------------- the run's pieces
-
-
-class DrafterStep(nn.Module):
-    """The drafter's training forward as one module, so DDP sees (and syncs) every use."""
-
-    def __init__(self, drafter: DFlashDrafter) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, features, block_embeds, anchors, anchor_valid, positions, doc_ids, attention):
-        context = self.drafter.project_context(features)
-        return self.drafter.forward_blocks(
-            block_embeds, context, anchors, anchor_valid, positions, doc_ids, attention=attention
-        )
 
 
 @dataclass
@@ -275,13 +250,6 @@ def count_steps(cfg: RunConfig, stream: BatchStream, world: int) -> int:
     return min(steps)
 
 
-def noise_std(cfg: RunConfig, step: int) -> float:
-    n = cfg.noise
-    if n.steps <= 0:
-        return n.start
-    return n.start + (n.end - n.start) * min(1.0, step / n.steps)
-
-
 def _load_target(cfg: RunConfig, d: Dist) -> tuple[nn.Module, Any]:
     """load_target, with a missing or unloadable target as one line (UsageError)."""
     try:
@@ -395,153 +363,6 @@ def setup(
         layer_ids, fc_ids, total, hybrid,
     )  # fmt: skip
     return run, items
-
-
-# ---------------------------------------------------------------- one step
-
-
-@dataclass
-class TeacherView:
-    features: Tensor  # [B, S, L*H] clean features of the fc layers
-    teacher_hidden: Tensor  # [B, S, H] what the teacher's logits are computed from
-    greedy: Tensor  # [B, S] the teacher's token for position p + 1
-
-
-def decoder_body(target: nn.Module) -> nn.Module:
-    return target.model if hasattr(target, "model") else target.get_decoder()
-
-
-@torch.no_grad()
-def target_forward(run: Run, batch: Batch) -> TeacherView:
-    """The frozen target's clean forward: fc features and the teacher (before any noise).
-
-    No attention mask: transformers (5.x) builds the causal mask itself, with each layer's
-    sliding window, and when position_ids restart inside a row (packed documents) it keeps the
-    documents apart (`find_packed_sequence_indices`; sdpa, eager and flex_attention; padding
-    continues the last document's positions, so it is that document's tail)."""
-    body = decoder_body(run.target)
-    out = body(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        attention_mask=None,
-        output_hidden_states=True,
-        use_cache=False,
-    )
-    hidden_states = out.hidden_states
-    features = select_target_features(hidden_states, run.fc_ids)
-    if run.cfg.loss.teacher == "logits":
-        teacher_hidden = out.last_hidden_state
-    else:  # old runs: lm_head(norm(last configured layer)); hidden_states[-1] is already normed
-        last = run.layer_ids[-1]
-        h = hidden_states[last + 1]
-        teacher_hidden = h if last + 2 == len(hidden_states) else body.norm(h)
-    greedy = greedy_tokens(teacher_hidden, run.target.get_output_embeddings())
-    return TeacherView(features, teacher_hidden, greedy)
-
-
-def add_noise(features: Tensor, std: float) -> Tensor:
-    """fp32 features plus uniform noise in [-std, +std] (fc inputs only; the teacher never sees
-    it). fp32 because a bf16 step is 0.125 at |x| >= 16, where noise of 0.05 would round away;
-    the drafter's fc takes fp32 features in fp32 (`DFlashDrafter.project_context`)."""
-    features = features.float()
-    if std <= 0:
-        return features
-    return features + (torch.rand_like(features) * 2 - 1) * std
-
-
-def block_inputs(run: Run, batch: Batch, anchors: Tensor) -> Tensor:
-    """Target embeddings of [anchor token, MASK x K-1] for every block: [B, N*K, H]."""
-    k = run.cfg.drafter.block_size
-    b, n = anchors.shape
-    ids = torch.full((b, n, k), run.cfg.drafter.mask_token_id, device=anchors.device)
-    ids[:, :, 0] = batch.input_ids.gather(1, anchors)
-    return run.target.get_input_embeddings()(ids.view(b, n * k))
-
-
-def _tick(run: Run, name: str, start: float) -> float:
-    if run.timing:
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
-        now = time.perf_counter()
-        run.times[name] = run.times.get(name, 0.0) + now - start
-        return now
-    return start
-
-
-def micro_step(run: Run, batch: Batch, step: int, sums: dict[str, float]) -> Tensor:
-    """Forward one micro-batch and return its loss (metric sums are added to `sums`)."""
-    cfg = run.cfg
-    k = cfg.drafter.block_size
-    t0 = time.perf_counter()
-    autocast = autocast_for(cfg, run.device)
-    with autocast:
-        view = target_forward(run, batch)
-        anchors, anchor_valid = sample_anchors(
-            batch.loss_mask, batch.doc_ids, num_anchors=cfg.data.num_anchors,
-            generator=run.anchor_gen, max_per_row=cfg.data.max_anchors_per_row,
-        )  # fmt: skip
-        labels, valid = teacher_labels(
-            view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k
-        )
-        with torch.no_grad():
-            embeds = block_inputs(run, batch, anchors)
-            features = add_noise(view.features, noise_std(cfg, step))
-    t1 = _tick(run, "target_forward", t0)
-    with autocast_for(cfg, run.device):
-        hidden = run.ddp(
-            features, embeds, anchors, anchor_valid, batch.position_ids,
-            batch.doc_ids if cfg.data.pack else None, cfg.attention,
-        )  # fmt: skip
-        b, n = anchors.shape
-        slots = hidden.view(b, n, k, -1)[:, :, 1:][anchor_valid]
-        teacher = None
-        if cfg.loss.type != "ce":
-            teacher = gather_slots(view.teacher_hidden, anchors, k)[anchor_valid]
-
-        for key, value in empty_sums(DDS_BUDGETS).items():  # the same keys on every rank
-            sums.setdefault(key, value)
-
-        def hook(logits: Tensor, lab: Tensor, val: Tensor) -> None:
-            for key, value in metric_sums(logits, lab, val, DDS_BUDGETS).items():
-                sums[key] = sums.get(key, 0.0) + value
-
-        loss = objective(
-            slots, run.target.get_output_embeddings(), labels[anchor_valid], valid[anchor_valid],
-            Objective.from_config(cfg.loss), teacher_hidden=teacher, on_logits=hook,
-        )  # fmt: skip
-    (loss / cfg.optim.grad_accum).backward()
-    _tick(run, "drafter_fwd_bwd", t1)
-    sums["tokens"] = sums.get("tokens", 0.0) + float((batch.doc_ids >= 0).sum())
-    return loss.detach()
-
-
-def trim_padding(batch: Batch) -> Batch:
-    """Drop the columns where every row is padding (right padding only: exact for a causal
-    target, and the drafter never looks past an anchor's document)."""
-    width = int((batch.doc_ids >= 0).sum(1).max())
-    if width == batch.input_ids.shape[1] or width == 0:
-        return batch
-    return Batch(*(t[:, :width] for t in (batch.input_ids, batch.loss_mask, batch.doc_ids,
-                                          batch.position_ids)))  # fmt: skip
-
-
-def train_step(run: Run, step: int, sums: dict[str, float]) -> tuple[float, float, float]:
-    """One optimizer step over grad_accum micro-batches; returns (loss, grad norm, lr)."""
-    accum = run.cfg.optim.grad_accum
-    losses = []
-    for i in range(accum):
-        batch = trim_padding(run.stream.next_batch()).to(run.device)
-        sync = contextlib.nullcontext() if i == accum - 1 else run.ddp.no_sync()
-        with sync:
-            losses.append(micro_step(run, batch, step, sums))
-    t0 = time.perf_counter()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.cfg.optim.grad_clip)
-    lr = run.optimizer.param_groups[0]["lr"]
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    _tick(run, "optimizer", t0)
-    return float(torch.stack(losses).mean()), float(grad_norm), lr
 
 
 # ---------------------------------------------------------------- run directory files

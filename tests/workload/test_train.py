@@ -17,6 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from workload import checkpoint as ckpt
+from workload import step as S
 from workload import train as T
 from workload.config import load_config
 
@@ -86,18 +87,18 @@ def cli(build: Path, run_dir: Path, *args: str, launcher=(sys.executable,), **kw
 def _step_inputs(run: T.Run, batch, monkeypatch) -> dict:
     """Run one micro step and capture the labels the loss saw and the drafter's fc inputs."""
     seen: dict = {}
-    real = T.objective
+    real = S.objective
 
     def spy(hidden, lm_head, labels, valid, obj, **kw):
         seen["labels"], seen["valid"] = labels.clone(), valid.clone()
         return real(hidden, lm_head, labels, valid, obj, **kw)
 
-    monkeypatch.setattr(T, "objective", spy)
+    monkeypatch.setattr(S, "objective", spy)
     handle = run.ddp.module.register_forward_pre_hook(
         lambda mod, args: seen.__setitem__("features", args[0].clone())
     )
     try:
-        T.micro_step(run, batch, 0, {})
+        S.micro_step(run, batch, 0, {})
     finally:
         handle.remove()
     return seen
@@ -108,7 +109,7 @@ def test_teacher_labels_do_not_depend_on_noise_or_fc_layers(tiny_dense, group, m
     noisy = config(tiny_dense, "noise.start=0.5", "noise.end=0.5", "drafter.fc_layers=all_but_last")
     run_a, _ = T.setup(clean, group, say=lambda m: None)
     run_b, _ = T.setup(noisy, group, say=lambda m: None)
-    batch = T.trim_padding(run_a.stream.next_batch())
+    batch = S.trim_padding(run_a.stream.next_batch())
     a = _step_inputs(run_a, batch, monkeypatch)
     b = _step_inputs(run_b, batch, monkeypatch)
     assert a["valid"].sum() > 10
@@ -134,12 +135,12 @@ def test_noise_reaches_the_drafter_under_bf16_autocast():
     drafter = DFlashDrafter(build_drafter_config(target, num_layers=1, block_size=4,
                                                  mask_token_id=3, target_layer_ids=[0, 1]))  # fmt: skip
     features = (20 + torch.rand(2, 8, 128)).to(torch.bfloat16)
-    noised = T.add_noise(features, 0.05)
+    noised = S.add_noise(features, 0.05)
     applied = noised - features.float()
     assert (applied != 0).float().mean() > 0.99 and applied.abs().max() <= 0.05
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         seen = drafter.project_context(noised)
-        clean = drafter.project_context(T.add_noise(features, 0.0))
+        clean = drafter.project_context(S.add_noise(features, 0.0))
     with torch.no_grad():  # fp32 throughout: what the logged noise promises
         want = drafter.project_context(noised)
         want_clean = drafter.project_context(features.float())
@@ -168,9 +169,9 @@ def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_den
     new = config(tiny_dense, ids)
     run_old, items = T.setup(old, group, say=lambda m: None)
     run_new, _ = T.setup(new, group, say=lambda m: None)
-    batch = T.trim_padding(run_new.stream.next_batch())
+    batch = S.trim_padding(run_new.stream.next_batch())
     assert torch.equal(
-        T.target_forward(run_old, batch).greedy, T.target_forward(run_new, batch).greedy
+        S.target_forward(run_old, batch).greedy, S.target_forward(run_new, batch).greedy
     )
     assert "loss.teacher" in {i.key for i in items}
 
@@ -270,9 +271,9 @@ def test_packed_rows_give_each_document_its_own_forward(target, impl, group, req
     """Features and teacher tokens of a packed row equal those of each document run alone."""
     build = request.getfixturevalue("tiny_dense") if target == "tiny_dense" else None
     run = _packed_run(build, impl, group)
-    batch = T.trim_padding(run.stream.next_batch())
-    view = T.target_forward(run, batch)
-    body, head = T.decoder_body(run.target), run.target.get_output_embeddings()
+    batch = S.trim_padding(run.stream.next_batch())
+    view = S.target_forward(run, batch)
+    body, head = S.decoder_body(run.target), run.target.get_output_embeddings()
     docs = 0
     for b in range(batch.input_ids.shape[0]):
         for doc in batch.doc_ids[b].unique().tolist():
@@ -282,10 +283,10 @@ def test_packed_rows_give_each_document_its_own_forward(target, impl, group, req
             with torch.no_grad():
                 alone = body(input_ids=batch.input_ids[b, at][None], output_hidden_states=True,
                              use_cache=False)  # fmt: skip
-            features = T.select_target_features(alone.hidden_states, run.fc_ids)[0]
+            features = S.select_target_features(alone.hidden_states, run.fc_ids)[0]
             torch.testing.assert_close(view.features[b, at], features, atol=1e-4, rtol=1e-4)
             assert torch.equal(
-                view.greedy[b, at], T.greedy_tokens(alone.last_hidden_state, head)[0]
+                view.greedy[b, at], S.greedy_tokens(alone.last_hidden_state, head)[0]
             )
             docs += 1
     assert docs >= 3  # rows did hold several documents
@@ -307,11 +308,11 @@ def test_a_batch_without_an_eligible_anchor_is_a_zero_loss_step(tiny_dense, grou
     """One supervised token per row: no anchor anywhere. The step must not crash, must add
     nothing, and must still give every parameter a gradient (what DDP's allreduce waits for)."""
     run, _ = T.setup(config(tiny_dense, f"attention={attention}"), group, say=lambda m: None)
-    batch = T.trim_padding(run.stream.next_batch())
+    batch = S.trim_padding(run.stream.next_batch())
     batch.loss_mask[:] = False
     batch.loss_mask[:, -1] = True
     sums: dict = {}
-    loss = T.micro_step(run, batch, 0, sums)
+    loss = S.micro_step(run, batch, 0, sums)
     assert loss.item() == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in run.drafter.parameters())
     assert sums["blocks"] == 0 and sums["acc_count"] == 0 and "dds8_sum" in sums
