@@ -107,8 +107,8 @@ def trained(cli, config):
     """r-main (8 steps, checkpoints 4 and 8) and r-kl (kl loss, 4 steps), both to the end."""
     main = cli("launch", "r-main", "--host", "train", "--config", str(config))
     assert main.code == 0, main.err
-    kl = cli(
-        "launch", "r-kl", "--host", "train", "--config", str(config),
+    kl = cli(  # --force: r-main holds the target (CPU: they can share it)
+        "launch", "r-kl", "--host", "train", "--config", str(config), "--force",
         "--set", "loss.type=kl", "--set", "optim.max_steps=4", "--set", "checkpoint.every=2",
     )  # fmt: skip
     assert kl.code == 0, kl.err
@@ -164,19 +164,24 @@ def test_status_hides_finished_runs_unless_all(cli, trained):
 def test_duplicate_run_name_is_refused_on_any_target(cli, trained, bed):
     ran = cli("launch", "r-main", "--host", "evalbox", "--config", "tiny")
     assert ran.code == 2
-    assert "run name 'r-main' is taken (train:runs/r-main)" in ran.err
+    assert "run name 'r-main' is taken (train:runs/r-main (finished))" in ran.err
     assert not bed["evalbox"].host_path("/workspace/runs/r-main").exists()
 
 
-def test_config_error_from_the_trainer_is_one_line_and_exit_2(cli, config):
+def test_a_config_error_is_one_line_exit_2_before_anything_starts(cli, config, bed):
+    """The memory plan reads the config in the target first: a bad value is refused there, in
+    the trainer's own words, and the launch leaves nothing behind."""
     ran = cli(
         "launch", "r-bad", "--host", "train", "--config", str(config), "--set", "loss.type=nonsense"
     )
     assert ran.code == 2, ran.err
     errors = [line for line in ran.err.splitlines() if line.startswith("dflashops: error:")]
-    assert len(errors) == 1 and "r-bad: the trainer refused to start" in errors[0]
-    assert "loss.type" in errors[0] and "Traceback" not in ran.err
-    assert status(cli, "r-bad")["state"] == "failed"
+    assert errors == [
+        "dflashops: error: r-bad: run.yaml:22: loss.type: 'nonsense' is not one of ce, kl, blend"
+    ]
+    assert "Traceback" not in ran.err
+    assert not bed["train"].host_path("/workspace/runs/r-bad").exists()
+    assert cli("status", "r-bad").code == 4
 
 
 @pytest.mark.slow
@@ -332,9 +337,10 @@ def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
 def test_dry_run_prints_host_argv_and_changes_nothing(cli, trained, bed):
     ran = cli("--dry-run", "launch", "r-dry", "--host", "train", "--config", "tiny")
     assert ran.code == 0, ran.err
-    tmux = next(line for line in ran.out.splitlines() if "tmux new-session" in line)
+    tmux = next(line for line in ran.out.splitlines() if " new-session " in line)
     assert tmux.startswith(f"pve1: pct exec {TRAIN_VMID} -- /usr/bin/env -i PATH=")
-    assert "-s dflash-r-dry -c /workspace/runs/r-dry" in tmux
+    assert "tmux -L dflashops -f /dev/null new-session -d -s dflash-r-dry" in tmux
+    assert "launcher.py /workspace/runs/r-dry" in tmux
     assert not bed["train"].host_path("/workspace/runs/r-dry").exists()
     pulled = cli("--dry-run", "pull-ckpt", "4", "--to", "evalbox", "--run", "r-kl")
     assert pulled.code == 0, pulled.err
