@@ -78,7 +78,10 @@ if "workload.plan" in sys.argv:  # the memory plan, answered as workload.plan wo
 run = sys.argv[sys.argv.index("--run-dir") + 1]
 json.dump(dict(os.environ), open(os.path.join(run, "env.json"), "w"))
 stop = []
-signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+if "# IGNORE_TERM" in open("run.yaml").read():  # a trainer that does not stop when asked
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 def state(**kw):
     path = os.path.join(run, "state.json")
     s = json.load(open(path)) if os.path.exists(path) else {}
@@ -781,3 +784,43 @@ def test_two_launches_of_one_name_on_two_targets_cannot_both_win(tmp_path, tmux_
     left = [name for name in ("one", "two") if (tmp_path / name / "runs" / "race").exists()]
     assert len(left) == 1
     assert dflashops("stop", "race", inventory=inv).code == 0
+
+
+def _start_time(pid: int) -> int:
+    raw = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(raw[raw.rindex(b")") + 2 :].split()[19])
+
+
+def test_a_reused_pid_is_not_taken_for_the_trainer(cli, ws):
+    """After a restart another process can hold the recorded pid, even one whose command line
+    says workload.train: the run is not shown running, and stop signals nothing."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "workload.train"]
+    )
+    try:
+        run = make_run(ws, "ghost", status="running")
+        state = json.loads((run / "state.json").read_text())
+        state.update(pid=other.pid, pid_start=_start_time(other.pid) - 1, exit_code=None,
+                     finished=None)  # fmt: skip
+        (run / "state.json").write_text(json.dumps(state))
+        doc = json.loads(cli("--json", "status", "ghost").out)
+        assert doc["state"] == "failed", doc
+        stopped = cli("stop", "ghost")
+        assert stopped.code == 0 and "not running" in stopped.out, stopped.err
+        assert other.poll() is None  # never signalled
+    finally:
+        other.kill()
+
+
+def test_stop_kill_ends_a_trainer_that_does_not_stop(trainer_cli, ws, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("# IGNORE_TERM\nseed: 0\n")
+    assert trainer_cli("launch", "stubborn", "--host", "local", "--config", str(cfg)).code == 0
+    pid = json.loads((ws / "runs/stubborn/state.json").read_text())["pid"]
+    asked = trainer_cli("stop", "stubborn", "--timeout", "3")
+    assert asked.code == 1 and "still running after" in asked.err, asked.err
+    killed = trainer_cli("--json", "stop", "stubborn", "--kill")
+    assert killed.code == 0, killed.err
+    doc = json.loads(killed.out)
+    assert doc["state"] == "failed" and doc["exit_code"] == 137, doc
+    assert not Path(f"/proc/{pid}").exists()
