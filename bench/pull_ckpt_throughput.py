@@ -6,8 +6,8 @@ Run: python bench/pull_ckpt_throughput.py [--mb 1024] [--runs 3]. Needs root. Ou
 checkpoint in CT 201 on pve1, relays it through this machine and checks every file against
 MANIFEST.sha256 from CT 301's disk on pve2; the baseline moves the bytes host to host and
 verifies nothing. Pull runs as installed (the OpenSSH client carries the bytes) and with no
-OpenSSH client on PATH (paramiko's channels), interleaved with the baseline; best of the
-rounds. Columns as in push_throughput.py.
+OpenSSH client on PATH (paramiko's channels), next to the baseline. Columns and ratios as in
+push_throughput.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from _bed import bed, dflashops_argv, home_env, openssh_argv
 from _cpu import CpuMeter
-from push_throughput import NO_OPENSSH, Trial, joined, make_tree, report
+from push_throughput import NO_OPENSSH, Trial, joined, make_tree, ratios, report
 
 RUN = "benchrun"
 
@@ -90,24 +90,20 @@ def run(size_mb: int, runs: int, meter: CpuMeter) -> None:
         pull = dflashops_argv(inv, "--json", "pull-ckpt", "1", "--to", "ct301", "--run", RUN)
         ours, channel, base = [], [], []
         for _ in range(runs):
+            base.append(Piped(meter, openssh_argv(tb, "pve1", "cat", "/tmp/joined.bin"),
+                              openssh_argv(tb, "pve2", "cat > /dev/null"), env))  # fmt: skip
             for trials, environ in ((ours, env), (channel, plain)):
                 trials.append(Trial(meter, pull, environ, None))
                 shutil.rmtree(copies)
-            base.append(Piped(meter, openssh_argv(tb, "pve1", "cat", "/tmp/joined.bin"),
-                              openssh_argv(tb, "pve2", "cat > /dev/null"), env))  # fmt: skip
         flat.unlink()
-        print(
-            f"{mb:.0f} MB checkpoint, pve1 -> pve2, best of {runs}  MB/s whole  MB/s copy  CPU s/GB"
-        )
-        a = report("pull-ckpt, the OpenSSH client carries bytes", ours, mb)
-        b = report("pull-ckpt, paramiko's channels (no ssh)", channel, mb)
-        c = report("ssh A 'cat FILE' | ssh B 'cat > /dev/null'", base, mb)
-        print(f"ratio pull-ckpt/ssh|ssh: whole command {c.wall / a.wall:.2f}x, copy alone "
-              f"{c.wall / a.own:.2f}x (paramiko's channels: {c.wall / b.wall:.2f}x, "
-              f"{c.wall / b.own:.2f}x)")  # fmt: skip
-        if a.cpu is not None:
-            print(f"CPU per byte, ssh|ssh / pull-ckpt: {c.cpu / a.cpu:.2f}x "
-                  f"(paramiko's channels: {c.cpu / b.cpu:.2f}x)")  # fmt: skip
+        head = f"{mb:.0f} MB checkpoint pve1 -> pve2, {runs} rounds"
+        print(f"{head:<44} MB/s whole  MB/s copy  CPU s/GB")
+        report("pull-ckpt, the OpenSSH client carries bytes", ours, mb)
+        report("pull-ckpt, paramiko's channels (no ssh)", channel, mb)
+        report("ssh A 'cat FILE' | ssh B 'cat > /dev/null'", base, mb)
+        print("ratio to ssh | ssh, median of rounds:")
+        ratios("  pull-ckpt, the OpenSSH client carries bytes", ours, base)
+        ratios("  pull-ckpt, paramiko's channels", channel, base)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ of the same bytes, side by side (target: at least 0.7x the throughput).
 Run: python bench/push_throughput.py [--mb 1024] [--runs 3]. Needs root. Ours includes the
 sha256 verification inside the container; the baseline verifies nothing. Push runs twice per
 round: as installed (the OpenSSH client carries the bytes) and with no OpenSSH client on PATH
-(paramiko's one channel), interleaved with the baseline; best of the rounds. "whole" is the
-command as a user runs it (process start, login, change check included); "copy" is the
-command's own timing of the copy (its --json seconds); CPU s/GB counts every process involved
-(see _cpu.py).
+(paramiko's one channel), next to the baseline. "whole" is the command as a user runs it
+(process start, login, change check included); "copy" is the command's own timing of the copy
+(its --json seconds); CPU s/GB counts every process involved (see _cpu.py). Rates are the best
+of the rounds; the ratios are the median over rounds of each round's own ratio (a machine
+shared with other work swings between rounds more than within one).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -59,12 +61,23 @@ def joined(tree: Path, out: Path) -> Path:
     return out
 
 
-def report(label: str, trials: list[Trial], mb: float) -> Trial:
+def report(label: str, trials: list[Trial], mb: float) -> None:
     best = min(trials, key=lambda t: t.wall)
-    copy = f"{mb / best.own:8.1f}" if best.own else "       -"
-    cpu = f"{best.cpu / (mb / 1000):8.2f}" if best.cpu is not None else "       -"
-    print(f"{label:<42} {mb / best.wall:8.1f} {copy} {cpu}")
-    return best
+    copy = f"{mb / min(t.own for t in trials):8.1f}" if best.own else "       -"
+    cpus = [t.cpu for t in trials if t.cpu is not None]
+    cpu = f"{statistics.median(cpus) / (mb / 1000):8.2f}" if cpus else "       -"
+    print(f"{label:<44} {mb / best.wall:8.1f} {copy} {cpu}")
+
+
+def ratios(label: str, ours: list[Trial], base: list[Trial]) -> None:
+    """Median over rounds of baseline time / our time: whole command, copy alone, CPU."""
+    whole = statistics.median(b.wall / o.wall for o, b in zip(ours, base, strict=True))
+    copy = statistics.median(b.wall / o.own for o, b in zip(ours, base, strict=True))
+    line = f"{label:<44} whole {whole:5.2f}x   copy {copy:5.2f}x"
+    if ours[0].cpu is not None:
+        cpu = statistics.median(b.cpu / o.cpu for o, b in zip(ours, base, strict=True))
+        line += f"   CPU per byte {cpu:5.2f}x"
+    print(line)
 
 
 def main() -> None:
@@ -90,22 +103,20 @@ def run(size_mb: int, runs: int, meter: CpuMeter) -> None:
         ct = tb["pve1"][201]
         ours, channel, base = [], [], []
         for i in range(runs):
+            base.append(Trial(meter, openssh_argv(tb, "pve1", "cat > /dev/null"), env, flat))
             for trials, environ in ((ours, env), (channel, plain)):
                 dest = f"bench/{i}-{len(trials)}-{environ['PATH'] == NO_OPENSSH}"
                 argv = dflashops_argv(inv, "--json", "push", "ct201", str(src), dest)
                 trials.append(Trial(meter, argv, environ, None))
                 shutil.rmtree(ct.host_path(f"/workspace/{dest}"))
-            base.append(Trial(meter, openssh_argv(tb, "pve1", "cat > /dev/null"), env, flat))
-        print(f"{mb:.0f} MB in 8 files, best of {runs}{'':>14}MB/s whole  MB/s copy  CPU s/GB")
-        a = report("push, the OpenSSH client carries the bytes", ours, mb)
-        b = report("push, paramiko's channel (no ssh on PATH)", channel, mb)
-        c = report("ssh host 'cat > /dev/null', same bytes", base, mb)
-        print(f"ratio push/ssh cat: whole command {c.wall / a.wall:.2f}x, copy alone "
-              f"{c.wall / a.own:.2f}x (paramiko's channel: {c.wall / b.wall:.2f}x, "
-              f"{c.wall / b.own:.2f}x)")  # fmt: skip
-        if a.cpu is not None:
-            print(f"CPU per byte, ssh cat/push: {c.cpu / a.cpu:.2f}x "
-                  f"(paramiko's channel: {c.cpu / b.cpu:.2f}x)")  # fmt: skip
+        head = f"{mb:.0f} MB in 8 files, {runs} rounds"
+        print(f"{head:<44} MB/s whole  MB/s copy  CPU s/GB")
+        report("push, the OpenSSH client carries the bytes", ours, mb)
+        report("push, paramiko's channel (no ssh on PATH)", channel, mb)
+        report("ssh host 'cat > /dev/null', same bytes", base, mb)
+        print("ratio to ssh cat, median of rounds:")
+        ratios("  push, the OpenSSH client carries the bytes", ours, base)
+        ratios("  push, paramiko's channel", channel, base)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Small stdlib-only programs that run inside targets with their `python3 -c` (never imported
 by the operator itself: their text is sent as an argument).
 
-Each runs behind a watchdog that makes it die with the command that started it: when our
-channel closes (a deadline passed, Ctrl-C, a dropped connection), sshd closes the helper's
-stdout, and a thread waiting for exactly that interrupts the helper (SIGTERM when the helper
-handles it, as receive.py does to clean up, else SIGINT), then ends it 5 s later.
+Each runs after a short preamble (PREAMBLE):
+- a watchdog makes it die with the command that started it: when our channel closes (a
+  deadline passed, Ctrl-C, a dropped connection), sshd closes the helper's stdout, and a thread
+  waiting for exactly that interrupts the helper (SIGTERM when the helper handles it, as
+  receive.py does to clean up, else SIGINT), then ends it 5 s later;
+- its stdin and stdout pipes grow to 1 MiB: a copy then moves in 16 times fewer steps (about
+  2 CPU seconds per GB less, measured on the test bed).
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ if TYPE_CHECKING:
     from dflashops.targets.base import Machine, Result
 
 
-WATCHDOG = """\
-def _dflashops_watchdog():
-    import os, select, signal, threading, time
+PREAMBLE = """\
+def _dflashops_preamble():
+    import fcntl, os, select, signal, threading, time
+    for fd in (0, 1):
+        try:
+            fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+        except OSError:
+            pass  # not a pipe, or a smaller limit: a hint only
     main = threading.main_thread().ident
     def watch():
         poll = select.poll()
@@ -36,8 +44,8 @@ def _dflashops_watchdog():
         time.sleep(5)
         os._exit(143)
     threading.Thread(target=watch, daemon=True).start()
-_dflashops_watchdog()
-del _dflashops_watchdog
+_dflashops_preamble()
+del _dflashops_preamble
 """
 
 
@@ -48,9 +56,9 @@ def source(name: str) -> str:
 
 
 def python_argv(code: str, *args: str, name: str = "<helper>") -> list[str]:
-    """The argv that runs python `code` in a target behind the watchdog (compiled on its own,
+    """The argv that runs python `code` in a target after the preamble (compiled on its own,
     so that its `from __future__` imports and tracebacks stay its own)."""
-    return ["python3", "-c", f"{WATCHDOG}exec(compile({code!r}, {name!r}, 'exec'))\n", *args]
+    return ["python3", "-c", f"{PREAMBLE}exec(compile({code!r}, {name!r}, 'exec'))\n", *args]
 
 
 @cache
