@@ -270,11 +270,13 @@ def sweep_parts(folder, everything=False):
 
 
 class Unpacker:
-    """Unpacks a stream under `base`; files are hashed and landed on a second thread, by
-    `land(rel, tmp, path, info)`, while the next one arrives."""
+    """Unpacks a stream under `base`. Subclasses say what they accept and how a file lands:
+    each is hashed from disk and landed on a second thread, while the next one arrives."""
 
-    def __init__(self, base, accept, land, durable=False):
-        self.base, self.accept, self.land, self.durable = base, accept, land, durable
+    durable = False  # fsync each file before it lands
+
+    def __init__(self, base):
+        self.base = base
         self.seen = {}
         self.swept = set()
         self.jobs = queue.Queue(maxsize=64)
@@ -339,6 +341,14 @@ class Unpacker:
             tmp = self.write(stream, path, member.size, mode, member.mtime_ns)
             self.jobs.put((rel, tmp, path))
 
+    def accept(self, rel, member):
+        """Raise Refused for an entry this copy does not take."""
+        raise NotImplementedError
+
+    def land(self, rel, tmp, path, info):
+        """Put file `tmp` (hashed: `info`) in place at `path`, or not."""
+        raise NotImplementedError
+
     def landed_dir(self, rel):
         """A directory arrived (for a subclass's report)."""
 
@@ -386,18 +396,17 @@ class Unpacker:
 
 class CopyUnpacker(Unpacker):
     def __init__(self, base):
-        super().__init__(base, self.copyable, self.replace)
+        super().__init__(base)
         self.found = {}
 
-    @staticmethod
-    def copyable(rel, member):
+    def accept(self, rel, member):
         if member.word not in COPYABLE:
             raise Refused(
                 f"{rel}: a {member.word} is refused (only regular files, directories and "
                 "symlinks are copied)"
             )
 
-    def replace(self, rel, tmp, path, info):
+    def land(self, rel, tmp, path, info):
         os.replace(tmp, path)
         self.found[rel] = {**info, "mode": os.lstat(path).st_mode & 0o7777}
 
@@ -431,7 +440,9 @@ def read_manifest(stream):
     try:
         text = json.loads(line)["manifest"]
     except (ValueError, KeyError, TypeError):
-        raise Refused("the stream does not start with a JSON header line") from None
+        text = None
+    if not isinstance(text, str):
+        raise Refused('the stream does not start with a header line {"manifest": TEXT}')
     entries = {}
     for line in text.splitlines():
         digest, sep, name = line.partition("  ")
@@ -634,19 +645,23 @@ def place(base, final):
 
 
 class CheckpointUnpacker(Unpacker):
+    """Files the manifest lists; each one that verifies is noted in BASE's marker file."""
+
+    durable = True
+
     def __init__(self, base, manifest, verified):
-        super().__init__(base, self.listed, self.check, durable=True)
+        super().__init__(base)
         self.manifest, self.verified = manifest, verified
         self.received, self.bad = [], []
         self.marker = open(os.path.join(base, MARKER), "a", encoding="utf-8")  # noqa: SIM115
 
-    def listed(self, rel, member):
+    def accept(self, rel, member):
         if member.word != "file":
             raise Refused(f"{rel}: a {member.word} in a checkpoint (only regular files)")
         if rel not in self.manifest:
             raise Refused(f"{rel}: not in the checkpoint's {MANIFEST}")
 
-    def check(self, rel, tmp, path, info):
+    def land(self, rel, tmp, path, info):
         if info["sha256"] != self.manifest[rel]:
             self.bad.append(rel)  # the .part is removed: the next try sends it again
             return
@@ -723,8 +738,13 @@ def fill(base, final, stream, manifest, text):
     finally:
         unpacker.marker.close()
     received = unpacker.received
-    report = {"placed": False, "verified": verified, "received": received, "bad": sorted(unpacker.bad),
-              "kept": [n for n in kept if n not in received]}  # fmt: skip
+    report = {
+        "placed": False,
+        "verified": verified,
+        "received": received,
+        "kept": [n for n in kept if n not in received],
+        "bad": sorted(unpacker.bad),
+    }
     if set(verified) != set(manifest):
         return report
     tidy(base, manifest)
