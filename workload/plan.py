@@ -1,0 +1,604 @@
+"""`python -m workload.plan --config RUN.yaml --nproc N`: will a run fit, before it starts?
+
+Per rank, in bytes: what a training step keeps alive, computed from the run config and the
+target's config.json. Target and drafter are built on the meta device (no weights are read,
+seconds even for a 27B config) to count their parameters; the activations follow the step's
+code (workload/train.py, loss.py, attention.py, model.py) term by term. The test
+(tests/workload/test_plan.py) holds the estimate within 25% of the peak torch allocates during
+real steps of tiny targets on CPU.
+
+    python -m workload.plan --config RUN.yaml [--set k=v]... --nproc N [--nnodes K]
+        [--device cuda|cpu] [--gpu-memory-gib G] [--target-config PATH] [--json]
+
+`--json` prints one object; the operator (`dflashops launch`) parses it, so it stays stable:
+
+    {"world": 8, "sharding": "zero1", "device": "cuda",
+     "per_rank": {"target_weights": B, "drafter_params": B, "gradients": B, "optimizer": B,
+                  "activations": B, "overhead": B, "total": B},     # bytes
+     "parameters": {"target": n, "drafter": n},
+     "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."]}
+
+`fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
+`fits`), 2 bad input (config, target config), with one line on stderr.
+
+Assumptions (each also in `notes`): drafter master weights, gradients and AdamW's two moments
+in fp32; DDP keeps gradients in its buckets (gradient_as_bucket_view), one copy; zero1 shards
+the moments like ZeroRedundancyOptimizer (whole parameters, largest first, to the emptiest
+rank); rows are full (max_length tokens) with the most anchors the config allows; on a GPU,
+1 GiB for the CUDA context and cuBLAS workspaces, plus 0.5 GiB for NCCL when world > 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
+
+GIB = 1 << 30
+CUDA_CONTEXT = 1 * GIB  # CUDA context, cuBLAS workspaces, allocator slack
+NCCL_BUFFERS = GIB // 2  # NCCL communicator buffers, when there is more than one rank
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
+GREEDY_CHUNK = 1024  # rows per lm_head call in loss.greedy_tokens
+LOSS_CHUNK_BLOCKS = 64  # blocks per lm_head chunk in loss.objective
+METRIC_CHUNK = 1 << 25  # logits elements metrics.metric_sums upcasts at a time
+FP32 = 4
+
+
+class PlanError(ValueError):
+    """A target config that cannot be read or built: one line."""
+
+
+@dataclass
+class Terms:
+    """Bytes one rank holds."""
+
+    target_weights: int = 0
+    drafter_params: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    overhead: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+
+@dataclass
+class Shape:
+    """The sizes a step works with (per rank and micro-batch; rows filled to max_length)."""
+
+    rows: int  # B
+    seq: int  # S
+    anchors: int  # N per row
+    block: int  # K
+    hidden: int  # H
+    vocab: int  # V
+    features: int  # L, fc input layers
+    target_layers: int
+    q_dim: int  # drafter heads x head_dim
+    kv_dim: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    intermediate: int  # drafter MLP width
+    drafter_layers: list[str]  # layer types
+    window: int | None
+    target_dtype: int  # bytes per target weight / activation
+    compute_dtype: int  # bytes of the drafter's matmul outputs (autocast dtype, else fp32)
+    attention: str  # flex | chunked | dense
+
+    @property
+    def context(self) -> int:  # C, context positions of the micro-batch
+        return self.rows * self.seq
+
+    @property
+    def queries(self) -> int:  # Q, block positions of the micro-batch
+        return self.rows * self.anchors * self.block
+
+
+@dataclass
+class Plan:
+    world: int
+    sharding: str
+    device: str
+    per_rank: Terms
+    parameters: dict[str, int]
+    gpu_memory: int | None = None
+    notes: list[str] = field(default_factory=list)
+    activation_parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory is None else self.per_rank.total <= self.gpu_memory
+
+    def to_json(self) -> dict[str, Any]:
+        per_rank = {**asdict(self.per_rank), "total": self.per_rank.total}
+        return {
+            "world": self.world,
+            "sharding": self.sharding,
+            "device": self.device,
+            "per_rank": per_rank,
+            "parameters": self.parameters,
+            "gpu_memory": self.gpu_memory,
+            "fits": self.fits,
+            "notes": self.notes,
+        }
+
+    def lines(self) -> list[str]:
+        t = self.per_rank
+        p = self.parameters
+        out = [
+            f"{self.world} rank(s) on {self.device}, sharding {self.sharding}; target "
+            f"{p['target'] / 1e9:.2f}B parameters, drafter {p['drafter'] / 1e9:.3f}B trainable",
+        ]
+        for name, value in asdict(t).items():
+            out.append(f"  {name:<15} {gib(value):>8}")
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in self.activation_parts.items())
+        out.append(f"    (activations at their peak: {parts})")
+        out.append(f"  {'total per rank':<15} {gib(t.total):>8}")
+        if self.gpu_memory is not None:
+            margin = self.gpu_memory - t.total
+            verdict = "fits" if margin >= 0 else "DOES NOT FIT"
+            out.append(
+                f"  {verdict} in {gib(self.gpu_memory)} "
+                f"({'margin' if margin >= 0 else 'short by'} {gib(abs(margin))})"
+            )
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+# ---------------------------------------------------------------- building on the meta device
+
+
+def load_target_config(path: str | os.PathLike) -> Any:
+    """A Hugging Face config from a config.json file or a model directory (PlanError if not)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise PlanError(f"{file}: no such file (a target config.json is needed)")
+    try:
+        return AutoConfig.from_pretrained(str(file))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PlanError(f"{file}: not a usable model config: {first}") from None
+
+
+def _dtype_bytes(name: str, device: str) -> int:
+    if name == "auto":  # workload.targets: bf16 on GPU, fp32 on CPU
+        return 2 if device == "cuda" else FP32
+    return {"bfloat16": 2, "float16": 2, "float32": FP32}[name]
+
+
+def compute_bytes(precision: str, device: str) -> int:
+    """Bytes of the drafter's matmul outputs: autocast bf16 (auto on GPU, bf16), else fp32."""
+    if precision == "fp32" or (precision == "auto" and device != "cuda"):
+        return FP32
+    return 2
+
+
+def meta_target(target_config: Any, dtype_bytes: int):
+    """The target as AutoModelForCausalLM builds it (the trainer's loader), on meta."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    dtype = torch.float32 if dtype_bytes == FP32 else torch.bfloat16
+    try:
+        with torch.device("meta"), no_init_weights():
+            model = AutoModelForCausalLM.from_config(target_config, dtype=dtype)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PlanError(f"target config: cannot build the model: {first}") from None
+    model.tie_weights()  # skipped with the initialisation; tied embeddings count once
+    return model
+
+
+def fc_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
+    """The drafter's fc inputs, as the trainer resolves them (null = the recipe's taps)."""
+    from workload.model import default_target_layer_ids
+
+    ids = cfg.drafter.target_layer_ids
+    if ids is None:
+        n = len(recipe_layer_ids(num_target_layers))
+        ids = default_target_layer_ids(num_target_layers, n)
+    return list(ids[:-1] if cfg.drafter.fc_layers == "all_but_last" else ids)
+
+
+def meta_drafter(cfg: RunConfig, target_config: Any, fc_ids: list[int]):
+    import torch
+    from transformers.initialization import no_init_weights
+
+    from workload.model import DFlashDrafter, build_drafter_config
+
+    d = cfg.drafter
+    try:
+        config = build_drafter_config(
+            target_config,
+            num_layers=d.num_layers,
+            block_size=d.block_size,
+            mask_token_id=d.mask_token_id or 0,  # any row: the size does not depend on it
+            target_layer_ids=fc_ids,
+            layer_types=d.layer_types,
+            sliding_window=d.sliding_window,
+            intermediate_size=d.intermediate_size,
+        )
+    except ValueError as exc:
+        raise PlanError(f"drafter: {exc}") from None
+    with torch.device("meta"), no_init_weights():
+        return DFlashDrafter(config).float()
+
+
+def module_bytes(module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------- the static terms
+
+
+def optimizer_bytes(param_sizes: list[int], world: int, sharding: str) -> int:
+    """AdamW moments in fp32; zero1 gives whole parameters, largest first, to the emptiest
+    rank (ZeroRedundancyOptimizer's partition), so a rank holds its largest share."""
+    if sharding != "zero1" or world == 1:
+        return ADAM_MOMENTS * FP32 * sum(param_sizes)
+    ranks = [0] * world
+    for size in sorted(param_sizes, reverse=True):
+        ranks[ranks.index(min(ranks))] += size
+    return ADAM_MOMENTS * FP32 * max(ranks)
+
+
+def overhead_bytes(device: str, world: int) -> int:
+    if device != "cuda":
+        return 0
+    return CUDA_CONTEXT + (NCCL_BUFFERS if world > 1 else 0)
+
+
+# ---------------------------------------------------------------- activations, phase by phase
+
+
+def target_forward_peak(s: Shape, layer_bytes: int) -> int:
+    """The frozen target's forward (no grad): every hidden state is kept for
+    output_hidden_states (and the last layer's raw output next to the normed one), with the
+    rope tables; the largest layer's working set on top; then the fc features are concatenated
+    and the teacher's argmax runs over chunks of rows through lm_head."""
+    c, d = s.context, s.target_dtype
+    hidden_states = (s.target_layers + 2) * c * s.hidden * d + 2 * c * s.head_dim * d
+    layer = c * layer_bytes
+    features = s.features * c * s.hidden * d
+    greedy = min(GREEDY_CHUNK, c) * s.vocab * d
+    return hidden_states + max(layer, features + greedy)
+
+
+def target_layer_bytes(text, d: int) -> int:
+    """Bytes per position of the widest working set of one target layer's forward: the MLP's
+    gate, up and product, or the token mixer. A Gated DeltaNet mixer is counted as the torch
+    reference runs it (fp32 per-head copies of q, k, v and the chunk transforms, 64x64 chunk
+    matrices); fla's fused kernels on GPU hold less."""
+    mlp = 3 * text.intermediate_size * d
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    gate = 1 if getattr(text, "attn_output_gate", False) else 0
+    attention = ((2 + gate) * heads * head_dim + 2 * kv * head_dim + text.hidden_size) * d
+    types = getattr(text, "layer_types", None) or []
+    if "linear_attention" not in types:
+        return max(mlp, attention)
+    hv, dk = text.linear_num_value_heads, text.linear_key_head_dim
+    dv = text.linear_value_head_dim
+    conv = 2 * text.linear_num_key_heads * dk + hv * dv
+    delta = (conv + hv * dv) * d + FP32 * hv * (6 * dk + 4 * dv + 3 * 64)
+    return max(mlp, attention, delta)
+
+
+def step_inputs(s: Shape) -> int:
+    """What micro_step keeps for the whole step: the clean features and the teacher's final
+    hidden (TeacherView), the noisy fp32 fc inputs, and the block embeddings."""
+    c, d = s.context, s.target_dtype
+    clean = (s.features + 1) * c * s.hidden * d
+    noisy = s.features * c * s.hidden * FP32
+    embeds = s.queries * s.hidden * d
+    return clean + noisy + embeds
+
+
+def noise_peak(s: Shape) -> int:
+    """add_noise: an fp32 copy of the features (unless already fp32) and two fp32 temporaries."""
+    copy = 0 if s.target_dtype == FP32 else FP32
+    return s.features * s.context * s.hidden * (copy + 2 * FP32)
+
+
+def norm_saved(rows: int, width: int, a: int, readers: int) -> int:
+    """Qwen3RMSNorm's saved tensors: its fp32 input, the rescaled copy in the input dtype, and
+    the fp32 output; under autocast each linear reading it saves its own low-precision cast."""
+    out = FP32 if a == FP32 else readers * a
+    return rows * width * (FP32 + a + out)
+
+
+def head_norm_rope(rows: int, width: int, a: int) -> int:
+    """q/k projection -> head RMSNorm -> rope: the norm's fp32 input and rescaled copy are
+    saved; rope multiplies by tables that need no gradient, so it saves nothing."""
+    return rows * width * (FP32 + a)
+
+
+def chunked_attention(s: Shape, window: int | None) -> int:
+    """attention.py chunked: per group of blocks, SDPA saves the queries, the keys/values of the
+    context slice the group sees plus its own blocks, the mask (in q's dtype), the output and
+    the logsumexp.
+    A group's slice reaches up to its last anchor: worst case the whole row."""
+    from workload.attention import CHUNK_QUERIES
+
+    a = s.compute_dtype
+    per_group = max(1, CHUNK_QUERIES // s.block)
+    groups = math.ceil(s.anchors / per_group)
+    rows = min(per_group, s.anchors) * s.block  # queries of a group, per batch row
+    span = s.seq if window is None else min(s.seq, window + math.ceil(s.seq / groups))
+    keys = s.rows * (span + rows)
+    per_group_bytes = (
+        2 * keys * s.kv_dim * a
+        + s.rows * rows * (span + rows) * a
+        + s.rows * rows * s.q_heads * FP32
+    )
+    return groups * per_group_bytes + 2 * s.queries * s.q_dim * a  # + queries and outputs
+
+
+def flex_attention(s: Shape) -> int:
+    """attention.py flex: rows padded to power-of-two buckets; flex saves q, k, v, the output
+    (autocast dtype) and the logsumexp (fp32)."""
+    from workload.attention import flex_bucket
+
+    a = s.compute_dtype
+    ctx, blk = s.rows * flex_bucket(s.seq), s.rows * flex_bucket(s.anchors * s.block)
+    return 2 * (ctx + blk) * s.kv_dim * a + 2 * blk * s.q_dim * a + blk * s.q_heads * FP32
+
+
+def dense_attention(s: Shape) -> int:
+    """attention.py dense: one [B, 1, N*K, S+N*K] mask and SDPA over all keys at once."""
+    a = s.compute_dtype
+    keys = s.rows * (s.seq + s.anchors * s.block)
+    per_row_q = s.anchors * s.block
+    return (
+        2 * keys * s.kv_dim * a
+        + s.rows * per_row_q * (s.seq + per_row_q) * a
+        + s.queries * s.q_heads * FP32
+        + 2 * s.queries * s.q_dim * a
+    )
+
+
+def attention_saved(s: Shape, layer_type: str) -> int:
+    window = s.window if layer_type == "sliding_attention" else None
+    if s.attention == "flex":
+        return flex_attention(s)
+    if s.attention == "dense":
+        return dense_attention(s)
+    return chunked_attention(s, window)
+
+
+def drafter_layer_saved(s: Shape, layer_type: str) -> int:
+    """One DFlash layer's tensors kept for backward: block stream (Q rows) and context (C)."""
+    q, c, a = s.queries, s.context, s.compute_dtype
+    block = (
+        norm_saved(q, s.hidden, a, readers=3)  # input_layernorm -> q, k, v projections
+        + head_norm_rope(q, s.q_dim, a)
+        + head_norm_rope(q, s.kv_dim, a)
+        + q * s.q_dim * a  # attention output, flattened for o_proj
+        + norm_saved(q, s.hidden, a, readers=2)  # post_attention_layernorm -> gate, up
+        + 4 * q * s.intermediate * a  # gate, up, act(gate), act * up
+    )
+    context = (0 if a == FP32 else 2 * c * s.hidden * a) + head_norm_rope(c, s.kv_dim, a)
+    return block + context + attention_saved(s, layer_type)
+
+
+def drafter_saved(s: Shape, linear_weights: int) -> int:
+    """The drafter's forward, kept for backward: project_context (fc output, hidden_norm in
+    fp32), every layer, the final norm and its output, the slots fed to the loss, rope tables,
+    and under autocast the low-precision copies of the drafter's weights."""
+    q, c, a = s.queries, s.context, s.compute_dtype
+    context = 3 * c * s.hidden * FP32
+    layers = sum(drafter_layer_saved(s, t) for t in s.drafter_layers)
+    final = norm_saved(q, s.hidden, a, readers=1) + q * s.hidden * FP32
+    slots = s.rows * s.anchors * (s.block - 1) * s.hidden * FP32
+    rope = 2 * (c * FP32 + q * s.target_dtype) * s.head_dim
+    weights = 0 if a == FP32 else linear_weights * a
+    return context + layers + final + slots + rope + weights
+
+
+def loss_chunk_peak(s: Shape) -> int:
+    """loss.objective under activation checkpointing: one chunk of 64 blocks' logits at a time.
+    Its backward holds log_softmax's fp32 output, the NLL gradient and log_softmax's gradient
+    ([rows, V] fp32 each); the forward holds the logits, an fp32 copy and log_softmax's output
+    (or the metrics' fp32 chunks)."""
+    rows = min(LOSS_CHUNK_BLOCKS, s.rows * s.anchors) * (s.block - 1)
+    a = s.compute_dtype
+    forward = rows * s.vocab * (a + (0 if a == FP32 else FP32) + FP32)
+    metrics = rows * s.vocab * a + 2 * min(METRIC_CHUNK, rows * s.vocab) * FP32
+    backward = 3 * rows * s.vocab * FP32
+    weight_cast = s.vocab * s.hidden * a if a != s.target_dtype else 0
+    return max(forward, metrics, backward) + weight_cast
+
+
+def backward_peak(s: Shape) -> int:
+    """What backward adds on top of the saved tensors: the loss chunk first, then the block
+    stream's gradients through the last MLP (two [Q, I] beyond what it frees), and the
+    context's gradient, summed over the layers ([C, H] fp32, plus the one arriving and a
+    [C, kv] one)."""
+    mlp = 2 * s.queries * s.intermediate * s.compute_dtype
+    context = 2 * s.context * s.hidden * FP32 + s.context * s.kv_dim * FP32
+    return max(loss_chunk_peak(s), mlp, context)
+
+
+def activation_parts(s: Shape, layer_bytes: int, linear_weights: int) -> dict[str, int]:
+    """The peak is the largest of three moments of a step (they do not overlap)."""
+    inputs = step_inputs(s)
+    drafter = drafter_saved(s, linear_weights)
+    loss = backward_peak(s)
+    phases = {
+        "target forward": target_forward_peak(s, layer_bytes),
+        "noise": inputs + noise_peak(s),
+        "drafter": inputs + drafter + loss,
+    }
+    peak = max(phases, key=phases.get)
+    if peak == "drafter":
+        return {"step inputs": inputs, "drafter saved": drafter, "backward": loss}
+    return {peak: phases[peak]}
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def anchors_per_row(cfg: RunConfig) -> int:
+    """The most anchors a row gets: num_anchors (per document), the per-row cap, and never more
+    than the row has positions."""
+    n = cfg.data.num_anchors
+    if cfg.data.max_anchors_per_row is not None:
+        n = min(n, cfg.data.max_anchors_per_row)
+    return max(1, min(n, cfg.data.max_length - 1))
+
+
+def estimate(
+    cfg: RunConfig,
+    target_config: Any,
+    world: int,
+    *,
+    device: str = "cuda",
+    gpu_memory: int | None = None,
+) -> Plan:
+    """The memory plan of one rank of a `world`-rank run of `cfg` on `device` (cuda | cpu)."""
+    from workload.attention import resolve_impl
+    from workload.targets import text_config
+
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, not {device!r}")
+    sharding = cfg.dist.sharding
+    if sharding == "auto":
+        sharding = "zero1" if world > 1 else "none"
+    text = text_config(target_config)
+    d_t = _dtype_bytes(cfg.target.dtype, device)
+    target = meta_target(target_config, d_t)
+    fc_ids = fc_layer_ids(cfg, text.num_hidden_layers)
+    drafter = meta_drafter(cfg, target_config, fc_ids)
+    dc = drafter.config
+    params = [p.numel() for p in drafter.parameters()]
+    linear_weights = sum(
+        p.numel() for n, p in drafter.named_parameters() if n.endswith("proj.weight")
+    )
+    import torch
+
+    shape = Shape(
+        rows=cfg.optim.batch_size,
+        seq=cfg.data.max_length,
+        anchors=anchors_per_row(cfg),
+        block=cfg.drafter.block_size,
+        hidden=text.hidden_size,
+        vocab=int(target.get_output_embeddings().weight.shape[0]),
+        features=len(fc_ids),
+        target_layers=text.num_hidden_layers,
+        q_dim=dc.num_attention_heads * dc.head_dim,
+        kv_dim=dc.num_key_value_heads * dc.head_dim,
+        kv_heads=dc.num_key_value_heads,
+        q_heads=dc.num_attention_heads,
+        head_dim=dc.head_dim,
+        intermediate=dc.intermediate_size,
+        drafter_layers=list(dc.layer_types),
+        window=dc.sliding_window,
+        target_dtype=d_t,
+        compute_dtype=compute_bytes(cfg.optim.precision, device),
+        attention=resolve_impl(cfg.attention, torch.device(device)),
+    )
+    parts = activation_parts(shape, target_layer_bytes(text, d_t), linear_weights)
+    grads = FP32 * sum(params)
+    terms = Terms(
+        target_weights=module_bytes(target),
+        drafter_params=module_bytes(drafter),
+        gradients=grads,
+        optimizer=optimizer_bytes(params, world, sharding),
+        activations=sum(parts.values()),
+        overhead=overhead_bytes(device, world),
+    )
+    counts = {"target": sum(p.numel() for p in target.parameters()), "drafter": sum(params)}
+    return Plan(world, sharding, device, terms, counts, gpu_memory, _notes(cfg, shape, world),
+                parts)  # fmt: skip
+
+
+def _notes(cfg: RunConfig, s: Shape, world: int) -> list[str]:
+    notes = [
+        f"rows of {s.seq} tokens, {s.rows} per micro-step, {s.anchors} anchors x block "
+        f"{s.block}; attention {s.attention}; drafter matmuls in "
+        f"{'fp32' if s.compute_dtype == FP32 else 'bf16'}, target in "
+        f"{'fp32' if s.target_dtype == FP32 else '16-bit'}",
+        "gradients: one fp32 copy (DDP gradient_as_bucket_view); AdamW moments fp32",
+    ]
+    if cfg.data.pack and cfg.data.max_anchors_per_row is None:
+        notes.append(
+            "packed rows without data.max_anchors_per_row: num_anchors is per document, so a row "
+            "of several documents can take more anchors than planned; set the cap"
+        )
+    if world > 1 and cfg.dist.sharding == "none":
+        notes.append("dist.sharding none: every rank holds all AdamW moments (zero1 shards them)")
+    return notes
+
+
+# ---------------------------------------------------------------- command line
+
+
+def device_memory(device) -> int | None:
+    """Total memory of a CUDA device (None elsewhere)."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workload.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="run config (YAML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, as for workload.train")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where the ranks run (decides the auto dtypes; default cuda)")  # fmt: skip
+    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                   help="memory of one GPU; the plan says whether it fits")  # fmt: skip
+    p.add_argument("--target-config", default=None, metavar="PATH",
+                   help="the target's config.json (default: target.path/config.json)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if args.nproc < 1 or args.nnodes < 1:
+            raise PlanError(f"--nproc and --nnodes must be >= 1, got {args.nproc}, {args.nnodes}")
+        cfg = load_config(args.config, args.set)
+        target_config = load_target_config(args.target_config or cfg.target.path)
+        gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
+        plan = estimate(cfg, target_config, args.nproc * args.nnodes, device=args.device,
+                        gpu_memory=gpu)  # fmt: skip
+    except (ConfigError, PlanError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print("\n".join(plan.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
