@@ -7,10 +7,14 @@ over all anchor blocks -> logits through the target's frozen lm_head (chunked) -
 backward -> clip -> AdamW -> cosine schedule with warmup.
 
 One process on CPU and `torchrun --nproc_per_node 8` (or multi-node through torchrun's
-rendezvous) are the same code path: a process group (gloo on CPU, nccl on GPU) and DDP over the
-drafter only; the frozen target is replicated on every rank. Rank 0 writes everything in the
-run directory: train_log.jsonl, state.json, audit.json, resolved.yaml, checkpoints/.
-SIGINT/SIGTERM finish the current step, save a checkpoint and exit 0; a second signal exits now.
+rendezvous) are the same code path: a process group (gloo on CPU, nccl on GPU, with an explicit
+timeout) and DDP over the drafter only, whose AdamW states are sharded over the ranks (ZeRO-1)
+when there are several; the frozen target is replicated on every rank, loaded straight onto its
+device. Rank 0 writes the run directory: train_log.jsonl, state.json, audit.json,
+resolved.yaml, checkpoints/ (written in the background while the ranks train on); every rank
+keeps ranks/rank_<R>.json (a heartbeat) and, but rank 0, ranks/rank_<R>.log (its output).
+SIGINT/SIGTERM (to rank 0 alone is enough) finish the current step on every rank, save a
+checkpoint and exit 0; a second signal exits now.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workload import checkpoint as ckpt
+from workload import sharding
 from workload.config import (
     PACKED_ATTENTION,
     ConfigError,
@@ -51,6 +57,16 @@ from workload.config import (
     recipe_layer_ids,
 )
 from workload.data import BatchStream, DataError, load_examples
+from workload.distributed import (
+    Dist,
+    DistSetupError,
+    any_rank,
+    broadcast_int,
+    gather_to_main,
+    init_distributed,
+    recv_state,
+    send_state,
+)
 from workload.metrics import empty_sums, finalize
 from workload.model import (
     WEIGHTS_NAME,
@@ -58,6 +74,7 @@ from workload.model import (
     build_drafter_config,
     default_target_layer_ids,
 )
+from workload.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
 from workload.step import DDS_BUDGETS, DrafterStep, noise_std, train_step
 from workload.targets import embedding_rows, load_target, text_config
 
@@ -70,44 +87,6 @@ clock = time.monotonic  # seconds of a log interval (tests replace it)
 
 class UsageError(Exception):
     """Bad input found at start (config, run dir, target): one line, exit code 2."""
-
-
-# ---------------------------------------------------------------- processes and devices
-
-
-@dataclass
-class Dist:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> Dist:
-    """A process group in every case: torchrun's environment, else a one-process group.
-    An existing group (e.g. a test's) is used as it is."""
-    cuda = torch.cuda.is_available()
-    if dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
-    else:
-        local = 0
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        store = dist.HashStore()
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
-    return Dist(dist.get_rank(), dist.get_world_size(), local, device)
 
 
 # ---------------------------------------------------------------- the run's pieces
@@ -128,6 +107,7 @@ class Run:
     fc_ids: list[int]  # the ones the drafter reads
     total_steps: int
     hybrid: bool
+    sharding: str = "none"  # of the optimizer: none | zero1
     timing: bool = False
     times: dict[str, float] = field(default_factory=dict)
 
@@ -336,15 +316,12 @@ def setup(
     ddp = DistributedDataParallel(
         step_module,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
+        broadcast_buffers=False,  # the drafter's buffers (rotary frequencies) never change
     )
     o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(),
-        lr=o.lr,
-        betas=(o.betas[0], o.betas[1]),
-        weight_decay=o.weight_decay,
-        fused=d.device.type == "cuda",
-    )
+    mode = sharding.resolve_sharding(cfg.dist.sharding, d.world)
+    optimizer = sharding.build_optimizer(list(drafter.parameters()), o, mode, d.device)
     total = count_steps(cfg, stream, d.world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(total, o.warmup_ratio, o.min_lr / o.lr)
@@ -356,11 +333,11 @@ def setup(
     say(
         f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"reads layers {fc_ids}, mask {cfg.drafter.mask_token_id}, {total} steps, "
-        f"{d.world} rank(s) on {d.device.type}"
+        f"{d.world} rank(s) on {d.device.type}, optimizer sharding {mode}"
     )
     run = Run(
         cfg, d, target, drafter, ddp, optimizer, scheduler, stream, anchor_gen,
-        layer_ids, fc_ids, total, hybrid,
+        layer_ids, fc_ids, total, hybrid, sharding=mode,
     )  # fmt: skip
     return run, items
 
@@ -485,12 +462,6 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
 def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sums over ranks; every rank sends the same keys, whatever it has seen."""
     keys = sorted(set(sums) | set(SUM_KEYS))
@@ -523,36 +494,109 @@ def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"], run.device)
 
 
+CHECKPOINT_DELAY_ENV = "DFLASHOPS_TEST_CHECKPOINT_DELAY_S"  # tests: a slow disk for the writer
+WRITER_POLL_S = 1.0
+_IDLE, _BUSY, _FAILED = 0, 1, 2
+
+
+def wait_for_writer(writer: ckpt.BackgroundWriter, d: Dist) -> None:
+    """Before a save, rank 0's previous checkpoint write must have ended. Rank 0 waits for it
+    a second at a time and tells every rank after each second, so no rank sits in one
+    collective for long, however long the write takes; a failed write fails every rank."""
+    while True:
+        code = _IDLE
+        if d.main:
+            code = _FAILED if writer.failed else _BUSY if writer.busy else _IDLE
+        code = broadcast_int(code, d)
+        if code == _IDLE:
+            return
+        if code == _FAILED:
+            if d.main:
+                writer.join()  # raises the writer's error
+            raise ckpt.CheckpointWriteError("rank 0 failed to write a checkpoint (see its output)")
+        if d.main:
+            writer.wait(WRITER_POLL_S)
+
+
+def _cpu_copy(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    return obj
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path)
+
+
 def save_checkpoint(
-    run: Run, run_dir: Path, step: int, interval: dict[str, float], seconds: float
-) -> Path | None:
-    """Gather every rank's RNG state and the log interval so far (summed over ranks, with its
-    seconds); rank 0 writes step_<step> atomically."""
-    ranks: list[Any] = [None] * run.dist.world
-    dist.all_gather_object(ranks, _rng_state(run))
+    run: Run,
+    run_dir: Path,
+    step: int,
+    interval: dict[str, float],
+    seconds: float,
+    writer: ckpt.BackgroundWriter,
+) -> None:
+    """Gather on rank 0 what step_<step> holds: every rank's RNG state, the log interval so far
+    (summed over ranks, with its seconds) and, under zero1, every rank's optimizer shard (over
+    the CPU group, one rank at a time, each written into the temporary directory as it comes).
+    Rank 0 then writes the rest, syncs, hashes and renames in the background (`writer`) while
+    every rank trains on; the next save waits for it."""
+    d = run.dist
+    wait_for_writer(writer, d)
+    rngs = gather_to_main(_rng_state(run), d)
     interval = {"sums": reduce_sums(interval, run.device), "seconds": seconds}
-    path = None
-    if run.dist.main:
-        state = {
-            "step": step,
-            "world_size": run.dist.world,
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "data": run.stream.state_dict(),
-            "rng": ranks,
-            "interval": interval,
-            "config": run.cfg.to_dict(),
-            "config_hash": config_hash(run.cfg),
-        }
+    params = list(run.drafter.parameters())
+    zero = run.sharding == "zero1"
+    if not d.main:
+        if zero:
+            send_state(sharding.local_state(run.optimizer, params), 0, d)
+        return
+    tmp = ckpt.begin(run_dir, step)
+    try:
+        if zero:
+            for r in range(1, d.world):
+                _save_file(recv_state(r, d), tmp / sharding.shard_file(r))
+        own = (sharding.local_state(run.optimizer, params) if zero
+               else _cpu_copy(run.optimizer.state_dict()))  # fmt: skip
+        weights = _cpu_copy(run.drafter.state_dict())
+    except BaseException:
+        ckpt.discard(tmp)
+        raise
+    state = {
+        "step": step,
+        "world_size": d.world,
+        "sharding": run.sharding,
+        "scheduler": run.scheduler.state_dict(),
+        "data": run.stream.state_dict(),
+        "rng": rngs,
+        "interval": interval,
+        "config": run.cfg.to_dict(),
+        "config_hash": config_hash(run.cfg),
+    }
+    if zero:
+        state["optimizer_shards"] = [sharding.shard_file(r) for r in range(d.world)]
+    else:
+        state["optimizer"] = own
 
-        def write(directory: Path) -> None:
-            run.drafter.save_pretrained(directory, safe_serialization=True)
-            torch.save(state, directory / ckpt.TRAINING_STATE)
+    def write(directory: Path) -> None:
+        time.sleep(float(os.environ.get(CHECKPOINT_DELAY_ENV, 0)))
+        run.drafter.save_pretrained(directory, state_dict=weights, safe_serialization=True)
+        if zero:
+            _save_file(own, directory / sharding.shard_file(0))
+        torch.save(state, directory / ckpt.TRAINING_STATE)
 
+    def job() -> None:
+        t0 = time.monotonic()
         c = run.cfg.checkpoint
-        path = ckpt.save(run_dir, step, write, keep_last=c.keep_last, keep_every=c.keep_every)
-    dist.barrier()
-    return path
+        ckpt.complete(run_dir, step, tmp, write, keep_last=c.keep_last, keep_every=c.keep_every)
+        print(f"checkpoint: step_{step} written ({time.monotonic() - t0:.1f}s)", flush=True)
+
+    writer.start(f"checkpoint step_{step}", job)
 
 
 def choose_checkpoint(run_dir: Path, d: Dist) -> Path | None:
@@ -563,14 +607,12 @@ def choose_checkpoint(run_dir: Path, d: Dist) -> Path | None:
         ckpt.remove_stale_temps(run_dir)
         latest = ckpt.latest_complete(run_dir)
         step = -1 if latest is None else ckpt.step_of(latest)
-    chosen = torch.tensor([step], dtype=torch.long, device=d.device)
-    dist.broadcast(chosen, src=0)
-    step = int(chosen.item())
+    step = broadcast_int(step, d)
     if step < 0:
         return None
     path = ckpt.step_dir(run_dir, step)
     here = d.main or ckpt.verify(path, hashes=False)
-    if any_rank(not here, d.device):
+    if any_rank(not here, d):
         where = "this node" if not here else "another rank's node"
         raise UsageError(
             f"resume: {path.name} (rank 0's newest complete checkpoint) is missing or incomplete "
@@ -586,10 +628,13 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float],
     from safetensors.torch import load_file
 
     state = ckpt.load_training_state(step_dir)
-    if state["world_size"] != run.dist.world:
+    saved_sharding = state.get("sharding", "none")
+    if state["world_size"] != run.dist.world:  # the data order and RNG streams are per rank
         raise UsageError(
-            f"{step_dir} was written by {state['world_size']} ranks; resume with the same number "
-            f"(this run has {run.dist.world}) so the data and random streams continue exactly"
+            f"resume: {step_dir.name} was written by {state['world_size']} ranks (dist.sharding "
+            f"{saved_sharding}) and this run has {run.dist.world} (dist.sharding {run.sharding}): "
+            f"resume with {state['world_size']} processes, or start a new run from its weights "
+            "with drafter.init_from"
         )
     saved = from_dict(state["config"], name=str(step_dir))
     changed = diff(saved, run.cfg)
@@ -598,7 +643,19 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float],
             f"{k} {a!r} -> {b!r}" for k, a, b in changed))  # fmt: skip
     weights = load_file(str(step_dir / WEIGHTS_NAME), device=str(run.device))
     run.drafter.load_state_dict(weights)
-    run.optimizer.load_state_dict(state["optimizer"])
+    params = list(run.drafter.parameters())
+    if "optimizer_shards" in state:
+        needed = set(sharding.indices_held(run.optimizer, params))
+        saved_optim = sharding.read_shards(
+            step_dir, state["optimizer_shards"], run.dist.rank, needed
+        )
+    else:
+        saved_optim = sharding.from_state_dict(state["optimizer"])
+    sharding.load_state(run.optimizer, params, saved_optim)
+    if saved_sharding != run.sharding:
+        say(
+            f"resume: optimizer states of dist.sharding {saved_sharding} loaded into {run.sharding}"
+        )
     run.scheduler.load_state_dict(state["scheduler"])
     run.stream.load_state_dict(state["data"])
     _set_rng_state(run, state["rng"][run.dist.rank])
@@ -652,22 +709,27 @@ def train(
     """Run (or resume) training in `run_dir`; returns the exit code (0 also when stopped).
     `stop_after`: stop (with a checkpoint) after this step, as if asked to."""
     owns_group = not dist.is_initialized()
-    d = init_distributed()
     stop = StopFlag()
+    beat: Heartbeat | None = None
+    status, exit_code = "failed", 1
     try:
+        d = init_distributed(cfg.dist)
         used = d.main and (run_dir / LOG_NAME).exists() and not resume
-        if any_rank(used, d.device):  # rank 0's file system decides, every rank stops
+        if any_rank(used, d):  # rank 0's file system decides, every rank stops
             raise UsageError(
                 f"{run_dir / LOG_NAME} exists: this run directory was used; "
                 "pass --resume to continue it, or choose a new --run-dir"
             )
+        beat = Heartbeat(run_dir, d.rank, d.local_rank, d.world)
+        beat.update(status="starting")
         state = RunState(run_dir, d.main)
         if d.main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            state.update(pid=os.getpid(), started=time.time(), finished=None, exit_code=None,
-                         status="starting", world_size=d.world)  # fmt: skip
+            state.update(pid=os.getpid(), pid_start=process_start_ticks(), started=time.time(),
+                         finished=None, exit_code=None, status="starting",
+                         world_size=d.world)  # fmt: skip
         try:
-            status = _train(cfg, run_dir, resume, d, state, stop, stop_after)
+            status = _train(cfg, run_dir, resume, d, state, stop, stop_after, beat)
         except UsageError:
             state.update(status="failed", finished=time.time(), exit_code=2)
             raise
@@ -675,10 +737,16 @@ def train(
             state.update(status="failed", finished=time.time(), exit_code=1)
             raise
         state.update(status=status, finished=time.time(), exit_code=0)
+        exit_code = 0
         return 0
+    except (UsageError, DistSetupError):
+        exit_code = 2
+        raise
     finally:
+        if beat is not None:
+            beat.update(status=status if exit_code == 0 else "failed", exit_code=exit_code)
         stop.restore()
-        if owns_group:
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -690,10 +758,15 @@ def _train(
     state: RunState,
     stop: StopFlag,
     stop_after: int | None,
+    beat: Heartbeat,
 ) -> str:
     def say(msg: str) -> None:
         if d.main:
             print(msg, flush=True)
+
+    via = os.environ.get("GLOO_SOCKET_IFNAME") or "the hostname's interface"
+    print(f"rank {d.rank}/{d.world}: pid {os.getpid()} on {socket.gethostname()}, device "
+          f"{d.device}, collectives on {via}", flush=True)  # fmt: skip
 
     run, items = setup(cfg, d, say=say)
     for item in items:
@@ -721,11 +794,13 @@ def _train(
         status="running", last_step=step, total_steps=run.total_steps, wandb_id=wandb_id,
         wandb_url=wandb_url,
     )  # fmt: skip
+    beat.update(status="running", step=step)
     if wandb_url:
         say(f"wandb: {wandb_url}")
 
     status, exit_code = "finished", 1
     t_interval = clock() - elapsed
+    writer = ckpt.BackgroundWriter()  # rank 0's checkpoint writes
     try:
         while step < run.total_steps:
             loss, grad_norm, lr = train_step(run, step, interval)
@@ -739,17 +814,20 @@ def _train(
                 wb.log(record)
                 say(progress_line(record, run.total_steps))
                 state.update(last_step=step)
+                beat.update(step=step)
                 interval, t_interval = {}, clock()
-            stopping = any_rank(stop.requested or step == stop_after, d.device)
+            stopping = any_rank(stop.requested or step == stop_after, d)
             if step % cfg.checkpoint.every == 0 or last or stopping:
-                save_checkpoint(run, run_dir, step, interval, clock() - t_interval)
-                say(f"checkpoint: step_{step}")
+                save_checkpoint(run, run_dir, step, interval, clock() - t_interval, writer)
+                say(f"checkpoint: step_{step} saving")
             if stopping:
                 status = "stopped"
                 say(f"stopped at step {step} on request")
                 break
+        writer.join()  # the last checkpoint is complete before the run says it ended
         exit_code = 0
     finally:
+        writer.wait()  # a write in flight completes even when the run fails
         log.close()
         wb.finish(exit_code)
         state.update(last_step=step)
@@ -770,6 +848,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        redirect_output(Path(args.run_dir), env_rank()[0])
+    except OSError as exc:
+        print(f"error: --run-dir {args.run_dir}: cannot write this rank's log: {exc.strerror}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
@@ -777,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.set)
         return train(cfg, Path(args.run_dir), resume=args.resume, stop_after=args.stop_after)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, DistSetupError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 
