@@ -20,6 +20,16 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
   hybrid     the same on a small Qwen3.5-style hybrid target (Gated DeltaNet + full attention)
              whose linear layers run fla's kernels on CUDA; and the fla forward against the
              torch reference (float32, on CPU) on the same weights and tokens
+  target_load  host memory of loading a saved target onto the device, each way in its own
+             process: load_target (device_map: each weight straight to the device) against
+             from_pretrained on the CPU then .to(device); the peak of anonymous RSS while
+             loading. Pass on GPU: device_map's peak under half the target's size
+  multi      data parallel over 2 GPUs (nccl; gloo on CPU for --cpu-smoke), each run spawned with
+             torchrun from here: 2 ranks vs 1 rank with the same global batch and seed (random
+             equal-length rows, every position an anchor, no noise: the same arithmetic either
+             way), the sharding `auto` gives (zero1 for 2 ranks). Losses per step, fp32 (rel.
+             <= 1e-4; CPU 1e-5) and, on GPU, bf16 (<= 2e-2); the drafter's weights after the
+             steps; median step time and tokens/s of each. Skipped in one line under 2 GPUs
 Sections stop starting new measurements when the time budget is spent. Needs torch with CUDA,
 transformers >= 5, and for `hybrid` flash-linear-attention with triton.
 """
@@ -347,6 +357,189 @@ def _failure(exc: BaseException) -> dict:
     return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
 
 
+# ---------------------------------------------------------------- target_load: host memory
+
+LOAD_SIZE = {"gpu": dict(FULL["dense"], layers=8), "smoke": SMOKE["dense"]}
+_LOAD_PROBE = """
+import json, sys, threading, time
+import torch
+
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon:"))
+
+base, peak, done = anon(), [0], threading.Event()
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+threading.Thread(target=watch, daemon=True).start()
+path, device, how = sys.argv[1:4]
+if how == "device_map":
+    from workload.targets import load_target
+    model, _ = load_target(path, dtype="bfloat16", device=device)
+else:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+done.set()
+peak[0] = max(peak[0], anon())
+size = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"peak_anon_gib": (peak[0] - base) / 2**30, "target_gib": size / 2**30,
+                  "device": str(next(model.parameters()).device)}))
+"""
+
+
+def section_target_load(mode: str, d, out: Path) -> dict:
+    """Peak host memory of loading a saved target onto the device, each way."""
+    import shutil
+    import subprocess
+
+    path = out.with_suffix(".target")
+    target = _target("dense", LOAD_SIZE[mode], d.device)
+    target.save_pretrained(path)
+    del target
+    result: dict = {"size": LOAD_SIZE[mode]}
+    try:
+        for how in ("device_map", "load_then_move"):
+            done = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(path), str(d.device), how],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=600,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+            if done.returncode:
+                raise RuntimeError(f"{how}: {done.stderr[-2000:]}")
+            result[how] = json.loads(done.stdout.strip().splitlines()[-1])
+            say(f"target_load {how}: {result[how]}")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    if d.device.type == "cuda":
+        m = result["device_map"]
+        result["passed"] = m["peak_anon_gib"] < 0.5 * m["target_gib"]
+    return result
+
+
+# ---------------------------------------------------------------- multi: 2 ranks vs 1
+
+MULTI = {
+    "gpu": dict(size=dict(hidden=1024, layers=8, heads=8, kv=4, head_dim=128, inter=3072,
+                          vocab=32000), seq_len=512, rows=4, draft_layers=2, block=16,
+                attention="dense", precisions=["fp32", "bf16"], steps=5, warmup=2),
+    "smoke": dict(size=SMOKE["dense"], seq_len=64, rows=4, draft_layers=1, block=4,
+                  attention="chunked", precisions=["fp32"], steps=3, warmup=1),
+}  # fmt: skip
+MULTI_TOL = {("gpu", "fp32"): 1e-4, ("gpu", "bf16"): 2e-2, ("smoke", "fp32"): 1e-5}
+
+
+def multi_worker(spec: dict) -> int:
+    """One rank (under torchrun) of a short run; rank 0 writes the per-step losses, times and
+    a weight fingerprint to spec["out"]."""
+    import torch
+    import torch.distributed as dist
+
+    from workload import train as T
+    from workload.config import DistConfig, load_config
+    from workload.step import train_step
+
+    m, size = spec["multi"], spec["multi"]["size"]
+    d = T.init_distributed(DistConfig(timeout_s=300))
+    cfg = load_config(None, [
+        "target.path=in-memory", "data.path=in-memory", f"attention={m['attention']}",
+        f"drafter.num_layers={m['draft_layers']}", f"drafter.block_size={m['block']}",
+        f"drafter.mask_token_id={size['vocab'] - 1}", f"data.max_length={m['seq_len']}",
+        f"data.num_anchors={m['seq_len']}", f"optim.batch_size={m['rows'] // d.world}",
+        "optim.max_steps=100", "noise.start=0", "noise.end=0",
+        f"optim.precision={spec['precision']}",
+    ])  # fmt: skip
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1, mask_token_id=None)
+    target = _target("dense", size, d.device)
+    n_rows = m["rows"] * (m["steps"] + m["warmup"])
+    run, _ = T.setup(cfg, d, say=lambda msg: None, target=target, tokenizer=tok,
+                     examples=_examples({"seq_len": m["seq_len"]}, size["vocab"], n_rows))  # fmt: skip
+    losses, times, tokens = [], [], []
+    for i in range(m["warmup"] + m["steps"]):
+        sums: dict = {}
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss, _, _ = train_step(run, i, sums)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        mean = torch.tensor([float(loss), float(sums.get("tokens", 0.0))], dtype=torch.float64)
+        dist.all_reduce(mean, group=d.control)
+        losses.append(float(mean[0]) / d.world)
+        if i >= m["warmup"]:
+            times.append(wall)
+            tokens.append(float(mean[1]) / wall)
+    weights = torch.cat([p.detach().float().flatten().cpu() for p in run.drafter.parameters()])
+    if d.main:
+        out = {"ranks": d.world, "backend": dist.get_backend(), "sharding": run.sharding,
+               "losses": losses, "step_s": sorted(times)[len(times) // 2],
+               "tok_s": sorted(tokens)[len(tokens) // 2], "weights": weights.tolist()}  # fmt: skip
+        Path(spec["out"]).write_text(json.dumps(out))
+    dist.destroy_process_group()
+    return 0
+
+
+def _spawn_multi(spec: dict, nproc: int, out: Path, budget: Budget) -> dict:
+    import subprocess
+
+    spec = {**spec, "out": str(out)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(Path(__file__).resolve()), "--multi-worker", json.dumps(spec)]  # fmt: skip
+    if spec["mode"] == "smoke":
+        cmd.append("--cpu-smoke")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if spec["mode"] == "smoke":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path (gloo) even where GPUs exist
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=max(60.0, budget.left()))  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(
+            f"torchrun {nproc} ranks exited {done.returncode}: {done.stderr[-2000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def section_multi(mode: str, budget: Budget, out: Path) -> dict:
+    """2 ranks against 1 with the same global batch: equal losses and weights, and times."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if mode == "gpu" and gpus < 2:
+        say(f"multi: skipped: {gpus} GPU(s) here, data parallel needs 2 or more")
+        return {"skipped": f"{gpus} GPU(s)"}
+    m = MULTI[mode]
+    result: dict = {"spec": {k: v for k, v in m.items() if k != "size"}, "size": m["size"],
+                    "passed": True, "runs": {}}  # fmt: skip
+    for precision in m["precisions"]:
+        if budget.left() < 60:
+            result["runs"][precision] = {"skipped": "time budget spent"}
+            continue
+        spec = {"multi": m, "precision": precision, "mode": mode}
+        one = _spawn_multi(spec, 1, out.with_suffix(f".multi1-{precision}.json"), budget)
+        two = _spawn_multi(spec, 2, out.with_suffix(f".multi2-{precision}.json"), budget)
+        loss_err = max(abs(a - b) / max(abs(a), 1e-12)
+                       for a, b in zip(one["losses"], two["losses"], strict=True))  # fmt: skip
+        w1, w2 = torch.tensor(one["weights"]), torch.tensor(two["weights"])
+        weight_err = float((w1 - w2).abs().max() / w1.abs().max())
+        tol = MULTI_TOL[(mode, precision)]
+        ok = loss_err <= tol and weight_err <= 10 * tol
+        result["passed"] &= ok
+        result["runs"][precision] = {
+            "loss_rel_err": loss_err, "weight_rel_err": weight_err, "tolerance": tol,
+            "passed": ok, "losses": {"1": one["losses"], "2": two["losses"]},
+            "sharding": {"1": one["sharding"], "2": two["sharding"]},
+            "backend": two["backend"], "step_s": {"1": one["step_s"], "2": two["step_s"]},
+            "tok_s": {"1": one["tok_s"], "2": two["tok_s"]},
+            "efficiency": two["tok_s"] / (2 * one["tok_s"]),
+        }  # fmt: skip
+        say(f"multi {precision}: {'ok' if ok else 'FAILED'}: loss rel err {loss_err:.2e}, "
+            f"weights {weight_err:.2e}; step {one['step_s'] * 1000:.0f} ms (1 rank) vs "
+            f"{two['step_s'] * 1000:.0f} ms (2 ranks, {two['sharding']})")  # fmt: skip
+    return result
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -355,7 +548,11 @@ def main() -> int:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--budget", type=float, default=330.0, help="seconds for all sections")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no flex, no fla)")
+    p.add_argument("--only", help="run only these sections (comma-separated names)")
+    p.add_argument("--multi-worker", help=argparse.SUPPRESS)  # one rank of section multi
     a = p.parse_args()
+    if a.multi_worker:
+        return multi_worker(json.loads(a.multi_worker))
     import torch
     import torch.distributed as dist
 
@@ -378,6 +575,10 @@ def main() -> int:
                 ("flex", lambda: section_flex(d.device, mode, budget)),
                 ("dense_1b", lambda: section_train("dense", spec, d, budget)),
                 ("hybrid", lambda: section_train("hybrid", spec, d, budget))]  # fmt: skip
+    sections.append(("target_load", lambda: section_target_load(mode, d, Path(a.out))))
+    sections.append(("multi", lambda: section_multi(mode, budget, Path(a.out))))
+    if a.only:
+        sections = [(n, fn) for n, fn in sections if n in a.only.split(",")]
     for name, fn in sections:
         say(f"section {name} ({budget.left():.0f}s left)")
         try:
@@ -390,8 +591,9 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     say(f"wrote {a.out} in {results['wall_s']:.0f}s")
     failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
-    if not results.get("flex", {}).get("passed", False):
+    if "flex" in results and not results["flex"].get("passed", False):
         failed.append("flex")
+    failed += [n for n in ("target_load", "multi") if results.get(n, {}).get("passed") is False]
     return 1 if failed else 0
 
 
