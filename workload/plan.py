@@ -1,9 +1,10 @@
 """`python -m workload.plan --config RUN.yaml --nproc N`: will a run fit, before it starts?
 
 Per rank, in bytes: what a training step keeps alive, computed from the run config and the
-target's config.json. Target and drafter are built on the meta device (no weights are read,
-seconds even for a 27B config) to count their parameters; the activations follow the step's
-code (workload/train.py, loss.py, attention.py, model.py) term by term. The test
+target's config.json. Target and drafter are built on the meta device without initialising
+them (no weights are read; about a second for a 27B config) to count their parameters; the
+activations follow the step's code (workload/step.py, loss.py, attention.py, model.py) term by
+term. The test
 (tests/workload/test_plan.py) holds the estimate within 25% of the peak torch allocates during
 real steps of tiny targets on CPU.
 
@@ -21,11 +22,13 @@ real steps of tiny targets on CPU.
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
 
-Assumptions (each also in `notes`): drafter master weights, gradients and AdamW's two moments
-in fp32; DDP keeps gradients in its buckets (gradient_as_bucket_view), one copy; zero1 shards
-the moments like ZeroRedundancyOptimizer (whole parameters, largest first, to the emptiest
-rank); rows are full (max_length tokens) with the most anchors the config allows; on a GPU,
-1 GiB for the CUDA context and cuBLAS workspaces, plus 0.5 GiB for NCCL when world > 1.
+Assumptions (also in `notes`): drafter master weights and AdamW's two moments in fp32; DDP
+keeps the fp32 gradients in its buckets, and the .grad copy it also makes fills during backward
+as activations are freed (a second copy when optim.grad_accum > 1 keeps it across
+micro-steps); zero1 shards the moments like ZeroRedundancyOptimizer (whole parameters, largest
+first, to the emptiest rank); rows are full (max_length tokens) with the most anchors the
+config allows; on a GPU, 1 GiB for the CUDA context and workspaces, plus 0.5 GiB for NCCL when
+world > 1; the caching allocator's fragmentation is not modelled.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ NCCL_BUFFERS = GIB // 2  # NCCL communicator buffers, when there is more than on
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
 GREEDY_CHUNK = 1024  # rows per lm_head call in loss.greedy_tokens
 LOSS_CHUNK_BLOCKS = 64  # blocks per lm_head chunk in loss.objective
-METRIC_CHUNK = 1 << 25  # logits elements metrics.metric_sums upcasts at a time
+METRIC_CHUNK = 1 << 25  # logits elements the draft metrics upcast at a time (metrics.py)
 FP32 = 4
 
 
@@ -85,7 +88,6 @@ class Shape:
     target_layers: int
     q_dim: int  # drafter heads x head_dim
     kv_dim: int
-    kv_heads: int
     q_heads: int
     head_dim: int
     intermediate: int  # drafter MLP width
@@ -177,8 +179,9 @@ def load_target_config(path: str | os.PathLike) -> Any:
         raise PlanError(f"{file}: not a usable model config: {first}") from None
 
 
-def _dtype_bytes(name: str, device: str) -> int:
-    if name == "auto":  # workload.targets: bf16 on GPU, fp32 on CPU
+def dtype_bytes(name: str, device: str) -> int:
+    """Bytes per target weight: target.dtype, auto as workload.targets resolves it."""
+    if name == "auto":  # bf16 on GPU, fp32 on CPU
         return 2 if device == "cuda" else FP32
     return {"bfloat16": 2, "float16": 2, "float32": FP32}[name]
 
@@ -190,13 +193,13 @@ def compute_bytes(precision: str, device: str) -> int:
     return 2
 
 
-def meta_target(target_config: Any, dtype_bytes: int):
+def meta_target(target_config: Any, weight_bytes: int):
     """The target as AutoModelForCausalLM builds it (the trainer's loader), on meta."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    dtype = torch.float32 if dtype_bytes == FP32 else torch.bfloat16
+    dtype = torch.float32 if weight_bytes == FP32 else torch.bfloat16
     try:
         with torch.device("meta"), no_init_weights():
             model = AutoModelForCausalLM.from_config(target_config, dtype=dtype)
@@ -401,7 +404,7 @@ def drafter_layer_saved(s: Shape, layer_type: str) -> int:
     return block + context + attention_saved(s, layer_type)
 
 
-def drafter_saved(s: Shape, linear_weights: int) -> int:
+def drafter_saved(s: Shape, cast_weights: int) -> int:
     """The drafter's forward, kept for backward: project_context (fc output, hidden_norm in
     fp32), every layer, the final norm and its output, the slots fed to the loss, rope tables,
     and under autocast the low-precision copies of the drafter's weights."""
@@ -411,7 +414,7 @@ def drafter_saved(s: Shape, linear_weights: int) -> int:
     final = norm_saved(q, s.hidden, a, readers=1) + q * s.hidden * FP32
     slots = s.rows * s.anchors * (s.block - 1) * s.hidden * FP32
     rope = 2 * (c * FP32 + q * s.target_dtype) * s.head_dim
-    weights = 0 if a == FP32 else linear_weights * a
+    weights = 0 if a == FP32 else cast_weights * a
     return context + layers + final + slots + rope + weights
 
 
@@ -439,20 +442,29 @@ def backward_peak(s: Shape) -> int:
     return max(loss_chunk_peak(s), mlp, context)
 
 
-def activation_parts(s: Shape, layer_bytes: int, linear_weights: int) -> dict[str, int]:
-    """The peak is the largest of three moments of a step (they do not overlap)."""
+def optimizer_step_peak(param_sizes: list[int], grad_accum: int) -> int:
+    """After backward: DDP's .grad copy of the gradients next to its buckets (already counted
+    in `gradients` when it lives across micro-steps) and AdamW's per-parameter temporaries."""
+    grads = 0 if grad_accum > 1 else FP32 * sum(param_sizes)
+    return grads + 2 * FP32 * max(param_sizes)
+
+
+def activation_parts(s: Shape, layer_bytes: int, cast_weights: int, extra: int) -> dict[str, int]:
+    """The peak is the largest of four moments of a step (they do not overlap); `extra` is
+    the optimizer step's."""
     inputs = step_inputs(s)
-    drafter = drafter_saved(s, linear_weights)
+    drafter = drafter_saved(s, cast_weights)
     loss = backward_peak(s)
-    phases = {
+    moments = {
         "target forward": target_forward_peak(s, layer_bytes),
         "noise": inputs + noise_peak(s),
         "drafter": inputs + drafter + loss,
+        "optimizer step": extra,
     }
-    peak = max(phases, key=phases.get)
+    peak = max(moments, key=moments.get)
     if peak == "drafter":
         return {"step inputs": inputs, "drafter saved": drafter, "backward": loss}
-    return {peak: phases[peak]}
+    return {peak: moments[peak]}
 
 
 # ---------------------------------------------------------------- the plan
@@ -467,6 +479,34 @@ def anchors_per_row(cfg: RunConfig) -> int:
     return max(1, min(n, cfg.data.max_length - 1))
 
 
+def step_shape(cfg: RunConfig, text: Any, drafter, vocab: int, device: str) -> Shape:
+    import torch
+
+    from workload.attention import resolve_impl
+
+    dc = drafter.config
+    return Shape(
+        rows=cfg.optim.batch_size,
+        seq=cfg.data.max_length,
+        anchors=anchors_per_row(cfg),
+        block=cfg.drafter.block_size,
+        hidden=text.hidden_size,
+        vocab=vocab,
+        features=len(drafter.target_layer_ids),
+        target_layers=text.num_hidden_layers,
+        q_dim=dc.num_attention_heads * dc.head_dim,
+        kv_dim=dc.num_key_value_heads * dc.head_dim,
+        q_heads=dc.num_attention_heads,
+        head_dim=dc.head_dim,
+        intermediate=dc.intermediate_size,
+        drafter_layers=list(dc.layer_types),
+        window=dc.sliding_window,
+        target_dtype=dtype_bytes(cfg.target.dtype, device),
+        compute_dtype=compute_bytes(cfg.optim.precision, device),
+        attention=resolve_impl(cfg.attention, torch.device(device)),
+    )
+
+
 def estimate(
     cfg: RunConfig,
     target_config: Any,
@@ -476,74 +516,55 @@ def estimate(
     gpu_memory: int | None = None,
 ) -> Plan:
     """The memory plan of one rank of a `world`-rank run of `cfg` on `device` (cuda | cpu)."""
-    from workload.attention import resolve_impl
+    from workload.sharding import resolve_sharding
     from workload.targets import text_config
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
-    sharding = cfg.dist.sharding
-    if sharding == "auto":
-        sharding = "zero1" if world > 1 else "none"
+    sharding = resolve_sharding(cfg.dist.sharding, world)
     text = text_config(target_config)
-    d_t = _dtype_bytes(cfg.target.dtype, device)
-    target = meta_target(target_config, d_t)
-    fc_ids = fc_layer_ids(cfg, text.num_hidden_layers)
-    drafter = meta_drafter(cfg, target_config, fc_ids)
-    dc = drafter.config
-    params = [p.numel() for p in drafter.parameters()]
-    linear_weights = sum(
+    target = meta_target(target_config, dtype_bytes(cfg.target.dtype, device))
+    drafter = meta_drafter(cfg, target_config, fc_layer_ids(cfg, text.num_hidden_layers))
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    shape = step_shape(cfg, text, drafter, vocab, device)
+    sizes = [p.numel() for p in drafter.parameters()]
+    cast_weights = sum(
         p.numel() for n, p in drafter.named_parameters() if n.endswith("proj.weight")
     )
-    import torch
-
-    shape = Shape(
-        rows=cfg.optim.batch_size,
-        seq=cfg.data.max_length,
-        anchors=anchors_per_row(cfg),
-        block=cfg.drafter.block_size,
-        hidden=text.hidden_size,
-        vocab=int(target.get_output_embeddings().weight.shape[0]),
-        features=len(fc_ids),
-        target_layers=text.num_hidden_layers,
-        q_dim=dc.num_attention_heads * dc.head_dim,
-        kv_dim=dc.num_key_value_heads * dc.head_dim,
-        kv_heads=dc.num_key_value_heads,
-        q_heads=dc.num_attention_heads,
-        head_dim=dc.head_dim,
-        intermediate=dc.intermediate_size,
-        drafter_layers=list(dc.layer_types),
-        window=dc.sliding_window,
-        target_dtype=d_t,
-        compute_dtype=compute_bytes(cfg.optim.precision, device),
-        attention=resolve_impl(cfg.attention, torch.device(device)),
-    )
-    parts = activation_parts(shape, target_layer_bytes(text, d_t), linear_weights)
-    grads = FP32 * sum(params)
+    accum = cfg.optim.grad_accum
+    parts = activation_parts(shape, target_layer_bytes(text, shape.target_dtype), cast_weights,
+                             optimizer_step_peak(sizes, accum))  # fmt: skip
     terms = Terms(
         target_weights=module_bytes(target),
         drafter_params=module_bytes(drafter),
-        gradients=grads,
-        optimizer=optimizer_bytes(params, world, sharding),
+        gradients=FP32 * sum(sizes) * (2 if accum > 1 else 1),
+        optimizer=optimizer_bytes(sizes, world, sharding),
         activations=sum(parts.values()),
         overhead=overhead_bytes(device, world),
     )
-    counts = {"target": sum(p.numel() for p in target.parameters()), "drafter": sum(params)}
-    return Plan(world, sharding, device, terms, counts, gpu_memory, _notes(cfg, shape, world),
-                parts)  # fmt: skip
+    counts = {"target": sum(p.numel() for p in target.parameters()), "drafter": sum(sizes)}
+    notes = _notes(cfg, shape, world, device)
+    return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts)
 
 
-def _notes(cfg: RunConfig, s: Shape, world: int) -> list[str]:
+def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
     notes = [
         f"rows of {s.seq} tokens, {s.rows} per micro-step, {s.anchors} anchors x block "
         f"{s.block}; attention {s.attention}; drafter matmuls in "
         f"{'fp32' if s.compute_dtype == FP32 else 'bf16'}, target in "
         f"{'fp32' if s.target_dtype == FP32 else '16-bit'}",
-        "gradients: one fp32 copy (DDP gradient_as_bucket_view); AdamW moments fp32",
+        "gradients: DDP's fp32 buckets; the .grad copy fills during backward as activations "
+        "are freed (counted as a second copy when optim.grad_accum > 1); AdamW moments fp32",
     ]
     if cfg.data.pack and cfg.data.max_anchors_per_row is None:
         notes.append(
             "packed rows without data.max_anchors_per_row: num_anchors is per document, so a row "
             "of several documents can take more anchors than planned; set the cap"
+        )
+    if device == "cuda":
+        notes.append(
+            "overhead: 1 GiB CUDA context and workspaces (+0.5 GiB NCCL with several ranks); "
+            "leave room for the caching allocator's fragmentation"
         )
     if world > 1 and cfg.dist.sharding == "none":
         notes.append("dist.sharding none: every rank holds all AdamW moments (zero1 shards them)")
