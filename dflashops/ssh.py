@@ -368,6 +368,10 @@ def _transport(sock, pinned_types: list[str]):  # noqa: ANN001, ANN202
     gcm = tuple(c for c in options.ciphers if c.endswith("-gcm@openssh.com"))
     options.ciphers = gcm + tuple(c for c in options.ciphers if c not in gcm)
     options.key_types = preferred_key_types(pinned_types, tuple(options.key_types))
+    # Leave rekeying to the server (OpenSSH rekeys AES after 64 GiB by default): when paramiko
+    # starts it itself (every 512 MiB), a channel that closes meanwhile deadlocks its transport
+    # thread for 30 s and the copy fails (paramiko#822; seen in a 1 GB pull-ckpt here).
+    transport.packetizer.REKEY_BYTES = transport.packetizer.REKEY_PACKETS = 1 << 40
     return transport
 
 
