@@ -36,7 +36,11 @@ class Trial:
         cpu = meter.seconds()
         began = time.perf_counter()
         with open(stdin_path or os.devnull, "rb") as stdin:
-            done = subprocess.run(argv, stdin=stdin, capture_output=True, env=env, check=True)
+            done = subprocess.run(argv, stdin=stdin, capture_output=True, env=env)
+        if done.returncode != 0:
+            raise SystemExit(
+                f"{' '.join(argv[3:])}: exit {done.returncode}: {done.stderr.decode()}"
+            )
         self.wall = time.perf_counter() - began
         self.own = json.loads(done.stdout)["seconds"] if done.stdout.startswith(b"{") else None
         after = meter.seconds()
