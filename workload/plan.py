@@ -22,13 +22,12 @@ real steps of tiny targets on CPU.
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
 
-Assumptions (also in `notes`): drafter master weights and AdamW's two moments in fp32; DDP
-keeps the fp32 gradients in its buckets, and the .grad copy it also makes fills during backward
-as activations are freed (a second copy when optim.grad_accum > 1 keeps it across
-micro-steps); zero1 shards the moments like ZeroRedundancyOptimizer (whole parameters, largest
-first, to the emptiest rank); rows are full (max_length tokens) with the most anchors the
-config allows; on a GPU, 1 GiB for the CUDA context and workspaces, plus 0.5 GiB for NCCL when
-world > 1; the caching allocator's fragmentation is not modelled.
+Assumptions (also in `notes`): drafter master weights, gradients and AdamW's two moments in
+fp32; the gradients are views of DDP's buckets (gradient_as_bucket_view, as train.py builds
+DDP), one copy; zero1 shards the moments like ZeroRedundancyOptimizer (whole parameters,
+largest first, to the emptiest rank); rows are full (max_length tokens) with the most anchors
+the config allows; on a GPU, 1 GiB for the CUDA context and workspaces, plus 0.5 GiB for NCCL
+when world > 1; the caching allocator's fragmentation is not modelled.
 """
 
 from __future__ import annotations
@@ -442,11 +441,9 @@ def backward_peak(s: Shape) -> int:
     return max(loss_chunk_peak(s), mlp, context)
 
 
-def optimizer_step_peak(param_sizes: list[int], grad_accum: int) -> int:
-    """After backward: DDP's .grad copy of the gradients next to its buckets (already counted
-    in `gradients` when it lives across micro-steps) and AdamW's per-parameter temporaries."""
-    grads = 0 if grad_accum > 1 else FP32 * sum(param_sizes)
-    return grads + 2 * FP32 * max(param_sizes)
+def optimizer_step_peak(param_sizes: list[int]) -> int:
+    """After backward: AdamW's temporaries, one parameter at a time on CPU (fused on GPU)."""
+    return 2 * FP32 * max(param_sizes)
 
 
 def activation_parts(s: Shape, layer_bytes: int, cast_weights: int, extra: int) -> dict[str, int]:
@@ -531,13 +528,12 @@ def estimate(
     cast_weights = sum(
         p.numel() for n, p in drafter.named_parameters() if n.endswith("proj.weight")
     )
-    accum = cfg.optim.grad_accum
     parts = activation_parts(shape, target_layer_bytes(text, shape.target_dtype), cast_weights,
-                             optimizer_step_peak(sizes, accum))  # fmt: skip
+                             optimizer_step_peak(sizes))  # fmt: skip
     terms = Terms(
         target_weights=module_bytes(target),
         drafter_params=module_bytes(drafter),
-        gradients=FP32 * sum(sizes) * (2 if accum > 1 else 1),
+        gradients=FP32 * sum(sizes),
         optimizer=optimizer_bytes(sizes, world, sharding),
         activations=sum(parts.values()),
         overhead=overhead_bytes(device, world),
@@ -553,8 +549,8 @@ def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
         f"{s.block}; attention {s.attention}; drafter matmuls in "
         f"{'fp32' if s.compute_dtype == FP32 else 'bf16'}, target in "
         f"{'fp32' if s.target_dtype == FP32 else '16-bit'}",
-        "gradients: DDP's fp32 buckets; the .grad copy fills during backward as activations "
-        "are freed (counted as a second copy when optim.grad_accum > 1); AdamW moments fp32",
+        "gradients: one fp32 copy, views of DDP's buckets (gradient_as_bucket_view); AdamW "
+        "moments fp32",
     ]
     if cfg.data.pack and cfg.data.max_anchors_per_row is None:
         notes.append(
