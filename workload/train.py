@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workload import checkpoint as ckpt
-from workload import sharding
+from workload import plan, sharding
 from workload.config import (
     PACKED_ATTENTION,
     ConfigError,
@@ -776,6 +776,11 @@ def _train(
     if d.main:
         ckpt.write_json_atomic(run_dir / "audit.json", audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
+        memory = plan.estimate(cfg, run.target.config, d.world, device=d.device.type,
+                               gpu_memory=plan.device_memory(d.device))  # fmt: skip
+        for line in memory.lines():
+            say(f"memory plan: {line}")
+        ckpt.write_json_atomic(run_dir / "plan.json", memory.to_json())
 
     step, interval, elapsed = 0, {}, 0.0
     if resume:
