@@ -269,3 +269,15 @@ def test_qwen36_27b_on_eight_gpus(capsys):
     assert p["fits"] is True
     none_opt = plans["none", 141]["per_rank"]["optimizer"]
     assert none_opt / 8 <= p["per_rank"]["optimizer"] < none_opt / 7
+
+
+def test_the_trainer_prints_the_plan_and_writes_plan_json(tiny_dense, group, tmp_path, capsys):
+    small = ["drafter.num_layers=1", "drafter.block_size=4", "data.max_length=64",
+             "data.num_anchors=4", "optim.batch_size=2", "optim.max_steps=1"]  # fmt: skip
+    cfg = load_config(tiny_dense / "run.yaml", small)
+    assert T.train(cfg, tmp_path / "run") == 0
+    printed = capsys.readouterr().out
+    written = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert written["world"] == 1 and written["device"] == "cpu" and written["fits"] is None
+    assert f"total per rank  {plan.gib(written['per_rank']['total'])}" in printed
+    assert printed.index("recipe audit") < printed.index("memory plan")
