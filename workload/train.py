@@ -764,7 +764,7 @@ def _train(
         if d.main:
             print(msg, flush=True)
 
-    via = os.environ.get("GLOO_SOCKET_IFNAME") or "the hostname's interface"
+    via = os.environ.get("GLOO_SOCKET_IFNAME") or "the default interface"
     print(f"rank {d.rank}/{d.world}: pid {os.getpid()} on {socket.gethostname()}, device "
           f"{d.device}, collectives on {via}", flush=True)  # fmt: skip
 
