@@ -249,6 +249,7 @@ def _measure(target, spec: dict, size: dict, impl: str, d, budget: Budget) -> di
 
     from workload import train as T
     from workload.config import load_config
+    from workload.step import StepSums
 
     cfg = load_config(None, [
         "target.path=in-memory", "data.path=in-memory",
@@ -271,15 +272,16 @@ def _measure(target, spec: dict, size: dict, impl: str, d, budget: Budget) -> di
         if i >= spec["warmup"] and budget.left() < 0:
             break
         run.times.clear()
-        sums: dict = {}
+        sums = StepSums(run.device)
         start = time.perf_counter()
         loss, grad_norm, _ = T.train_step(run, i, sums)
         wall = time.perf_counter() - start
         if i == 0:
             first = wall
         if i >= spec["warmup"]:
-            steps.append({**run.times, "step": wall, "tokens": sums.get("tokens", 0.0)})
-            rows.append({"loss": loss, "grad_norm": grad_norm, **_metrics(sums)})
+            host = sums.to_dict()
+            steps.append({**run.times, "step": wall, "tokens": host["tokens"]})
+            rows.append({"loss": float(loss), "grad_norm": float(grad_norm), **_metrics(host)})
     out = {"impl": impl, "first_step_s": first, "timed_steps": len(steps),
            "drafter_params_m": sum(p.numel() for p in run.drafter.parameters()) / 1e6}  # fmt: skip
     if steps:
@@ -438,7 +440,7 @@ def multi_worker(spec: dict) -> int:
 
     from workload import train as T
     from workload.config import DistConfig, load_config
-    from workload.step import train_step
+    from workload.step import StepSums, train_step
 
     m, size = spec["multi"], spec["multi"]["size"]
     d = T.init_distributed(DistConfig(timeout_s=300))
@@ -457,7 +459,7 @@ def multi_worker(spec: dict) -> int:
                      examples=_examples({"seq_len": m["seq_len"]}, size["vocab"], n_rows))  # fmt: skip
     losses, times, tokens = [], [], []
     for i in range(m["warmup"] + m["steps"]):
-        sums: dict = {}
+        sums = StepSums(run.device)
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -465,7 +467,7 @@ def multi_worker(spec: dict) -> int:
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        mean = torch.tensor([float(loss), float(sums.get("tokens", 0.0))], dtype=torch.float64)
+        mean = torch.tensor([float(loss), sums.to_dict()["tokens"]], dtype=torch.float64)
         dist.all_reduce(mean, group=d.control)
         losses.append(float(mean[0]) / d.world)
         if i >= m["warmup"]:

@@ -102,6 +102,7 @@ def measure(config_path: str, overrides: list[str], steps: int) -> dict:
 
     from workload import train as T
     from workload.config import load_config
+    from workload.step import StepSums
 
     cfg = load_config(config_path, overrides)
     if not dist.is_initialized():
@@ -117,16 +118,16 @@ def measure(config_path: str, overrides: list[str], steps: int) -> dict:
     tokens = []
     for step in range(steps + 1):  # the first step is a warm-up
         run.times.clear()
-        sums: dict = {}
+        sums = StepSums(run.device)
         t0 = time.perf_counter()
-        T.train_step(run, step, sums)
+        T.train_step(run, step, sums)  # run.timing: waits for the device at the end
         wall = time.perf_counter() - t0
         if step == 0:
             peak = (torch.cuda.max_memory_allocated() if cuda else
                     (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # fmt: skip
             continue
         per_step.append({**run.times, "step": wall})
-        tokens.append(sums.get("tokens", 0.0) / wall)
+        tokens.append(sums.to_dict()["tokens"] / wall)
     med = {k: statistics.median(s[k] for s in per_step) for k in (*PHASES, "step")}
     return {**med, "tok_s": statistics.median(tokens), "peak_mib": peak / 2**20,
             "threads": torch.get_num_threads(), "device": d.device.type}  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,13 +21,40 @@ from torch import Tensor, nn
 from workload.config import RunConfig
 from workload.data import Batch, sample_anchors
 from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
-from workload.metrics import empty_sums, metric_sums
+from workload.metrics import DraftMetrics, empty_sums
 from workload.model import DFlashDrafter, select_target_features
 
 if TYPE_CHECKING:
     from workload.train import Run
 
 DDS_BUDGETS = (8,)
+# what a log interval sums on each rank (reduced over ranks for the log line)
+SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
+
+
+class StepSums:
+    """The sums of a log interval on this rank, as one float64 vector on the device in
+    SUM_KEYS order: adding to it never waits for the device (train.reduce_sums reads it)."""
+
+    def __init__(self, device: torch.device, start: Mapping[str, float] | None = None) -> None:
+        if start:
+            values = [float(start.get(key, 0.0)) for key in SUM_KEYS]
+            self.values = torch.tensor(values, dtype=torch.float64, device=device)
+        else:
+            self.values = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
+
+    def add(self, key: str, value: Tensor | float) -> None:
+        i = SUM_KEYS.index(key)
+        self.values[i : i + 1].add_(value)
+
+    def add_metrics(self, sums: Tensor) -> None:
+        """`DraftMetrics.sums()`: the metric keys, in their order."""
+        i = SUM_KEYS.index("acc_correct")
+        self.values[i : i + len(sums)].add_(sums)
+
+    def to_dict(self) -> dict[str, float]:
+        """This rank's sums on the host (one transfer)."""
+        return dict(zip(SUM_KEYS, self.values.tolist(), strict=True))
 
 
 def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -116,6 +144,20 @@ def block_inputs(run: Run, batch: Batch, anchors: Tensor) -> Tensor:
     return run.target.get_input_embeddings()(ids.view(b, n * k))
 
 
+def real_blocks(per_block: Tensor, real: Tensor) -> Tensor:
+    """[B, N, ...] values of every block -> [M, ...] those of the real blocks (`real`: their
+    indices among the B*N, in order; an index, not a mask: no wait for the device)."""
+    return per_block.flatten(0, 1).index_select(0, real)
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`; on CUDA from pinned memory without blocking (a plain copy
+    from pageable memory waits for everything queued on the device)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _tick(run: Run, name: str, start: float) -> float:
     if run.timing:
         if run.device.type == "cuda":
@@ -126,18 +168,25 @@ def _tick(run: Run, name: str, start: float) -> float:
     return start
 
 
-def micro_step(run: Run, batch: Batch, step: int, sums: dict[str, float]) -> Tensor:
-    """Forward one micro-batch and return its loss (metric sums are added to `sums`)."""
+def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> Tensor:
+    """Forward and backward one micro-batch of host tensors (as the stream gives them); returns
+    its loss and adds its tokens and draft metrics to `sums`. Nothing here waits for the device:
+    what needs the host (token count, anchors, which blocks are real) is done on host tensors."""
     cfg = run.cfg
     k = cfg.drafter.block_size
     t0 = time.perf_counter()
+    sums.add("tokens", int((batch.doc_ids >= 0).sum()))
+    anchors, anchor_valid = sample_anchors(
+        batch.loss_mask, batch.doc_ids, num_anchors=cfg.data.num_anchors,
+        generator=run.anchor_gen, max_per_row=cfg.data.max_anchors_per_row,
+    )  # fmt: skip
+    real = anchor_valid.flatten().nonzero()[:, 0]  # the real blocks among the B*N
+    batch = Batch(*(to_device(t, run.device) for t in (batch.input_ids, batch.loss_mask,
+                                                      batch.doc_ids, batch.position_ids)))  # fmt: skip
+    anchors, anchor_valid, real = (to_device(t, run.device) for t in (anchors, anchor_valid, real))
     autocast = autocast_for(cfg, run.device)
     with autocast:
         view = target_forward(run, batch)
-        anchors, anchor_valid = sample_anchors(
-            batch.loss_mask, batch.doc_ids, num_anchors=cfg.data.num_anchors,
-            generator=run.anchor_gen, max_per_row=cfg.data.max_anchors_per_row,
-        )  # fmt: skip
         labels, valid = teacher_labels(
             view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k
         )
@@ -151,31 +200,25 @@ def micro_step(run: Run, batch: Batch, step: int, sums: dict[str, float]) -> Ten
             batch.doc_ids if cfg.data.pack else None, cfg.attention,
         )  # fmt: skip
         b, n = anchors.shape
-        slots = hidden.view(b, n, k, -1)[:, :, 1:][anchor_valid]
+        slots = real_blocks(hidden.view(b, n, k, -1)[:, :, 1:], real)
         teacher = None
         if cfg.loss.type != "ce":
-            teacher = gather_slots(view.teacher_hidden, anchors, k)[anchor_valid]
-
-        for key, value in empty_sums(DDS_BUDGETS).items():  # the same keys on every rank
-            sums.setdefault(key, value)
-
-        def hook(logits: Tensor, lab: Tensor, val: Tensor) -> None:
-            for key, value in metric_sums(logits, lab, val, DDS_BUDGETS).items():
-                sums[key] = sums.get(key, 0.0) + value
-
+            teacher = real_blocks(gather_slots(view.teacher_hidden, anchors, k), real)
+        metrics = DraftMetrics(DDS_BUDGETS, run.device)
         loss = objective(
-            slots, run.target.get_output_embeddings(), labels[anchor_valid], valid[anchor_valid],
-            Objective.from_config(cfg.loss), teacher_hidden=teacher, on_logits=hook,
+            slots, run.target.get_output_embeddings(), real_blocks(labels, real),
+            real_blocks(valid, real), Objective.from_config(cfg.loss), teacher_hidden=teacher,
+            on_logits=metrics,
         )  # fmt: skip
     (loss / cfg.optim.grad_accum).backward()
     _tick(run, "drafter_fwd_bwd", t1)
-    sums["tokens"] = sums.get("tokens", 0.0) + float((batch.doc_ids >= 0).sum())
+    sums.add_metrics(metrics.sums())
     return loss.detach()
 
 
 def trim_padding(batch: Batch) -> Batch:
     """Drop the columns where every row is padding (right padding only: exact for a causal
-    target, and the drafter never looks past an anchor's document)."""
+    target, and the drafter never looks past an anchor's document). Host tensors."""
     width = int((batch.doc_ids >= 0).sum(1).max())
     if width == batch.input_ids.shape[1] or width == 0:
         return batch
@@ -183,12 +226,13 @@ def trim_padding(batch: Batch) -> Batch:
                                           batch.position_ids)))  # fmt: skip
 
 
-def train_step(run: Run, step: int, sums: dict[str, float]) -> tuple[float, float, float]:
-    """One optimizer step over grad_accum micro-batches; returns (loss, grad norm, lr)."""
+def train_step(run: Run, step: int, sums: StepSums) -> tuple[Tensor, Tensor, float]:
+    """One optimizer step over grad_accum micro-batches; adds its tokens and draft metrics to
+    `sums` and returns (loss, grad norm, lr): the first two are on the device (not waited for)."""
     accum = run.cfg.optim.grad_accum
     losses = []
     for i in range(accum):
-        batch = trim_padding(run.stream.next_batch()).to(run.device)
+        batch = trim_padding(run.stream.next_batch())
         sync = contextlib.nullcontext() if i == accum - 1 else run.ddp.no_sync()
         with sync:
             losses.append(micro_step(run, batch, step, sums))
@@ -199,4 +243,4 @@ def train_step(run: Run, step: int, sums: dict[str, float]) -> tuple[float, floa
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     _tick(run, "optimizer", t0)
-    return float(torch.stack(losses).mean()), float(grad_norm), lr
+    return torch.stack(losses).mean(), grad_norm.detach(), lr

@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ from workload.distributed import (
     recv_state,
     send_state,
 )
-from workload.metrics import empty_sums, finalize
+from workload.metrics import finalize
 from workload.model import (
     WEIGHTS_NAME,
     DFlashDrafter,
@@ -75,13 +76,11 @@ from workload.model import (
     default_target_layer_ids,
 )
 from workload.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
-from workload.step import DDS_BUDGETS, DrafterStep, noise_std, train_step
+from workload.step import SUM_KEYS, DrafterStep, StepSums, noise_std, train_step
 from workload.targets import embedding_rows, load_target, text_config
 
 LOG_NAME = "train_log.jsonl"
 STATE_NAME = "state.json"
-# what a log interval sums on each rank (reduced over ranks for the log line)
-SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
 clock = time.monotonic  # seconds of a log interval (tests replace it)
 
 
@@ -462,12 +461,13 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sums over ranks; every rank sends the same keys, whatever it has seen."""
-    keys = sorted(set(sums) | set(SUM_KEYS))
-    t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(keys, t.tolist(), strict=True))
+def reduce_sums(sums: StepSums | Mapping[str, float], device: torch.device) -> dict[str, float]:
+    """Sums over ranks, on the host: one all_reduce of the stacked sums, one transfer."""
+    if not isinstance(sums, StepSums):
+        sums = StepSums(device, sums)
+    total = sums.values.clone()  # the interval goes on (a checkpoint reduces it mid-way)
+    dist.all_reduce(total)
+    return dict(zip(SUM_KEYS, total.tolist(), strict=True))
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -670,7 +670,7 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float],
 
 
 def log_record(
-    run: Run, step: int, interval: dict[str, float], seconds: float, lr: float
+    run: Run, step: int, interval: StepSums, seconds: float, lr: float
 ) -> dict[str, Any]:
     sums = reduce_sums(interval, run.device)
     rank_steps = max(sums["steps"], 1.0)  # steps of the interval x ranks
@@ -806,12 +806,13 @@ def _train(
     status, exit_code = "finished", 1
     t_interval = clock() - elapsed
     writer = ckpt.BackgroundWriter()  # rank 0's checkpoint writes
+    interval = StepSums(d.device, interval)
     try:
         while step < run.total_steps:
             loss, grad_norm, lr = train_step(run, step, interval)
             step += 1
             for key, value in (("loss", loss), ("grad_norm", grad_norm), ("steps", 1.0)):
-                interval[key] = interval.get(key, 0.0) + value
+                interval.add(key, value)
             last = step == run.total_steps
             if step == 1 or step % cfg.log.log_every == 0 or last:
                 record = log_record(run, step, interval, clock() - t_interval, lr)
@@ -820,7 +821,7 @@ def _train(
                 say(progress_line(record, run.total_steps))
                 state.update(last_step=step)
                 beat.update(step=step)
-                interval, t_interval = {}, clock()
+                interval, t_interval = StepSums(d.device), clock()
             stopping = any_rank(stop.requested or step == stop_after, d)
             if step % cfg.checkpoint.every == 0 or last or stopping:
                 save_checkpoint(run, run_dir, step, interval, clock() - t_interval, writer)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from workload import metrics
-from workload.metrics import ddtree_depth, finalize, metric_sums, streak_lengths
+from workload.ddtree import tree_depth, tree_depths
+from workload.metrics import DraftMetrics, ddtree_depth, finalize, metric_sums, streak_lengths
 
 # ----------------------------------------------------------------------------- references
 
@@ -200,3 +201,85 @@ def test_bf16_logits_are_accepted():
     got = metric_sums(logits.bfloat16(), labels, valid, (8,))
     want = ref_sums(logits.bfloat16().float(), labels, valid, (8,))
     assert got == pytest.approx({k: float(v) for k, v in want.items()})
+
+
+# ----------------------------------------------------------------------------- on the device
+
+
+def _tree_case(seed: int, m: int, depths: int, top: int, ties: bool):
+    """Descending top log-probabilities (steps of 0, 0.5 or 1 when `ties`: scores tie all the
+    time), label ranks mostly 0 (paths go deep), sometimes absent (-1 or >= top)."""
+    g = torch.Generator().manual_seed(seed)
+    if ties:
+        steps = torch.tensor([0.0, 0.5, 1.0])[torch.randint(0, 3, (m, depths, top), generator=g)]
+    else:
+        steps = torch.rand(m, depths, top, generator=g) * 2
+    values = -steps.cumsum(dim=-1)
+    ranks = torch.where(
+        torch.rand(m, depths, generator=g) < 0.7, 0, torch.randint(0, 3, (m, depths), generator=g)
+    )
+    absent = torch.rand(m, depths, generator=g) < 0.1
+    ranks = torch.where(absent, torch.randint(-1, top + 2, (m, depths), generator=g), ranks)
+    valid_len = torch.randint(0, depths + 1, (m,), generator=g)
+    return values, ranks, valid_len
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_depths_equal_tree_depth_for_every_budget(seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    depths, top = (
+        int(torch.randint(1, 16, (1,), generator=g)),
+        int(torch.randint(1, 33, (1,), generator=g)),
+    )
+    values, ranks, valid_len = _tree_case(seed, 24, depths, top, ties)
+    deep = 0
+    for budget in range(1, 33):
+        got = tree_depths(values, ranks, valid_len, budget).tolist()
+        want = [
+            tree_depth(values[i].tolist(), ranks[i].tolist(), int(valid_len[i]), budget)
+            for i in range(values.shape[0])
+        ]
+        assert got == want, (seed, ties, budget)
+        deep += sum(w >= 3 for w in want)
+    assert depths < 3 or deep > 0  # the trees do reach past depth 2
+
+
+def test_tree_depths_break_ties_as_the_heap_does():
+    # Every score ties within a depth: heapq pops by (depth, rank, parent score, parent on the
+    # path) then, so the budget-b tree is a fixed set of nodes whatever the labels.
+    values = torch.full((1, 3, 4), -1.0)
+    for ranks, budget in itertools.product(itertools.product(range(4), repeat=3), (1, 2, 4, 5, 9)):
+        labels = torch.tensor([ranks])
+        want = tree_depth(values[0].tolist(), list(ranks), 3, budget)
+        assert tree_depths(values, labels, torch.tensor([3]), budget).tolist() == [want]
+    # equal scores, different depths: the shallower node first; equal parent scores: the one
+    # whose parent is off the label path first (False < True)
+    values = torch.tensor([[[0.0, 0.0], [0.0, 0.0]]])
+    for ranks in itertools.product(range(2), repeat=2):
+        for budget in range(1, 7):
+            want = tree_depth(values[0].tolist(), list(ranks), 2, budget)
+            got = tree_depths(values, torch.tensor([ranks]), torch.tensor([2]), budget).item()
+            assert got == want, (ranks, budget)
+
+
+def test_tree_depths_of_no_blocks_no_budget_no_valid_slot():
+    values, ranks, _ = _tree_case(0, 3, 4, 5, ties=False)
+    assert tree_depths(values, ranks, torch.tensor([4, 4, 4]), 0).tolist() == [0, 0, 0]
+    assert tree_depths(values, ranks, torch.tensor([0, 0, 0]), 8).tolist() == [0, 0, 0]
+    assert tree_depths(values[:0], ranks[:0], torch.tensor([], dtype=torch.long), 8).shape == (0,)
+
+
+def test_draft_metrics_sum_chunks_without_reading_the_device():
+    # what the trainer's loss hook does: several chunks, one vector of sums at the end
+    logits, labels, valid = random_case(11, m=30, slots=3, vocab=5)
+    collect = DraftMetrics((8, 16), logits.device)
+    for lo in range(0, 30, 7):
+        collect(logits[lo : lo + 7], labels[lo : lo + 7], valid[lo : lo + 7])
+    vector = collect.sums()
+    assert vector.dtype == torch.float64 and vector.shape == (6,)
+    want = ref_sums(logits, labels, valid, (8, 16))
+    assert dict(zip(want, vector.tolist(), strict=True)) == pytest.approx(
+        {k: float(v) for k, v in want.items()}
+    )
+    assert DraftMetrics((8,), logits.device).sums().tolist() == [0.0] * 5

@@ -98,7 +98,7 @@ def _step_inputs(run: T.Run, batch, monkeypatch) -> dict:
         lambda mod, args: seen.__setitem__("features", args[0].clone())
     )
     try:
-        S.micro_step(run, batch, 0, {})
+        S.micro_step(run, batch, 0, S.StepSums(run.device))
     finally:
         handle.remove()
     return seen
@@ -311,17 +311,18 @@ def test_a_batch_without_an_eligible_anchor_is_a_zero_loss_step(tiny_dense, grou
     batch = S.trim_padding(run.stream.next_batch())
     batch.loss_mask[:] = False
     batch.loss_mask[:, -1] = True
-    sums: dict = {}
+    sums = S.StepSums(run.device)
     loss = S.micro_step(run, batch, 0, sums)
     assert loss.item() == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in run.drafter.parameters())
-    assert sums["blocks"] == 0 and sums["acc_count"] == 0 and "dds8_sum" in sums
+    added = sums.to_dict()
+    assert added["blocks"] == 0 and added["acc_count"] == 0 and added["dds8_sum"] == 0
     run.optimizer.zero_grad(set_to_none=True)
     before = {k: v.clone() for k, v in run.drafter.state_dict().items()}
     run.stream.next_batch = lambda: batch  # two whole steps through DDP on such batches
     for step in range(2):
-        loss_value, grad_norm, _ = T.train_step(run, step, {})
-        assert (loss_value, grad_norm) == (0.0, 0.0)
+        loss_value, grad_norm, _ = T.train_step(run, step, S.StepSums(run.device))
+        assert (loss_value.item(), grad_norm.item()) == (0.0, 0.0)
     assert all(torch.equal(before[k], v) for k, v in run.drafter.state_dict().items())
 
 
