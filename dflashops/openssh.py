@@ -40,6 +40,7 @@ OWN_ERROR = re.compile(
     r"|channel \d+: open failed|ssh_dispatch_run_fatal|Load key|ProxyCommand|kex_)"
 )
 TAIL = 4096
+PREFIX = "dflashops-ssh-"  # + pid: the private config directories in the temporary directory
 PIPE_SIZE = 1 << 20  # fewer, larger hand-overs between us and the client than 64 KiB pipes
 
 
@@ -74,7 +75,8 @@ class Configs:
 
     def _append(self, text: str) -> None:
         if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="dflashops-ssh-")
+            _sweep()
+            self._dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         fd = os.open(
             os.path.join(self._dir, "config"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
         )
@@ -87,6 +89,21 @@ class Configs:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
             self._aliases.clear()
+
+
+def _sweep() -> None:
+    """Remove the config directories of our commands that were killed before they could (the
+    pid in the name is gone)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.lstat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def block(conn: Connection) -> str:

@@ -4,10 +4,13 @@ is not installed. Real sshd servers of the test bed."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import itertools
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,6 +98,26 @@ def test_push_through_a_proxy_command_goes_through_it(testbed, tmp_path, home):
     assert ran.code == 0, ran.err
     assert count.read_text() == "\n\n"  # paramiko's connection and the client's
     assert digest(testbed["pve1"][201].host_path("/workspace/bulk/proxied.bin")) == digest(src)
+
+
+def test_a_killed_copy_leaves_no_client_config_behind_the_next_command(testbed, tmp_path, home):
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    src = big_file(tmp_path, 256)
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inv), "push", "ct201",
+            str(src), "bulk/killed.bin"]  # fmt: skip
+    proc = subprocess.Popen(argv, env={**os.environ, "HOME": str(home)}, stderr=subprocess.PIPE)
+    pattern = f"{tempfile.gettempdir()}/dflashops-ssh-{proc.pid}-*"
+    deadline = time.monotonic() + 60
+    while not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert glob.glob(pattern), proc.stderr.read() if proc.poll() is not None else "no config"
+    proc.kill()
+    proc.wait()
+    assert glob.glob(pattern)  # a killed command cleans nothing up itself
+    ran = dflashops("push", "ct201", str(big_file(tmp_path, 1)), "bulk/next.bin",
+                    inventory=inv, home=home)  # fmt: skip
+    assert ran.code == 0, ran.err
+    assert glob.glob(pattern) == []
 
 
 def test_the_openssh_client_refuses_a_key_that_changed_after_login(testbed, tmp_path, home):
