@@ -537,7 +537,7 @@ def save_checkpoint(
     run: Run,
     run_dir: Path,
     step: int,
-    interval: dict[str, float],
+    interval: StepSums,
     seconds: float,
     writer: ckpt.BackgroundWriter,
 ) -> None:
