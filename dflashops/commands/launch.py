@@ -320,7 +320,7 @@ def plan_argv(placement: Placement, node: lifecycle.Node, gpu_mib: int | None) -
     argv += ["--nproc", str(node.nproc), "--nnodes", str(len(placement.nodes))]
     argv += ["--device", "cuda" if gpu_mib else "cpu", "--json"]
     if gpu_mib:
-        argv += ["--gpu-memory-gib", f"{gpu_mib / 1024:.3f}"]
+        argv += ["--gpu-memory-gib", f"{gpu_mib / 1024:.6f}"]
     return argv
 
 
@@ -378,11 +378,12 @@ def check_plan(
         context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
     if plan.get("fits") is False:
         per = plan.get("per_rank") or {}
+        shard = "set dist.sharding: zero1, " if plan.get("sharding") == "none" else ""
         message = (
-            f"{placement.run}: the memory plan needs {human_bytes(per.get('total'))} per rank, the GPUs "
-            f"of {', '.join(n.target.name for n in placement.nodes)} have "
-            f"{human_bytes(plan.get('gpu_memory'))}; shard more (dist.sharding: zero1), shorten "
-            "data.max_length or data.num_anchors, or pass --force"
+            f"{placement.run}: the memory plan needs {human_bytes(per.get('total'))} per rank, "
+            f"the GPUs of {', '.join(n.target.name for n in placement.nodes)} have "
+            f"{human_bytes(plan.get('gpu_memory'))}; {shard}shorten data.max_length or "
+            "data.num_anchors, use more GPUs, or pass --force"
         )
         if not force:
             raise UsageError(message)

@@ -23,6 +23,7 @@ from tests.operator.test_runs import tiny_build
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
 A_VMID, B_VMID = 971, 972
+STEPS = 24  # long enough for `stop` to arrive mid-run
 FAKE_BIN = "/root/fakebin"
 FAKE_NVIDIA_SMI = """\
 #!/bin/sh
@@ -54,20 +55,9 @@ def cts(testbed):
         testbed["pve2"].remove_container(B_VMID)
 
 
-@pytest.fixture(scope="module")
-def cli(testbed, cts, tmp_path_factory):
-    where = tmp_path_factory.mktemp("scale")
-    a, b = cts["a"], cts["b"]
-    gpu_path = f"{FAKE_BIN}:/usr/sbin:/usr/bin:/sbin:/bin"
+def make_cli(testbed, where: Path, targets: dict):
     inv = testbed.write_inventory(
-        where / "hosts.yaml",
-        {
-            "a": ("pve1", A_VMID, {"address": a.address}),
-            "b": ("pve2", B_VMID, {"address": b.address}),
-            "a2": ("pve1", A_VMID, {"gpus": 2}),
-            "agpu": ("pve1", A_VMID, {"path": gpu_path}),
-        },
-        extra_defaults={"python": sys.executable},
+        where / "hosts.yaml", targets, extra_defaults={"python": sys.executable}
     )
     home = where / "home"
     home.mkdir()
@@ -79,6 +69,35 @@ def cli(testbed, cts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def cli(testbed, cts, tmp_path_factory):
+    """An inventory of the two containers, each with its address."""
+    a, b = cts["a"], cts["b"]
+    return make_cli(
+        testbed,
+        tmp_path_factory.mktemp("scale"),
+        {
+            "a": ("pve1", A_VMID, {"address": a.address}),
+            "b": ("pve2", B_VMID, {"address": b.address}),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def two_gpu_cli(testbed, cts, tmp_path_factory):
+    """An inventory naming container a `a2`, with gpus: 2."""
+    return make_cli(testbed, tmp_path_factory.mktemp("a2"), {"a2": ("pve1", A_VMID, {"gpus": 2})})
+
+
+@pytest.fixture(scope="module")
+def gpu_cli(testbed, cts, tmp_path_factory):
+    """An inventory naming container a `agpu`, whose PATH holds the stand-in nvidia-smi."""
+    gpu_path = f"{FAKE_BIN}:/usr/sbin:/usr/bin:/sbin:/bin"
+    return make_cli(
+        testbed, tmp_path_factory.mktemp("agpu"), {"agpu": ("pve1", A_VMID, {"path": gpu_path})}
+    )
+
+
+@pytest.fixture(scope="module")
 def config(cli, cts, tmp_path_factory) -> Path:
     tiny = tiny_build()
     for target in ("a", "b"):
@@ -87,9 +106,9 @@ def config(cli, cts, tmp_path_factory) -> Path:
     cfg = yaml.safe_load((tiny / "run.yaml").read_text())
     cfg["target"]["path"] = "/workspace/tiny/target"
     cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
-    cfg["optim"].update(max_steps=6, batch_size=1)
+    cfg["optim"].update(max_steps=STEPS, batch_size=1)
     cfg["log"]["log_every"] = 1
-    cfg["checkpoint"].update(every=3, keep_last=3)
+    cfg["checkpoint"].update(every=8, keep_last=3)
     cfg["dist"] = {"timeout_s": 60}
     path = tmp_path_factory.mktemp("cfg") / "tiny-run.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -117,6 +136,17 @@ def trainers(ct) -> list[str]:
         "    if b'workload.train' in c and b'/proc' not in c: print(p, c.decode()[:120])\n"
     )
     return ct.run(["python3", "-c", probe]).stdout.decode().splitlines()
+
+
+def consoles(cts, run: str) -> str:
+    """Every node's console and rank logs, for a failure's message."""
+    out = []
+    for name, ct in cts.items():
+        base = ct.host_path(f"/workspace/runs/{run}")
+        for path in [base / "console.log", *sorted(base.glob("ranks/*.log"))]:
+            if path.is_file():
+                out.append(f"\n--- {name}: {path.name}\n{path.read_text()[-3000:]}")
+    return "".join(out)
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -148,14 +178,13 @@ def test_two_containers_on_two_hosts_train_like_four_ranks_on_one(cli, cts, conf
     one = cli("launch", "one4", "--host", "a", "--nproc", "4", "--config", str(config))
     assert one.code == 0, one.err
     assert cli("status", "one4", "--follow", "--interval", "1").code == 0
-    two = cli("launch", "two2", "--host", "b,a", "--nproc", "2", "--config", str(config),
-              "--set", "optim.max_steps=6")  # fmt: skip
+    two = cli("launch", "two2", "--host", "b,a", "--nproc", "2", "--config", str(config))
     assert two.code == 0, two.err
     assert "two2: running on a, b" in two.out or "two2: finished on a, b" in two.out, two.out
     doc = status(cli, "two2")
     assert [n["target"] for n in doc["nodes"]] == ["a", "b"]  # rank 0 on the address first
     stopped = cli("--json", "stop", "two2")
-    assert stopped.code == 0, stopped.err
+    assert stopped.code == 0, stopped.err + consoles(cts, "two2")
     stop_doc = json.loads(stopped.out)
     assert stop_doc["state"] in ("stopped", "finished"), stop_doc
     assert all(n["alive"] is False for n in stop_doc["nodes"])
@@ -169,9 +198,9 @@ def test_two_containers_on_two_hosts_train_like_four_ranks_on_one(cli, cts, conf
         (0, "a"), (1, "a"), (2, "b"), (3, "b")
     ]  # fmt: skip
     single, double = log_of(cts["a"], "one4"), log_of(cts["a"], "two2")
-    assert [r["step"] for r in double] == list(range(1, 7))
+    assert [r["step"] for r in double] == list(range(1, STEPS + 1))
     assert all(close(x, y) for x, y in zip(single, double, strict=True)), (single, double)
-    weights = "checkpoints/step_6/model.safetensors"
+    weights = f"checkpoints/step_{STEPS}/model.safetensors"
     assert digest(cts["a"], f"/workspace/runs/one4/{weights}") == digest(
         cts["a"], f"/workspace/runs/two2/{weights}"
     )
@@ -215,7 +244,8 @@ def test_a_node_that_dies_takes_the_run_down(cli, cts, config):
 # ---------------------------------------------------------------- one node, its GPUs
 
 
-def test_a_target_with_two_gpus_runs_two_ranks_without_a_flag(cli, cts, config):
+def test_a_target_with_two_gpus_runs_two_ranks_without_a_flag(two_gpu_cli, cts, config):
+    cli = two_gpu_cli
     ran = cli("launch", "g2", "--host", "a2", "--config", str(config), "--set",
               "optim.max_steps=2")  # fmt: skip
     assert ran.code == 0, ran.err
@@ -225,8 +255,8 @@ def test_a_target_with_two_gpus_runs_two_ranks_without_a_flag(cli, cts, config):
     assert state["world_size"] == 2
 
 
-def test_gpus_held_or_too_small_are_refused_before_anything_is_made(cli, cts, config):
-    ct = cts["a"]
+def test_gpus_held_or_too_small_are_refused_before_anything_is_made(gpu_cli, cts, config):
+    cli, ct = gpu_cli, cts["a"]
     ct.run(["mkdir", "-p", FAKE_BIN])
     ct.run(["sh", "-c", f"cat > {FAKE_BIN}/nvidia-smi && chmod +x {FAKE_BIN}/nvidia-smi"],
            input=FAKE_NVIDIA_SMI.encode())  # fmt: skip
