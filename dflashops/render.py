@@ -7,7 +7,6 @@ colour comes only from `styled()`.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -129,11 +128,6 @@ METRIC_FORMATS = {
 }
 
 
-# A whole string of this form is taken as a colour of ours, not text: the form some commands
-# still build (`f"[green]{state}[/]"`); they should move to `styled`. Anything else is literal.
-_OUR_STYLE = re.compile(r"\[(green|red|yellow|bold|dim|cyan|blue|magenta|white)\]([^\[\]]*)\[/\]")
-
-
 def styled(text: object, style: str | None = None):  # noqa: ANN201 (rich.text.Text)
     """`text` exactly as it is (brackets and all), in `style` ("green", "bold red", ...)."""
     from rich.text import Text
@@ -153,9 +147,6 @@ def console(*, stderr: bool = False):  # noqa: ANN201 (rich.console.Console, imp
             raise BrokenPipeError
 
         def render_str(self, text: str, **kwargs):  # noqa: ANN003, ANN202
-            ours = _OUR_STYLE.fullmatch(text)
-            if ours is not None and kwargs.get("markup") is None:
-                return styled(ours.group(2), f"{kwargs.get('style') or ''} {ours.group(1)}")
             return super().render_str(text, **{**kwargs, "markup": False, "emoji": False})
 
     stream = sys.stderr if stderr else sys.stdout

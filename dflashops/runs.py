@@ -548,7 +548,9 @@ def sessions(opts: context.Context) -> Iterator[tuple[Session, Session]]:
     if not opts.dry_run:
         yield writer, writer
         return
-    reader = Session(opts.inventory(), dry_run=False, announce=context.note)
+    reader = Session(
+        opts.inventory(), dry_run=False, announce=context.note, timeout=opts.deadline()
+    )
     try:
         yield reader, writer
     finally:

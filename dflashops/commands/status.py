@@ -16,7 +16,7 @@ import typer
 
 from dflashops import context, runs
 from dflashops.errors import ExitCode, NotFoundError, OpsError
-from dflashops.render import console, duration, metric, table
+from dflashops.render import console, duration, metric, styled, table
 from dflashops.runs import RunView
 
 COLOURS = {
@@ -202,9 +202,8 @@ def warn_logs(views: list[RunView]) -> None:
             context.note(f"warning: {view.name} ({view.target}): {warning}")
 
 
-def state_cell(view: RunView) -> str:
-    colour = COLOURS.get(view.state, "white")
-    return f"[{colour}]{view.state}[/]"
+def state_cell(view: RunView):  # noqa: ANN201 (rich Text)
+    return styled(view.state, COLOURS.get(view.state, "white"))
 
 
 def step_cell(view: RunView) -> str:

@@ -97,13 +97,13 @@ def signal_trainer(machine: Machine, reader: Session, view: RunView, wait_s: flo
 
 
 def wait_stopped(reader: Session, view: RunView, timeout: float, *, killed: bool) -> RunView:
-    """Until no node runs anything of the run."""
+    """Until no node runs anything of the run (its launcher too: it records the exit code)."""
     clock = Stopwatch()
     next_note = 10.0
     run = view.name
     while True:
         view = runs.refresh(reader, view, records="none", checkpoints=True)
-        if not view.running and not any(v.running for v in view.nodes):
+        if not any(runs.node_alive(v.raw) for v in view.nodes or [view]):
             if view.state == "failed" and not killed:
                 raise OpsError(f"{run}: the trainer failed while stopping ({view.note or ''})")
             return view
