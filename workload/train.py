@@ -73,6 +73,7 @@ from workload.model import (
     WEIGHTS_NAME,
     DFlashDrafter,
     build_drafter_config,
+    checkpointing_on,
     default_target_layer_ids,
 )
 from workload.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
@@ -311,12 +312,14 @@ def setup(
     torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
     drafter = build_drafter(cfg, target, fc_ids).to(d.device)
     drafter.train()
+    drafter.checkpoint_layers = checkpointing_on(
+        cfg.drafter.activation_checkpointing, d.device.type
+    )
     step_module = DrafterStep(drafter)
     ddp = DistributedDataParallel(
         step_module,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
-        broadcast_buffers=False,  # the drafter's buffers (rotary frequencies) never change
     )
     o = cfg.optim
     mode = sharding.resolve_sharding(cfg.dist.sharding, d.world)
