@@ -42,8 +42,9 @@ say "4/9 launching $RUN: a drafter for it, $STEPS steps on CPU, in a detached tm
 dflashops launch "$RUN" --host local --config "$TINY/run.yaml" \
   --set optim.max_steps="$STEPS" --set checkpoint.every=50 --set log.log_every=10
 
-say "5/9 launching $BUGGY: the same recipe, but with the old runs' soft KL loss (a bug to catch)"
-dflashops launch "$BUGGY" --host local --config "$TINY/run.yaml" \
+say "5/9 launching $BUGGY: the same recipe, but with the old runs' soft KL loss (a bug to catch);"
+say "    --force: $RUN holds this target, and the two may share its CPU"
+dflashops launch "$BUGGY" --host local --config "$TINY/run.yaml" --force \
   --set optim.max_steps="$BUGGY_STEPS" --set loss.type=kl --set checkpoint.every="$BUGGY_STEPS" \
   --set log.log_every=10
 
