@@ -3,9 +3,10 @@
     python bench/memory_plan.py [--config RUN.yaml] [--target-config CONFIG.json] [--nproc 8]
         [--gpu-memory-gib 80 141]
 
-For each sharding (none, zero1) and each (max_length, num_anchors) below, the per-rank total of
-`workload.plan` (target, drafter, gradients, AdamW moments, activations, CUDA overhead) and
-whether it fits each GPU size. No GPU needed: target and drafter are built on the meta device.
+For each sharding (none, zero1), the drafter's layers checkpointed or not
+(drafter.activation_checkpointing: null, on for CUDA, or false) and each (max_length,
+num_anchors) below, the per-rank total of `workload.plan` (target, drafter, gradients, AdamW
+moments, activations, CUDA overhead) and whether it fits each GPU size. No GPU needed: target and drafter are built on the meta device.
 """
 
 from __future__ import annotations
@@ -38,15 +39,18 @@ def main() -> int:
     sizes = " ".join(f"{g:>6.0f}G" for g in a.gpu_memory_gib)
     print(f"{a.nproc} ranks; per-rank GiB (activations in brackets); fits: {sizes}")
     for sharding in ("none", "zero1"):
-        for length, anchors in ROWS:
-            cfg = load_config(a.config, [f"dist.sharding={sharding}", f"data.max_length={length}",
-                                         f"data.num_anchors={anchors}"])  # fmt: skip
-            result = plan.estimate(cfg, target, a.nproc, device="cuda")
-            t = result.per_rank
-            fits = " ".join(f"{'yes' if t.total <= g * plan.GIB else 'no':>7}"
-                            for g in a.gpu_memory_gib)  # fmt: skip
-            print(f"{sharding:<6} S={length:<5} N={anchors:<4} {t.total / plan.GIB:7.2f} "
-                  f"({t.activations / plan.GIB:5.2f}) {fits}")  # fmt: skip
+        for checkpointing in ("null", "false"):
+            for length, anchors in ROWS:
+                cfg = load_config(a.config, [
+                    f"dist.sharding={sharding}", f"data.max_length={length}",
+                    f"data.num_anchors={anchors}",
+                    f"drafter.activation_checkpointing={checkpointing}"])  # fmt: skip
+                t = plan.estimate(cfg, target, a.nproc, device="cuda").per_rank
+                fits = " ".join(f"{'yes' if t.total <= g * plan.GIB else 'no':>7}"
+                                for g in a.gpu_memory_gib)  # fmt: skip
+                ckpt = "ckpt" if checkpointing == "null" else "kept"
+                print(f"{sharding:<6} {ckpt} S={length:<5} N={anchors:<4} "
+                      f"{t.total / plan.GIB:7.2f} ({t.activations / plan.GIB:5.2f}) {fits}")  # fmt: skip
     return 0
 
 

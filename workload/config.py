@@ -59,6 +59,8 @@ class DrafterConfig:
     intermediate_size: int | None = None
     init_from: str | None = None  # a drafter checkpoint directory to start from
     fc_layers: str = "all"  # all | all_but_last (old runs only)
+    # recompute each drafter layer in backward (torch.utils.checkpoint): null = on for CUDA
+    activation_checkpointing: bool | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -283,6 +284,13 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def checkpointing_on(setting: bool | None, device_type: str) -> bool:
+    """drafter.activation_checkpointing: true or false as set; null (auto) is on for CUDA (what
+    makes a 27B target and its drafter fit 80 GB cards, for a few percent of a step) and off
+    elsewhere (CPU runs are tiny: recomputing would only cost time)."""
+    return device_type == "cuda" if setting is None else setting
+
+
 def dflash_setting(config, name: str, default=None):
     """A setting from dflash_config, else the top-level attribute (z-lab's lookup order)."""
     return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
@@ -311,6 +319,9 @@ class DFlashDrafter(PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        # training only: recompute each layer in backward instead of keeping its activations
+        # (torch.utils.checkpoint; the trainer sets it from drafter.activation_checkpointing)
+        self.checkpoint_layers = False
         self.post_init()
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
@@ -386,7 +397,8 @@ class DFlashDrafter(PreTrainedModel):
         x = block_embeds
         masks: dict = {}  # block masks shared by the layers of this forward
         for layer in self.layers:
-            x = layer(
+            x = self._train_layer(
+                layer,
                 x,
                 lambda h, a=layer.self_attn: a.blocks(
                     h,
@@ -402,3 +414,13 @@ class DFlashDrafter(PreTrainedModel):
                 ),
             )
         return self.norm(x)
+
+    def _train_layer(self, layer: DFlashLayer, x: Tensor, attend: Callable[[Tensor], Tensor]):
+        if not (self.checkpoint_layers and torch.is_grad_enabled()):
+            return layer(x, attend)
+        x = checkpoint(layer, x, attend, use_reentrant=False)
+        # The layer kept nothing for backward, so only autocast's cache still holds the bf16
+        # casts of its weights; left there, every layer's would stay until the step leaves
+        # autocast. The recompute in backward casts them again, as here (one cast per weight).
+        torch.clear_autocast_cache()
+        return x

@@ -25,8 +25,9 @@ real steps of tiny targets on CPU.
 Assumptions (also in `notes`): drafter master weights, gradients and AdamW's two moments in
 fp32; the gradients are views of DDP's buckets (gradient_as_bucket_view, as train.py builds
 DDP), one copy; zero1 shards the moments like ZeroRedundancyOptimizer (whole parameters,
-largest first, to the emptiest rank); rows are full (max_length tokens) with the most anchors
-the config allows; on a GPU, 1 GiB for the CUDA context and workspaces, plus 0.5 GiB for NCCL
+largest first, to the emptiest rank); the drafter's layers are checkpointed as
+drafter.activation_checkpointing resolves on the device (null: on for cuda); rows are full
+(max_length tokens) with the most anchors the config allows; on a GPU, 1 GiB for the CUDA context and workspaces, plus 0.5 GiB for NCCL
 when world > 1; the caching allocator's fragmentation is not modelled.
 """
 
@@ -95,6 +96,13 @@ class Shape:
     target_dtype: int  # bytes per target weight / activation
     compute_dtype: int  # bytes of the drafter's matmul outputs (autocast dtype, else fp32)
     attention: str  # flex | chunked | dense
+    checkpointed: bool  # drafter layers under activation checkpointing
+    proj_weights: int  # elements of the drafter's linear weights (autocast casts them)
+    layer_casts: int  # elements of one layer's linear weights
+
+    @property
+    def residual(self) -> int:  # bytes per element of the layers' input stream
+        return max(self.target_dtype, self.compute_dtype)
 
     @property
     def context(self) -> int:  # C, context positions of the micro-batch
@@ -403,18 +411,30 @@ def drafter_layer_saved(s: Shape, layer_type: str) -> int:
     return block + context + attention_saved(s, layer_type)
 
 
-def drafter_saved(s: Shape, cast_weights: int) -> int:
-    """The drafter's forward, kept for backward: project_context (fc output, hidden_norm in
-    fp32), every layer, the final norm and its output, the slots fed to the loss, rope tables,
-    and under autocast the low-precision copies of the drafter's weights."""
+def outside_layers_saved(s: Shape) -> int:
+    """What the drafter's forward keeps outside its layers: project_context (fc output,
+    hidden_norm in fp32), the final norm and its output, the slots fed to the loss, rope
+    tables."""
     q, c, a = s.queries, s.context, s.compute_dtype
     context = 3 * c * s.hidden * FP32
-    layers = sum(drafter_layer_saved(s, t) for t in s.drafter_layers)
     final = norm_saved(q, s.hidden, a, readers=1) + q * s.hidden * FP32
     slots = s.rows * s.anchors * (s.block - 1) * s.hidden * FP32
     rope = 2 * (c * FP32 + q * s.target_dtype) * s.head_dim
-    weights = 0 if a == FP32 else cast_weights * a
-    return context + layers + final + slots + rope + weights
+    return context + final + slots + rope
+
+
+def drafter_saved(s: Shape) -> int:
+    """The drafter's forward, kept for backward. Without checkpointing: every layer's saved
+    tensors and, under autocast, the low-precision copies of the drafter's weights (autocast
+    caches them until the step leaves autocast; the graph holds them until backward). With
+    checkpointing: only each layer's input (model.py clears autocast's cache of the casts after
+    each layer)."""
+    if s.checkpointed:
+        return outside_layers_saved(s) + len(s.drafter_layers) * s.queries * s.hidden * s.residual
+    a = s.compute_dtype
+    layers = sum(drafter_layer_saved(s, t) for t in s.drafter_layers)
+    weights = 0 if a == FP32 else s.proj_weights * a
+    return outside_layers_saved(s) + layers + weights
 
 
 def loss_chunk_peak(s: Shape) -> int:
@@ -431,14 +451,29 @@ def loss_chunk_peak(s: Shape) -> int:
     return max(forward, metrics, backward) + weight_cast
 
 
-def backward_peak(s: Shape) -> int:
-    """What backward adds on top of the saved tensors: the loss chunk first, then the block
-    stream's gradients through the last MLP (two [Q, I] beyond what it frees), and the
-    context's gradient, summed over the layers ([C, H] fp32, plus the one arriving and a
-    [C, kv] one)."""
+def layer_backward(s: Shape) -> int:
+    """What a layer's backward adds to its saved tensors: the block stream's gradients through
+    the MLP (two [Q, I] beyond what it frees), or the context's gradient, summed over the
+    layers ([C, H] fp32, plus the one arriving and a [C, kv] one)."""
     mlp = 2 * s.queries * s.intermediate * s.compute_dtype
     context = 2 * s.context * s.hidden * FP32 + s.context * s.kv_dim * FP32
-    return max(loss_chunk_peak(s), mlp, context)
+    return max(mlp, context)
+
+
+def layer_recompute(s: Shape) -> int:
+    """Backward of a checkpointed layer: the layer runs again and keeps, until its gradients
+    are through, what it saves (the widest kind of layer) and, under autocast, the casts of
+    its weights. One layer at a time."""
+    a = s.compute_dtype
+    saved = max(drafter_layer_saved(s, t) for t in set(s.drafter_layers))
+    return saved + (0 if a == FP32 else s.layer_casts * a) + layer_backward(s)
+
+
+def backward_peak(s: Shape) -> int:
+    """What backward adds on top of the saved tensors: the loss chunk first, then the layers'
+    gradients (each layer recomputed first, when checkpointed)."""
+    layers = layer_recompute(s) if s.checkpointed else layer_backward(s)
+    return max(loss_chunk_peak(s), layers)
 
 
 def optimizer_step_peak(param_sizes: list[int]) -> int:
@@ -446,11 +481,11 @@ def optimizer_step_peak(param_sizes: list[int]) -> int:
     return 2 * FP32 * max(param_sizes)
 
 
-def activation_parts(s: Shape, layer_bytes: int, cast_weights: int, extra: int) -> dict[str, int]:
+def activation_parts(s: Shape, layer_bytes: int, extra: int) -> dict[str, int]:
     """The peak is the largest of four moments of a step (they do not overlap); `extra` is
     the optimizer step's."""
     inputs = step_inputs(s)
-    drafter = drafter_saved(s, cast_weights)
+    drafter = drafter_saved(s)
     loss = backward_peak(s)
     moments = {
         "target forward": target_forward_peak(s, layer_bytes),
@@ -460,7 +495,8 @@ def activation_parts(s: Shape, layer_bytes: int, cast_weights: int, extra: int) 
     }
     peak = max(moments, key=moments.get)
     if peak == "drafter":
-        return {"step inputs": inputs, "drafter saved": drafter, "backward": loss}
+        saved = "drafter saved (checkpointed)" if s.checkpointed else "drafter saved"
+        return {"step inputs": inputs, saved: drafter, "backward": loss}
     return {peak: moments[peak]}
 
 
@@ -476,12 +512,24 @@ def anchors_per_row(cfg: RunConfig) -> int:
     return max(1, min(n, cfg.data.max_length - 1))
 
 
+def cast_elements(drafter) -> tuple[int, int]:
+    """Elements autocast casts to bf16 (once each, cached): all the drafter's linear weights,
+    and one layer's."""
+
+    def linear_weights(module) -> int:
+        return sum(p.numel() for n, p in module.named_parameters() if n.endswith("proj.weight"))
+
+    return linear_weights(drafter), linear_weights(drafter.layers[0])
+
+
 def step_shape(cfg: RunConfig, text: Any, drafter, vocab: int, device: str) -> Shape:
     import torch
 
     from workload.attention import resolve_impl
+    from workload.model import checkpointing_on
 
     dc = drafter.config
+    every, layer = cast_elements(drafter)
     return Shape(
         rows=cfg.optim.batch_size,
         seq=cfg.data.max_length,
@@ -501,6 +549,9 @@ def step_shape(cfg: RunConfig, text: Any, drafter, vocab: int, device: str) -> S
         target_dtype=dtype_bytes(cfg.target.dtype, device),
         compute_dtype=compute_bytes(cfg.optim.precision, device),
         attention=resolve_impl(cfg.attention, torch.device(device)),
+        checkpointed=checkpointing_on(cfg.drafter.activation_checkpointing, device),
+        proj_weights=every,
+        layer_casts=layer,
     )
 
 
@@ -525,11 +576,8 @@ def estimate(
     vocab = int(target.get_output_embeddings().weight.shape[0])
     shape = step_shape(cfg, text, drafter, vocab, device)
     sizes = [p.numel() for p in drafter.parameters()]
-    cast_weights = sum(
-        p.numel() for n, p in drafter.named_parameters() if n.endswith("proj.weight")
-    )
-    parts = activation_parts(shape, target_layer_bytes(text, shape.target_dtype), cast_weights,
-                             optimizer_step_peak(sizes))  # fmt: skip
+    layer_bytes = target_layer_bytes(text, shape.target_dtype)
+    parts = activation_parts(shape, layer_bytes, optimizer_step_peak(sizes))
     terms = Terms(
         target_weights=module_bytes(target),
         drafter_params=module_bytes(drafter),
@@ -552,6 +600,16 @@ def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
         "gradients: one fp32 copy, views of DDP's buckets (gradient_as_bucket_view); AdamW "
         "moments fp32",
     ]
+    if s.checkpointed:
+        notes.append(
+            "drafter layers under activation checkpointing: each keeps its input only and is "
+            "recomputed in backward (one more drafter forward per step)"
+        )
+    else:
+        notes.append(
+            "drafter.activation_checkpointing: true would keep only each drafter layer's input "
+            "(one more drafter forward per step)"
+        )
     if cfg.data.pack and cfg.data.max_anchors_per_row is None:
         notes.append(
             "packed rows without data.max_anchors_per_row: num_anchors is per document, so a row "

@@ -42,8 +42,18 @@ RUN_27B = REPO / "templates" / "runs" / "qwen36-27b.yaml"
 MIB = 1 << 20
 TOLERANCE = 0.25
 
+CHECKPOINTED = "drafter.activation_checkpointing=true"
+FIVE_LAYERS = [
+    "drafter.num_layers=5",
+    "drafter.layer_types=[sliding_attention,sliding_attention,"
+    "sliding_attention,sliding_attention,full_attention]",
+    "drafter.sliding_window=64",
+]
 # (name, target, overrides): drafter-heavy, bf16 autocast (the GPU's dtypes), several attention
-# groups, context-heavy, and target-heavy (the hybrid's Gated DeltaNet reference on CPU).
+# groups, context-heavy, and target-heavy (the hybrid's Gated DeltaNet reference on CPU); then
+# the drafter's layers checkpointed: the same shapes, five layers (the published layout: one
+# layer recomputed at a time, not five), and weight-heavy under autocast (its bf16 weight casts
+# are not kept across layers).
 CASES = [
     ("dense B8 S256 N32 K8", "dense", []),
     ("dense bf16 autocast", "dense", ["optim.precision=bf16"]),
@@ -54,6 +64,13 @@ CASES = [
     ("hybrid B8 S256 N32 K8", "hybrid", []),
     ("hybrid B4 S512 N4 K4", "hybrid",
      ["optim.batch_size=4", "data.max_length=512", "data.num_anchors=4", "drafter.block_size=4"]),
+    ("ckpt dense B8 S256 N32 K8", "dense", [CHECKPOINTED]),
+    ("ckpt dense B2 S512 N96 K8", "dense",
+     [CHECKPOINTED, "optim.batch_size=2", "data.max_length=512", "data.num_anchors=96"]),
+    ("ckpt 5 layers bf16", "dense", [CHECKPOINTED, "optim.precision=bf16", *FIVE_LAYERS]),
+    ("ckpt 5 layers bf16 B1 S64", "dense",
+     [CHECKPOINTED, "optim.precision=bf16", *FIVE_LAYERS, "optim.batch_size=1",
+      "data.max_length=64", "data.num_anchors=4", "drafter.block_size=4"]),
 ]  # fmt: skip
 RESULTS: list[tuple[str, int, int, str]] = []
 
@@ -250,25 +267,48 @@ def test_missing_or_bad_target_config_is_one_line_and_exit_2(tiny_dense, tmp_pat
 
 
 def test_qwen36_27b_on_eight_gpus(capsys):
-    """The 27B template on 8 ranks: a bf16 27B target (~54 GB) and a ~1.8e9-parameter drafter;
-    replicated AdamW states do not fit 80 GiB, zero1 fits 141 GiB."""
+    """The 27B template on 8 ranks: a bf16 27B target (~54 GB) and a ~1.8e9-parameter drafter.
+    As the template stands (zero1, the drafter's layers checkpointed on CUDA) it fits 80 GiB
+    with room for the allocator; replicated AdamW states, or the layers' activations kept, do
+    not fit 80 GiB; everything fits 141 GiB."""
     base = ["--config", str(RUN_27B), "--target-config", str(TARGET_27B), "--nproc", "8",
             "--json"]  # fmt: skip
     plans = {}
     for sharding in ("none", "zero1"):
-        for gib in (80, 141):
-            code, out, err = run_plan(capsys, *base, "--set", f"dist.sharding={sharding}",
-                                      "--gpu-memory-gib", str(gib))  # fmt: skip
+        for checkpointing in ("null", "false"):
+            code, out, err = run_plan(capsys, *base, "--set", f"dist.sharding={sharding}", "--set",
+                                      f"drafter.activation_checkpointing={checkpointing}",
+                                      "--gpu-memory-gib", "80")  # fmt: skip
             assert code == 0, err
-            plans[sharding, gib] = json.loads(out)
-    p = plans["zero1", 141]
+            plans[sharding, checkpointing] = json.loads(out)
+    p = plans["zero1", "null"]
     assert 26e9 < p["parameters"]["target"] < 28e9
     assert 1.7e9 < p["parameters"]["drafter"] < 2.0e9
     assert p["per_rank"]["target_weights"] == pytest.approx(2 * p["parameters"]["target"], 1e-3)
-    assert plans["none", 80]["fits"] is False
-    assert p["fits"] is True
-    none_opt = plans["none", 141]["per_rank"]["optimizer"]
+    assert p["fits"] is True and p["per_rank"]["total"] < 75 * plan.GIB  # room for the allocator
+    assert any("activation checkpointing" in n for n in p["notes"])
+    assert plans["zero1", "false"]["fits"] is False
+    assert plans["none", "null"]["fits"] is False
+    assert all(q["per_rank"]["total"] <= 141 * plan.GIB for q in plans.values())
+    none_opt = plans["none", "null"]["per_rank"]["optimizer"]
     assert none_opt / 8 <= p["per_rank"]["optimizer"] < none_opt / 7
+    kept = plans["zero1", "false"]["per_rank"]["activations"]
+    assert p["per_rank"]["activations"] < kept / 3
+
+
+def test_checkpointing_follows_the_key_and_the_device(tiny_dense):
+    """null is on for cuda and off on cpu, as the trainer resolves it; on, the plan keeps
+    fewer activations and says so."""
+    cfg = load_config(tiny_dense / "run.yaml")
+    target_config = plan.load_target_config(cfg.target.path)
+    cuda, cpu = (plan.estimate(cfg, target_config, 1, device=d) for d in ("cuda", "cpu"))
+    assert "drafter saved (checkpointed)" in cuda.activation_parts
+    assert "drafter saved" in cpu.activation_parts
+    cfg.drafter.activation_checkpointing = True
+    on = plan.estimate(cfg, target_config, 1, device="cpu")
+    assert on.per_rank.activations < cpu.per_rank.activations
+    assert any("recomputed in backward" in n for n in on.notes)
+    assert any("activation_checkpointing: true would" in n for n in cpu.notes)
 
 
 def test_the_trainer_prints_the_plan_and_writes_plan_json(tiny_dense, group, tmp_path, capsys):
