@@ -73,6 +73,7 @@ from workload.model import (
     WEIGHTS_NAME,
     DFlashDrafter,
     build_drafter_config,
+    checkpointing_on,
     default_target_layer_ids,
 )
 from workload.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
@@ -311,6 +312,9 @@ def setup(
     torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
     drafter = build_drafter(cfg, target, fc_ids).to(d.device)
     drafter.train()
+    drafter.checkpoint_layers = checkpointing_on(
+        cfg.drafter.activation_checkpointing, d.device.type
+    )
     step_module = DrafterStep(drafter)
     ddp = DistributedDataParallel(
         step_module,
