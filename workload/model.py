@@ -286,8 +286,8 @@ class DFlashLayer(nn.Module):
 
 def checkpointing_on(setting: bool | None, device_type: str) -> bool:
     """drafter.activation_checkpointing: true or false as set; null (auto) is on for CUDA (what
-    makes a 27B target and its drafter fit 80 GB cards, for a few percent of a step) and off
-    elsewhere (CPU runs are tiny: recomputing would only cost time)."""
+    makes a 27B target and its drafter fit 80 GB cards, for one more drafter forward per step)
+    and off elsewhere (CPU runs are tiny: recomputing would only cost time)."""
     return device_type == "cuda" if setting is None else setting
 
 
