@@ -378,12 +378,15 @@ def check_plan(
         context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
     if plan.get("fits") is False:
         per = plan.get("per_rank") or {}
-        shard = "set dist.sharding: zero1, " if plan.get("sharding") == "none" else ""
+        notes = " ".join(plan.get("notes") or [])
+        advice = ["set dist.sharding: zero1"] if plan.get("sharding") == "none" else []
+        if "activation_checkpointing: true would" in notes:
+            advice.append("set drafter.activation_checkpointing: true")
+        advice += ["shorten data.max_length or data.num_anchors", "use more GPUs"]
         message = (
             f"{placement.run}: the memory plan needs {human_bytes(per.get('total'))} per rank, "
             f"the GPUs of {', '.join(n.target.name for n in placement.nodes)} have "
-            f"{human_bytes(plan.get('gpu_memory'))}; {shard}shorten data.max_length or "
-            "data.num_anchors, use more GPUs, or pass --force"
+            f"{human_bytes(plan.get('gpu_memory'))}; {', '.join(advice)}, or pass --force"
         )
         if not force:
             raise UsageError(message)
