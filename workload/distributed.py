@@ -18,6 +18,8 @@ import fcntl
 import os
 import socket
 import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,6 +31,8 @@ from workload.config import DistConfig
 from workload.rank_files import NODE_ADDR_ENV
 
 IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+PIECE_BYTES = 64 << 20  # the most one send or broadcast carries: well under a second on 1 GbE
+POLL_S = 1.0  # while a rank works alone, the others hear from it this often
 _SIOCGIFCONF = 0x8912
 _IFREQ_SIZE = 40  # struct ifreq on 64-bit Linux: 16-byte name + 24-byte union
 
@@ -187,28 +191,141 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+def _pieces(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Views of (contiguous) `tensors`, in order, of at most PIECE_BYTES each: what one send or
+    broadcast carries. Sender and receiver cut the same shapes the same way."""
+    for t in tensors:
+        flat = t.view(-1)
+        step = max(1, PIECE_BYTES // max(1, t.element_size()))
+        for start in range(0, flat.numel(), step):
+            yield flat[start : start + step]
+
+
+def _empty_like_slots(skeleton: Any) -> list[torch.Tensor]:
+    slots: list[_Slot] = []
+    _collect_slots(skeleton, slots)
+    return [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
+
+
 def send_state(obj: Any, dst: int, d: Dist) -> None:
     """Send a nest of dicts/lists holding tensors to rank `dst` over the control group: the
-    structure pickled, then each tensor as it is (no pickled copy of the data)."""
+    structure pickled, then each tensor as it is (no pickled copy), in pieces."""
     tensors: list[torch.Tensor] = []
     skeleton = _strip(obj, tensors)
     dist.send_object_list([skeleton], dst=dst, group=d.control)
-    for t in tensors:
-        dist.send(t, dst=dst, group=d.control)
+    for piece in _pieces(tensors):
+        dist.send(piece, dst=dst, group=d.control)
 
 
 def recv_state(src: int, d: Dist) -> Any:
     """What `send_state` sent from rank `src`, with every tensor on the CPU."""
     box: list[Any] = [None]
     dist.recv_object_list(box, src=src, group=d.control)
-    slots: list[_Slot] = []
-    _collect_slots(box[0], slots)
-    tensors = []
-    for slot in sorted(slots, key=lambda s: s.index):
-        t = torch.empty(slot.shape, dtype=slot.dtype)
-        dist.recv(t, src=src, group=d.control)
-        tensors.append(t)
+    tensors = _empty_like_slots(box[0])
+    for piece in _pieces(tensors):
+        dist.recv(piece, src=src, group=d.control)
     return _fill(box[0], tensors)
+
+
+def broadcast_object(obj: Any, d: Dist) -> Any:
+    """Rank 0's `obj` (picklable, small) on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=d.control)
+    return box[0]
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], d: Dist) -> None:
+    """Rank 0's values of `tensors` (contiguous, on the device, the same shapes on every rank)
+    into every rank's, in place, over the main group, in pieces."""
+    for piece in _pieces(tensors):
+        dist.broadcast(piece, src=0)
+
+
+# ---------------------------------------------------------------- work on one rank, bounded waits
+
+
+class PeerFailed(Exception):
+    """Another rank failed while this one waited for it (its own output says why)."""
+
+
+def _start(job: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = job()
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller after the polls
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name="rank work", daemon=True)
+    thread.start()
+    return thread, box
+
+
+def run_polled(job: Callable[[], Any] | None, d: Dist, what: str) -> Any:
+    """Run this rank's `job` (None: nothing) in a thread while every rank tells the others each
+    POLL_S whether it is still working; returns the job's value once every rank is done. No
+    rank waits in one collective for much more than POLL_S, however long a job takes. A job's
+    error is raised on its rank, and PeerFailed (naming `what`) on the others."""
+    thread, box = _start(job or (lambda: None))
+    while any_rank(thread.is_alive(), d):
+        thread.join(POLL_S)
+    if any_rank("error" in box, d):
+        if "error" in box:
+            raise box["error"]
+        raise PeerFailed(f"another rank failed while {what} (see its output)")
+    return box["value"]
+
+
+_WORKING, _DONE, _FAILED = -1, -2, -3
+
+
+def hand_out(make: Callable[[int], Any] | None, wanting: Sequence[int], d: Dist) -> Any:
+    """Rank 0 makes what each rank in `wanting` gets (`make(r)`, in a thread, one rank after
+    the other, so it holds one at a time) and sends it to that rank over the control group,
+    in pieces; that rank returns it, every other rank None. Every rank takes part: before each
+    step rank 0 broadcasts what comes next (still making / a piece for rank r / done), so no
+    rank waits in one collective for much longer than POLL_S or one piece, however large the
+    states and however many ranks want them."""
+    if d.main:
+        for r in wanting:
+            _send_made(lambda r=r: make(r), r, d)
+        broadcast_int(_DONE, d)
+        return None
+    skeleton: Any = None
+    tensors: list[torch.Tensor] = []
+    pieces: Iterator[torch.Tensor] = iter(())
+    while (code := broadcast_int(0, d)) != _DONE:
+        if code == _FAILED:
+            raise PeerFailed("rank 0 failed to read what it hands out (see its output)")
+        if code != d.rank:
+            continue
+        if skeleton is None:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=0, group=d.control)
+            skeleton, tensors = box[0], _empty_like_slots(box[0])
+            pieces = _pieces(tensors)
+        else:
+            dist.recv(next(pieces), src=0, group=d.control)
+    return None if skeleton is None else _fill(skeleton, tensors)
+
+
+def _send_made(make: Callable[[], Any], dst: int, d: Dist) -> None:
+    """Rank 0's side of `hand_out` for rank `dst`."""
+    thread, box = _start(make)
+    while thread.is_alive():
+        broadcast_int(_WORKING, d)
+        thread.join(POLL_S)
+    if "error" in box:
+        broadcast_int(_FAILED, d)
+        raise box["error"]
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(box.pop("value"), tensors)
+    broadcast_int(dst, d)
+    dist.send_object_list([skeleton], dst=dst, group=d.control)
+    for piece in _pieces(tensors):
+        broadcast_int(dst, d)
+        dist.send(piece, dst=dst, group=d.control)
 
 
 def _collect_slots(obj: Any, slots: list[_Slot]) -> None:

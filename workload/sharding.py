@@ -122,6 +122,19 @@ def shard_file(rank: int) -> str:
     return f"optimizer/rank_{rank}.pt"
 
 
+def saved_states(
+    training_state: dict[str, Any], directory: Path, rank: int, needed: set[int]
+) -> dict[str, Any]:
+    """The optimizer states of the parameters `needed` (by index) from a checkpoint, whichever
+    way it holds them: one file per rank (zero1; this rank's file first) or the whole state in
+    `training_state` (none)."""
+    if "optimizer_shards" in training_state:
+        return read_shards(directory, training_state["optimizer_shards"], rank, needed)
+    whole = from_state_dict(training_state["optimizer"])
+    return {"state": {i: s for i, s in whole["state"].items() if i in needed},
+            "param_groups": whole["param_groups"]}  # fmt: skip
+
+
 def read_shards(directory: Path, files: Sequence[str], rank: int, needed: set[int]) -> dict:
     """The states of the parameters `needed` from a checkpoint's shard files: this rank's own
     file first, the others only for what it lacks (another sharding, another partition), each

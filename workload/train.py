@@ -63,9 +63,13 @@ from workload.distributed import (
     DistSetupError,
     any_rank,
     broadcast_int,
+    broadcast_object,
+    broadcast_tensors,
     gather_to_main,
+    hand_out,
     init_distributed,
     recv_state,
+    run_polled,
     send_state,
 )
 from workload.metrics import finalize
@@ -603,70 +607,129 @@ def save_checkpoint(
 
 
 def choose_checkpoint(run_dir: Path, d: Dist) -> Path | None:
-    """Rank 0 picks its newest complete checkpoint and sends the step to every rank, which
-    loads that one. If some rank cannot see it (node-local disks), every rank stops."""
+    """Rank 0 picks its newest complete checkpoint and sends the step to every rank: that one
+    is resumed, whether or not the other ranks' nodes hold a copy (`restore` sends them what
+    they lack)."""
     step = -1
     if d.main:
         ckpt.remove_stale_temps(run_dir)
         latest = ckpt.latest_complete(run_dir)
         step = -1 if latest is None else ckpt.step_of(latest)
     step = broadcast_int(step, d)
-    if step < 0:
-        return None
-    path = ckpt.step_dir(run_dir, step)
-    here = d.main or ckpt.verify(path, hashes=False)
-    if any_rank(not here, d):
-        where = "this node" if not here else "another rank's node"
-        raise UsageError(
-            f"resume: {path.name} (rank 0's newest complete checkpoint) is missing or incomplete "
-            f"on {where}; put the run directory on storage every node shares"
-        )
-    return path
+    return None if step < 0 else ckpt.step_dir(run_dir, step)
 
 
 def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float], float]:
     """Load model, optimizer, scheduler, data position and this rank's RNG from a checkpoint.
-    Returns the step, this rank's part of the log interval in progress (rank 0 holds what all
-    ranks summed before the checkpoint) and the seconds that interval had run."""
+    A rank that sees it complete on its own disk (rank 0; every rank on shared storage or on
+    rank 0's node) reads its part itself. When some rank does not (node-local disks), rank 0
+    broadcasts the weights to every rank and sends each such rank its part (training state,
+    RNG, the optimizer states it keeps) over the CPU group, one rank at a time. Returns the
+    step, this rank's part of the log interval in progress (rank 0 holds what all ranks summed
+    before the checkpoint) and the seconds that interval had run."""
+    d = run.dist
+    needed = sharding.indices_held(run.optimizer, list(run.drafter.parameters()))
+    here = d.main or ckpt.verify(step_dir, hashes=False)
+    asks = gather_to_main(None if here else needed, d)
+    elsewhere = any_rank(not here, d)
+
+    def read() -> tuple[dict | None, dict | None]:
+        return _read_checkpoint(step_dir, d, set(needed))
+
+    state, part = run_polled(read if here else None, d, f"reading {step_dir.name}") or (None, None)
+    refusal = broadcast_object(_world_refusal(state, run, step_dir) if d.main else None, d)
+    if refusal:
+        raise UsageError(refusal)
+    if elsewhere:
+        wanting = [r for r, ask in enumerate(asks or []) if ask is not None]
+        if wanting:
+            say(f"resume: {step_dir.name} is not on the disk of rank(s) "
+                f"{', '.join(map(str, wanting))}: rank 0 sends them the weights and their state")  # fmt: skip
+        _broadcast_weights(run, step_dir)
+
+        def make(r: int) -> dict:
+            return _rank_part(state, step_dir, r, set(asks[r]))
+
+        part = hand_out(make if d.main else None, wanting, d) or part
+    else:
+        from safetensors.torch import load_file
+
+        run.drafter.load_state_dict(load_file(str(step_dir / WEIGHTS_NAME), device=str(run.device)))
+    state = None  # rank 0's copy of what it sent
+    return _apply_part(run, part, step_dir, say)
+
+
+def _read_checkpoint(step_dir: Path, d: Dist, needed: set[int]) -> tuple[dict | None, dict | None]:
+    """(the training state, on rank 0 only: it sends the other ranks theirs; this rank's part,
+    None when the checkpoint has another world size)."""
+    state = ckpt.load_training_state(step_dir)
+    part = _rank_part(state, step_dir, d.rank, needed) if state["world_size"] == d.world else None
+    return (state if d.main else None), part
+
+
+def _rank_part(state: dict, step_dir: Path, rank: int, needed: set[int]) -> dict:
+    """What rank `rank` restores from the training state: all but the other ranks' RNG states,
+    and the optimizer states of the parameters `needed` (by index), wherever they are saved."""
+    part = {k: v for k, v in state.items() if k not in ("rng", "optimizer", "optimizer_shards")}
+    part["rng"] = state["rng"][rank]
+    part["optimizer"] = sharding.saved_states(state, step_dir, rank, needed)
+    return part
+
+
+def _world_refusal(state: dict | None, run: Run, step_dir: Path) -> str | None:
+    """Rank 0's refusal of a checkpoint written by another number of ranks (the data order and
+    RNG streams are per rank), else None."""
+    if state is None or state["world_size"] == run.dist.world:
+        return None
+    return (
+        f"resume: {step_dir.name} was written by {state['world_size']} ranks (dist.sharding "
+        f"{state.get('sharding', 'none')}) and this run has {run.dist.world} (dist.sharding "
+        f"{run.sharding}): resume with {state['world_size']} processes, or start a new run "
+        "from its weights with drafter.init_from"
+    )
+
+
+def _broadcast_weights(run: Run, step_dir: Path) -> None:
+    """Rank 0 reads the weights (the others hear from it every second meanwhile) and
+    broadcasts them, in pieces: every rank ends with rank 0's weights, bit for bit."""
     from safetensors.torch import load_file
 
-    state = ckpt.load_training_state(step_dir)
-    saved_sharding = state.get("sharding", "none")
-    if state["world_size"] != run.dist.world:  # the data order and RNG streams are per rank
-        raise UsageError(
-            f"resume: {step_dir.name} was written by {state['world_size']} ranks (dist.sharding "
-            f"{saved_sharding}) and this run has {run.dist.world} (dist.sharding {run.sharding}): "
-            f"resume with {state['world_size']} processes, or start a new run from its weights "
-            "with drafter.init_from"
-        )
-    saved = from_dict(state["config"], name=str(step_dir))
+    d = run.dist
+
+    def read() -> dict[str, torch.Tensor]:
+        return load_file(str(step_dir / WEIGHTS_NAME), device=str(run.device))
+
+    weights = run_polled(read if d.main else None, d, f"reading {step_dir.name}'s weights")
+    if d.main:
+        run.drafter.load_state_dict(weights)
+    del weights
+    with torch.no_grad():
+        broadcast_tensors(list(run.drafter.state_dict().values()), d)
+
+
+def _apply_part(
+    run: Run, part: dict, step_dir: Path, say=print
+) -> tuple[int, dict[str, float], float]:
+    """Load a rank's part of a checkpoint (all but the weights) into the run."""
+    saved_sharding = part.get("sharding", "none")
+    saved = from_dict(part["config"], name=str(step_dir))
     changed = diff(saved, run.cfg)
     if changed:
         say("resume: config differs from the checkpoint's: " + ", ".join(
             f"{k} {a!r} -> {b!r}" for k, a, b in changed))  # fmt: skip
-    weights = load_file(str(step_dir / WEIGHTS_NAME), device=str(run.device))
-    run.drafter.load_state_dict(weights)
-    params = list(run.drafter.parameters())
-    if "optimizer_shards" in state:
-        needed = set(sharding.indices_held(run.optimizer, params))
-        saved_optim = sharding.read_shards(
-            step_dir, state["optimizer_shards"], run.dist.rank, needed
-        )
-    else:
-        saved_optim = sharding.from_state_dict(state["optimizer"])
-    sharding.load_state(run.optimizer, params, saved_optim)
+    sharding.load_state(run.optimizer, list(run.drafter.parameters()), part["optimizer"])
     if saved_sharding != run.sharding:
         say(
             f"resume: optimizer states of dist.sharding {saved_sharding} loaded into {run.sharding}"
         )
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.stream.load_state_dict(state["data"])
-    _set_rng_state(run, state["rng"][run.dist.rank])
-    saved = state.get("interval") or {}
-    if "sums" not in saved:  # older checkpoints: rank 0's own sums, no seconds
-        saved = {"sums": saved if run.dist.world == 1 else {}, "seconds": 0.0}
-    interval = dict(saved["sums"]) if run.dist.main else {}
-    return int(state["step"]), interval, float(saved["seconds"])
+    run.scheduler.load_state_dict(part["scheduler"])
+    run.stream.load_state_dict(part["data"])
+    _set_rng_state(run, part["rng"])
+    saved_interval = part.get("interval") or {}
+    if "sums" not in saved_interval:  # older checkpoints: rank 0's own sums, no seconds
+        saved_interval = {"sums": saved_interval if run.dist.world == 1 else {}, "seconds": 0.0}
+    interval = dict(saved_interval["sums"]) if run.dist.main else {}
+    return int(part["step"]), interval, float(saved_interval["seconds"])
 
 
 # ---------------------------------------------------------------- the loop

@@ -429,10 +429,7 @@ import sys
 from pathlib import Path
 from workload import train as T
 d = T.init_distributed()
-try:
-    print("chose", T.choose_checkpoint(Path(sys.argv[d.rank + 1]), d).name)
-except T.UsageError as exc:
-    print("refused", exc)
+print("chose", T.choose_checkpoint(Path(sys.argv[d.rank + 1]), d).name)
 """
 
 
@@ -460,15 +457,15 @@ def _fake_checkpoints(run_dir: Path, *steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_resume_loads_rank_0s_checkpoint_on_every_rank(tmp_path):
+def test_resume_picks_rank_0s_checkpoint_on_every_rank(tmp_path):
+    """Rank 0's newest complete checkpoint is the one every rank resumes, whatever the other
+    ranks' disks hold (node-local disks: `restore` sends them what they lack; the whole resume
+    on two nodes is in test_train_ranks)."""
     rank0, rank1 = tmp_path / "node0", tmp_path / "node1"
     _fake_checkpoints(rank0, 2, 4)
     _fake_checkpoints(rank1, 2, 4, 6)  # a newer one rank 0 cannot see
+    (ckpt.step_dir(rank1, 4) / ckpt.MANIFEST).unlink()  # and rank 1's copy of step_4 incomplete
     assert _choose_on_two_ranks([rank0, rank1]) == ["chose step_4", "chose step_4"]
-    (ckpt.step_dir(rank1, 4) / ckpt.MANIFEST).unlink()  # rank 1's copy of step_4 incomplete
-    out = _choose_on_two_ranks([rank0, rank1])
-    assert out[0].startswith("refused resume: step_4 (rank 0's newest") and "another" in out[0]
-    assert out[1].startswith("refused resume: step_4") and "on this node" in out[1]
 
 
 @pytest.mark.slow

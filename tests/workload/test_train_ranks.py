@@ -1,6 +1,7 @@
 """The trainer over several processes (gloo on CPU, the tiny dense target): ZeRO-1 against a
-replicated optimizer, sharded checkpoints and resume, checkpoints written in the background,
-every rank's own files, stopping through rank 0 alone, and a peer that dies."""
+replicated optimizer, sharded checkpoints and resume (on shared storage and on node-local
+disks), checkpoints written in the background, every rank's own files, stopping through rank 0
+alone, and a peer that dies."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.workload.test_distributed import free_port
 from tests.workload.test_train import (
     SMALL,
     TEMPLATE,
@@ -34,9 +36,12 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 LOGGED = ("loss", "acc", "streak", "dds8", "grad_norm", "lr", "epoch", "noise")
 
 
-def trainer_cmd(build: Path, run_dir: Path, *args: str, nproc: int | None = 2) -> list[str]:
+def trainer_cmd(
+    build: Path, run_dir: Path, *args: str, nproc: int | None = 2, launcher: list[str] | None = None
+) -> list[str]:
     sets = [a for item in (*build_settings(build), *SMALL) for a in ("--set", item)]
-    launcher = [*TORCHRUN, str(nproc)] if nproc else [sys.executable]
+    if launcher is None:
+        launcher = [*TORCHRUN, str(nproc)] if nproc else [sys.executable]
     return [*launcher, "-m", "workload.train", "--config", str(TEMPLATE), "--run-dir",
             str(run_dir), *sets, *args]  # fmt: skip
 
@@ -50,6 +55,25 @@ def train_cli(build: Path, run_dir: Path, *args: str, nproc: int | None = 2, env
     done = subprocess.run(trainer_cmd(build, run_dir, *args, nproc=nproc), capture_output=True,
                           text=True, env=trainer_env(**(env or {})), cwd=REPO, timeout=600)  # fmt: skip
     return done
+
+
+def train_on_nodes(build: Path, run_dirs: list[Path], *args: str) -> list[str]:
+    """One torchrun per node (a static rendezvous on loopback, one rank each), each with its
+    own run directory, as on node-local disks: rank K runs in run_dirs[K], which the operator
+    made beforehand. Returns each node's console (rank 0's is the first)."""
+    port, procs = free_port(), []
+    for node, run_dir in enumerate(run_dirs):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(run_dirs)),
+                    "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr",
+                    "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+        cmd = trainer_cmd(build, run_dir, *args, launcher=launcher)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=trainer_env(), cwd=REPO))  # fmt: skip
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, run_dir, out in zip(procs, run_dirs, outs, strict=True):
+        assert p.returncode == 0, f"{run_dir}: exit {p.returncode}\n{out}"
+    return outs
 
 
 def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -87,18 +111,32 @@ def heartbeat(run_dir: Path, rank: int) -> dict:
 # ---------------------------------------------------------------- ZeRO-1 and sharded checkpoints
 
 
+STEPS = "optim.max_steps=6"
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tiny_dense, tmp_path_factory) -> dict[str, Path]:
+    """2 ranks on one node, 6 steps straight, under zero1 and under none: {sharding: run dir}."""
+    runs = {}
+    for sharding in ("zero1", "none"):
+        runs[sharding] = tmp_path_factory.mktemp("straight") / sharding
+        done = train_cli(tiny_dense, runs[sharding], "--set", STEPS, "--set",
+                         f"dist.sharding={sharding}")  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+    return runs
+
+
 @pytest.mark.slow
-def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(tiny_dense, tmp_path):
+def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(
+    tiny_dense, straight_runs, tmp_path
+):
     """2 ranks: zero1 logs and weights equal a replicated optimizer's; zero1 stopped at step 3
     and resumed (under zero1, and under none) equals the straight zero1 run; a checkpoint
     holds one optimizer file per rank, in its manifest; another world size is refused."""
-    steps = "optim.max_steps=6"
-    zero, plain, split = tmp_path / "zero1", tmp_path / "none", tmp_path / "split"
-    runs = [(zero, ["--set", "dist.sharding=zero1"]), (plain, ["--set", "dist.sharding=none"]),
-            (split, ["--set", "dist.sharding=zero1", "--stop-after", "3"])]  # fmt: skip
-    for run_dir, args in runs:
-        done = train_cli(tiny_dense, run_dir, "--set", steps, *args)
-        assert done.returncode == 0, done.stdout + done.stderr
+    zero, plain, split = straight_runs["zero1"], straight_runs["none"], tmp_path / "split"
+    done = train_cli(tiny_dense, split, "--set", STEPS, "--set", "dist.sharding=zero1",
+                     "--stop-after", "3")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
     assert_same_log(read_log(zero), read_log(plain), rel=1e-5)
     assert largest_difference(weights(zero, 6), weights(plain, 6)) <= 1e-5
 
@@ -116,7 +154,7 @@ def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(tiny_dense, tm
     other = tmp_path / "other"  # the same checkpoint, resumed under the other sharding
     shutil.copytree(split, other)
     for run_dir, sharding in ((split, "zero1"), (other, "none")):
-        done = train_cli(tiny_dense, run_dir, "--set", steps, "--set",
+        done = train_cli(tiny_dense, run_dir, "--set", STEPS, "--set",
                          f"dist.sharding={sharding}", "--resume")  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         assert_same_log(read_log(zero), read_log(run_dir), rel=1e-6)
@@ -133,6 +171,34 @@ def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(tiny_dense, tm
         "with drafter.init_from"
     ]
     assert (split / T.LOG_NAME).read_text() == before
+
+
+@pytest.mark.slow
+def test_resume_on_node_local_disks_equals_a_straight_run(tiny_dense, straight_runs, tmp_path):
+    """Two nodes, one rank each, each with its own run directory (node-local disks: only rank
+    0's holds checkpoints). Stopped at step 3 and resumed on both, rank 1 gets the weights and
+    its state from rank 0, and the run equals the straight one (log within 1e-6, weights
+    identical), under zero1 and none, and from a zero1 checkpoint resumed under none."""
+    for sharding in ("zero1", "none"):
+        nodes = [tmp_path / sharding / "node0", tmp_path / sharding / "node1"]
+        train_on_nodes(tiny_dense, nodes, "--set", STEPS, "--set", f"dist.sharding={sharding}",
+                       "--stop-after", "3")  # fmt: skip
+        assert ckpt.latest_complete(nodes[0]) == ckpt.step_dir(nodes[0], 3)
+        assert not ckpt.checkpoints_dir(nodes[1]).exists()
+    shutil.copytree(tmp_path / "zero1", tmp_path / "zero1-into-none")
+
+    for case, saved, resumed in (("zero1", "zero1", "zero1"), ("none", "none", "none"),
+                                 ("zero1-into-none", "zero1", "none")):  # fmt: skip
+        nodes = [tmp_path / case / "node0", tmp_path / case / "node1"]
+        console = train_on_nodes(tiny_dense, nodes, "--set", STEPS, "--set",
+                                 f"dist.sharding={resumed}", "--resume")[0]  # fmt: skip
+        assert "resume: step_3 is not on the disk of rank(s) 1: rank 0 sends them the " in console
+        assert f"resume: restored {ckpt.step_dir(nodes[0], 3)} (step 3)" in console
+        straight = straight_runs[saved]
+        assert_same_log(read_log(straight), read_log(nodes[0]), rel=1e-6)
+        assert largest_difference(weights(straight, 6), weights(nodes[0], 6)) == 0.0, case
+        assert not ckpt.checkpoints_dir(nodes[1]).exists()  # written where rank 0 runs
+        assert heartbeat(nodes[1], 1)["status"] == "finished"
 
 
 # ---------------------------------------------------------------- checkpoints in the background
