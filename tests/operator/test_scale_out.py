@@ -8,7 +8,6 @@ them) a stand-in `nvidia-smi` script answers in its place: no GPU can run here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -159,8 +158,13 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
-def digest(ct, path: str) -> str:
-    return hashlib.sha256(ct.host_path(path).read_bytes()).hexdigest()
+def largest_difference(a: Path, b: Path) -> float:
+    """The largest difference between two checkpoints' weights (same tensors required)."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    assert x.keys() == y.keys()
+    return max(float((x[k].double() - y[k].double()).abs().max()) for k in x)
 
 
 def close(a: dict, b: dict, keys=("loss", "acc", "streak", "dds8", "grad_norm", "lr")) -> bool:
@@ -201,9 +205,10 @@ def test_two_containers_on_two_hosts_train_like_four_ranks_on_one(cli, cts, conf
     assert [r["step"] for r in double] == list(range(1, STEPS + 1))
     assert all(close(x, y) for x, y in zip(single, double, strict=True)), (single, double)
     weights = f"checkpoints/step_{STEPS}/model.safetensors"
-    assert digest(cts["a"], f"/workspace/runs/one4/{weights}") == digest(
-        cts["a"], f"/workspace/runs/two2/{weights}"
-    )
+    mine, theirs = (cts["a"].host_path(f"/workspace/runs/{r}/{weights}") for r in ("one4", "two2"))
+    # equal to the float32 rounding of a different summation order in gloo's all-reduce across
+    # hosts (measured: 6e-8, one ulp at these magnitudes)
+    assert largest_difference(mine, theirs) <= 1e-6
     assert not cts["b"].host_path("/workspace/runs/two2/checkpoints").exists() or not any(
         cts["b"].host_path("/workspace/runs/two2/checkpoints").iterdir()
     )
@@ -233,7 +238,9 @@ def test_a_node_that_dies_takes_the_run_down(cli, cts, config):
     doc = wait_for(
         lambda: (d := status(cli, "dies2"))["state"] == "failed" and d, 60, "the run failed"
     )
-    assert time.monotonic() - killed < 60
+    took = time.monotonic() - killed
+    print(f"\nSIGKILL of rank {victim['rank']} on b: status says failed after {took:.1f}s")
+    assert took < 60
     assert "failed on b" in doc["note"], doc["note"]
     wait_for(lambda: trainers(cts["a"]) == [] and trainers(cts["b"]) == [], 60,
              "no trainer process left")  # fmt: skip
