@@ -12,6 +12,7 @@ Each runs after a short preamble (PREAMBLE):
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,10 +50,21 @@ del _dflashops_preamble
 """
 
 
+SHARED = "shared.py"  # what several helpers need, put in front of each
+
+
+SHARED_IMPORT = re.compile(r"^from dflashops\.remote\.shared import .*\n", re.M)
+
+
 @cache
 def source(name: str) -> str:
-    """The text of the helper program `name` (e.g. "receive.py")."""
-    return (Path(__file__).parent / name).read_text()
+    """The text of the helper program `name` (e.g. "receive.py"). A helper's import from
+    shared.py (for readers and linters) becomes shared.py's text in front of it: in a target,
+    a helper is one program, never a package."""
+    text = (Path(__file__).parent / name).read_text()
+    if name == SHARED or not SHARED_IMPORT.search(text):
+        return text
+    return f"{source(SHARED)}\n\n# ---- {name}\n{SHARED_IMPORT.sub('', text)}"
 
 
 def python_argv(code: str, *args: str, name: str = "<helper>") -> list[str]:

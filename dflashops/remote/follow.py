@@ -10,12 +10,13 @@ the file and exits 0; it also exits when its stdin closes (the operator went awa
 shorter starts over from 0.
 """
 
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
+
+from dflashops.remote.shared import proc_start, read_json
 
 CHUNK = 1 << 16
 
@@ -45,25 +46,6 @@ def tail_offset(path, lines):
 def _byte_at(f, pos):
     f.seek(pos)
     return f.read(1)
-
-
-def proc_start(pid):
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            raw = f.read()
-    except (OSError, ValueError, TypeError):
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-def read_json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def alive(session, run_dir):

@@ -23,32 +23,7 @@ import subprocess
 import sys
 import time
 
-
-def proc_start(pid):
-    """The start time of `pid` in clock ticks since boot (None when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return int(raw[raw.rindex(b")") + 2 :].split()[19])
-
-
-def write_json(path, data):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def read_json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+from dflashops.remote.shared import proc_start, read_json, write_json
 
 
 def take_secrets(path):

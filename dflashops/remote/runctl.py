@@ -31,23 +31,15 @@ import signal
 import sys
 import time
 
+from dflashops.remote.shared import read_json, same_process, write_json
+
 
 def load_state(run_dir):
-    try:
-        with open(os.path.join(run_dir, "state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-        return state if isinstance(state, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_json(os.path.join(run_dir, "state.json"))
 
 
 def save_state(run_dir, state):
-    path = os.path.join(run_dir, "state.json")
-    tmp = os.path.join(run_dir, f".state.json.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json(os.path.join(run_dir, "state.json"), state)
 
 
 def relaunch(run_dir, req):
@@ -64,33 +56,10 @@ def relaunch(run_dir, req):
     return {"state": state}
 
 
-def proc_start(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-def is_process(pid, start):
-    """Still the process recorded: same pid and start time (old records: a trainer's cmdline)."""
-    if not isinstance(pid, int) or pid <= 0 or proc_start(pid) is None:
-        return False
-    if isinstance(start, int):
-        return proc_start(pid) == start
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"workload.train" in f.read()
-    except OSError:
-        return False
-
-
 def send(run_dir, req):
     state = load_state(run_dir)
     pid = state.get("pid")
-    if not is_process(pid, state.get("pid_start")):
+    if not same_process(pid, state.get("pid_start")):
         return {"pid": None}
     os.kill(pid, getattr(signal, "SIG" + req.get("signal", "TERM")))
     return {"pid": pid, "sent": time.time()}
@@ -115,7 +84,7 @@ def recorded_processes(run_dir):
 def kill(run_dir, req):
     killed = []
     for pid, start in recorded_processes(run_dir):
-        if not is_process(pid, start):
+        if not same_process(pid, start):
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # torchrun starts the agent and each rank as leaders
@@ -123,15 +92,6 @@ def kill(run_dir, req):
             os.kill(pid, signal.SIGKILL)
         killed.append(pid)
     return {"killed": killed}
-
-
-def read_json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def claim(run_dir, req):

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from dflashops.remote.shared import read_json, same_process
+
 LOG = "train_log.jsonl"
 MANIFEST = "MANIFEST.sha256"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -50,14 +52,6 @@ def listdir(path):
         return sorted(os.listdir(path))
     except OSError:
         return []
-
-
-def read_json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def read_text(path, limit=FILE_LIMIT):
@@ -85,33 +79,6 @@ def tmux_sessions():
 def session_name(run):
     """dflash-RUN, one-to-one: tmux refuses '.' in a session name, and '=' is never in a run's."""
     return "dflash-" + run.replace(".", "=")
-
-
-def proc_start(pid):
-    """The start time of `pid` in clock ticks since boot; None when it is gone (or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-def same_process(pid, start):
-    """True when `pid` still is the process that started at `start` (None: unknown)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return None
-    now = proc_start(pid)
-    if now is None:
-        return False
-    if isinstance(start, int):
-        return now == start
-    try:  # records older than start times: the command line says it is a trainer
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"workload.train" in f.read()
-    except OSError:
-        return False
 
 
 def node_info(run_dir):

@@ -1,0 +1,55 @@
+"""Put in front of every helper program (stdlib only): what several of them need.
+
+Processes are recognised by pid and start time (field 22 of /proc/PID/stat, clock ticks since
+boot), never by a name: after a container restart another process can have the pid.
+"""
+
+import json
+import os
+
+
+def proc_start(pid):
+    """The start time of `pid`; None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read()
+    except (OSError, ValueError, TypeError):
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def same_process(pid, start):
+    """True when `pid` still is the process that started at `start`; None for no pid. Records
+    written before start times were kept: a process whose command line says workload.train."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    now = proc_start(pid)
+    if now is None:
+        return False
+    if isinstance(start, int):
+        return now == start
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"workload.train" in f.read()
+    except OSError:
+        return False
+
+
+def read_json(path):
+    """A JSON object from `path`, {} when it is missing, unreadable or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(path, data):
+    """`data` to `path`, atomically (a temporary file of this process, then a rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
