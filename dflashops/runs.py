@@ -350,7 +350,9 @@ def group(views: list[RunView]) -> list[RunView]:
 
 def combine(nodes: list[RunView]) -> RunView:
     """A run over several nodes as one view: node 0's, failed when any node failed (the note
-    names the first node that failed, by its end time), with the nodes not read noted."""
+    names the first node that failed, by its end time), running while any node still runs
+    (so it is finished or stopped only once every node has ended), with the nodes not read
+    noted."""
     nodes = sorted(nodes, key=lambda v: v.node_index)
     head = nodes[0]
     view = RunView(head.name, head.target, head.where, head.dir, head.state, head.now, head.raw,
@@ -366,6 +368,9 @@ def combine(nodes: list[RunView]) -> RunView:
     elif view.running and any(not v.running for v in nodes):
         gone = ", ".join(v.target for v in nodes if not v.running)
         view.note = f"node(s) {gone} not running"
+    elif any(v.running for v in nodes):  # node 0 ended, another node is still ending
+        ending = ", ".join(v.target for v in nodes if v.running)
+        view.state, view.note = "running", f"{head.state} on {head.target}; ending on {ending}"
     if missing:
         extra = f"not read: {', '.join(missing)}"
         view.note = f"{view.note}; {extra}" if view.note else extra

@@ -278,6 +278,33 @@ def test_bridged_containers_on_two_hosts_reach_each_other(testbed, make_containe
         server.kill()
 
 
+def test_a_port_joining_or_leaving_a_host_bridge_keeps_the_host_answering(testbed):
+    """A container's veth with a lower MAC than any port joins then leaves vmbr0: the host keeps
+    its MAC, so the bed's ARP cache stays right and ssh answers at once (an unpinned bridge
+    would take the veth's MAC, then 00:00:00:00:00:00, and go silent for up to a minute)."""
+    host = testbed["pve1"]
+    if host.netns is None:
+        pytest.skip("host bridges exist in netns mode only")
+
+    def ip(*args: str) -> str:
+        return subprocess.run(["ip", "-n", host.netns, *args], check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+
+    before = ip("link", "show", "vmbr0")
+    assert testbed.ssh_run(host, "true").rc == 0  # the bed has the host's MAC in its cache
+    ip("link", "add", "dfoprobe0", "address", "00:00:00:00:00:01", "type", "veth",
+       "peer", "name", "dfoprobe1")  # fmt: skip
+    try:
+        ip("link", "set", "dfoprobe0", "master", "vmbr0", "up")
+        assert ip("link", "show", "vmbr0").split("link/ether")[1] == before.split("link/ether")[1]
+    finally:
+        ip("link", "del", "dfoprobe0")
+    assert ip("link", "show", "vmbr0").split("link/ether")[1] == before.split("link/ether")[1]
+    started = time.monotonic()
+    assert testbed.ssh_run(host, "true").rc == 0
+    assert time.monotonic() - started < 5
+
+
 def run_host(testbed, host: str, argv: list[str]) -> str:
     result = testbed.ssh_run(host, argv)
     assert result.rc == 0, result.stderr

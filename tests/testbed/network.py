@@ -28,12 +28,20 @@ def _run(args: list[str], stdin: str | None = None) -> None:
         raise TestBedError(f"{' '.join(args)} failed: {proc.stderr.strip()}\n{stdin or ''}")
 
 
+def bridge_mac(slot: Slot, index: int) -> str:
+    """A fixed address for a bridge (index 0: the bed's, i: host i's vmbr0). Left to itself a
+    Linux bridge takes the lowest MAC among its ports, so a container's veth joining or leaving
+    would change its host's MAC and leave every ARP cache pointing at the old one for up to a
+    minute (connections to the host then get no answer). Proxmox pins vmbr0's too."""
+    return f"02:df:{slot.index:02x}:00:00:{index:02x}"
+
+
 def create_bridge(slot: Slot) -> None:
     bridge = slot.prefix
     gateway = slot.subnet[1]
     _run(
         ["ip", "-batch", "-"],
-        f"link add {bridge} type bridge\n"
+        f"link add {bridge} address {bridge_mac(slot, 0)} type bridge\n"
         f"addr add {gateway}/24 dev {bridge}\n"
         f"link set {bridge} up\n",
     )
@@ -56,7 +64,7 @@ def add_host(slot: Slot, index: int, name: str) -> tuple[str, str]:
     )
     _run(
         ["ip", "-n", netns, "-batch", "-"],
-        f"link add {HOST_BRIDGE} type bridge\n"
+        f"link add {HOST_BRIDGE} address {bridge_mac(slot, index)} type bridge\n"
         f"link set eth0 master {HOST_BRIDGE}\n"
         f"addr add {address}/24 dev {HOST_BRIDGE}\n"
         f"link set eth0 up\nlink set {HOST_BRIDGE} up\nlink set lo up\n",
