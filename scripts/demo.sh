@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job end to end on the `local` target of the shipped hosts.yaml, on CPU:
-# set up .venv, build a tiny target model, train a drafter for it, watch it, compare it with a
+# install tmux and python3-venv where missing, set up .venv, build a tiny target model, train a drafter for it, watch it, compare it with a
 # deliberately wrong run (the soft KL loss of the old runs), diff their configs, pull the last
 # checkpoint and evaluate its acceptance length (tau). About 10 minutes on 2 cores.
 #
@@ -22,8 +22,11 @@ say() {
   if [ -t 1 ]; then printf '\n\033[1;34m==> %s\033[0m\n' "$*"; else printf '\n==> %s\n' "$*"; fi
 }
 
-say "1/9 setting up .venv (./scripts/setup-dev.sh)"
-if [ "${DEMO_SKIP_SETUP:-0}" != 1 ]; then ./scripts/setup-dev.sh; fi
+say "1/9 setting up: Debian packages (tmux, python3-venv), then .venv (./scripts/setup-dev.sh)"
+if [ "${DEMO_SKIP_SETUP:-0}" != 1 ]; then
+  ./scripts/install-system.sh demo
+  ./scripts/setup-dev.sh
+fi
 # The local target runs `python3`: the venv's, once its bin/ leads PATH.
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
 dflashops() { python -m dflashops.cli --inventory hosts.yaml "$@"; }

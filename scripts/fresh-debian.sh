@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Try a README command the way a new user would: on a minimal Debian 12 (debootstrap minbase
+# plus git and python3, nothing else) in a chroot, from a fresh clone of this checkout.
+#
+#   sudo ./scripts/fresh-debian.sh [COMMAND]      COMMAND defaults to ./scripts/demo.sh
+#
+# Needs root and debootstrap on this machine. FRESH_DIR (default /var/tmp/dflashops-fresh) holds
+# the chroot, rebuilt on every call. FRESH_BIND: colon-separated paths of this machine bound at
+# the same place inside (e.g. a local pip mirror and its pip.conf); PIP_* variables pass through.
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+DIR=${FRESH_DIR:-/var/tmp/dflashops-fresh}
+COMMAND=${1:-./scripts/demo.sh}
+MIRROR=${FRESH_MIRROR:-$(grep -rhoE '(^deb\s+|URIs:\s*)https?://\S*debian\S*' \
+  /etc/apt/sources.list /etc/apt/sources.list.d 2>/dev/null | grep -v security | head -1 |
+  awk '{print $NF}')}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+command -v debootstrap >/dev/null || { echo "fresh-debian: needs debootstrap (apt-get install debootstrap)" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "fresh-debian: needs root (chroot, mounts)" >&2; exit 1; }
+
+mounts=()
+cleanup() {
+  for ((i=${#mounts[@]}-1; i>=0; i--)); do umount -l "${mounts[i]}" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+bind() { mkdir -p "$DIR$2"; mount "${@:3}" "$1" "$DIR$2"; mounts+=("$DIR$2"); }
+
+if awk -v d="$DIR/" 'index($2, d) == 1 {found=1} END {exit !found}' /proc/mounts; then
+  echo "fresh-debian: something is still mounted under $DIR (an earlier run?): unmount it first" >&2
+  exit 1
+fi
+rm -rf "$DIR"
+echo "fresh-debian: debootstrap bookworm (minbase + git, python3) into $DIR from $MIRROR" >&2
+t0=$SECONDS
+debootstrap --variant=minbase --include=git,python3 bookworm "$DIR" "$MIRROR" >/dev/null
+echo "fresh-debian: chroot ready in $((SECONDS - t0))s" >&2
+cp /etc/resolv.conf "$DIR/etc/resolv.conf"
+bind proc /proc -t proc
+bind sysfs /sys -t sysfs
+bind /dev /dev --rbind
+bind tmpfs /run -t tmpfs
+IFS=: read -r -a extra <<<"${FRESH_BIND:-}"
+for path in "${extra[@]}"; do
+  [ -e "$path" ] || continue
+  if [ -d "$path" ]; then mkdir -p "$DIR$path"; else mkdir -p "$(dirname "$DIR$path")"; touch "$DIR$path"; fi
+  mount --bind "$path" "$DIR$path"; mounts+=("$DIR$path")
+done
+git clone -q "$REPO" "$DIR/root/dflashops"
+pass=(HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+      TERM="${TERM:-dumb}" LANG=C.UTF-8)
+while IFS= read -r var; do pass+=("$var"); done < <(env | grep -E '^(PIP_|TORCH_INDEX=)' || true)
+echo "fresh-debian: running $COMMAND in the chroot" >&2
+t1=$SECONDS
+set +e
+chroot "$DIR" /usr/bin/env -i "${pass[@]}" /bin/bash -c "cd /root/dflashops && $COMMAND"
+rc=$?
+set -e
+echo "fresh-debian: '$COMMAND' exited $rc after $((SECONDS - t1))s" >&2
+exit $rc
