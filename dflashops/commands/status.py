@@ -340,8 +340,8 @@ class _Followed:
         self.cursor = view.log.get("cursor")
 
     def read(self, session: Any) -> RunView:
-        machine = session.machine(self.view.target)
-        return runs.reread(machine, self.view.name, records="all", cursor=self.cursor)
+        """Every node of a run over several (it has ended once all of them have), node 0's log."""
+        return runs.refresh(session, self.view, records="all", cursor=self.cursor)
 
     def take(self, fresh: RunView) -> None:
         log = fresh.log

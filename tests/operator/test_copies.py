@@ -166,13 +166,17 @@ def test_pull_ckpt_cut_short_resumes_without_sending_verified_files_again(pair, 
     source = big_checkpoint(src)
     ckpts = dst.host_path("/workspace/ckpts/big")
     partial = ckpts / ".partial-step_4"
-    proc = start("pull-ckpt", "4", "--to", "dst", "--run", "big", inventory=inv, home=home)
-    stop = {
-        "ctrl-c": lambda: proc.send_signal(signal.SIGINT),
-        "kill -9": proc.kill,
-        "link cut": lambda: cut_link(dst.host),
-    }[fault]
-    code, err, seconds = stop_mid_transfer(proc, partial, stop)
+    dst.host.set_faults(slow_exec_stdin_after=12 << 20)  # the big file takes 12 s or more
+    try:
+        proc = start("pull-ckpt", "4", "--to", "dst", "--run", "big", inventory=inv, home=home)
+        stop = {
+            "ctrl-c": lambda: proc.send_signal(signal.SIGINT),
+            "kill -9": proc.kill,
+            "link cut": lambda: cut_link(dst.host),
+        }[fault]
+        code, err, seconds = stop_mid_transfer(proc, partial, stop)
+    finally:
+        dst.host.set_faults()
     # a cut link: 3 where paramiko carries the bytes, 1 or 3 with the OpenSSH client (its
     # own words: "Connection reset", "client_loop: send disconnect: Broken pipe"...)
     expected = {"ctrl-c": [130], "kill -9": [-9], "link cut": [1, 3]}[fault]
@@ -342,6 +346,9 @@ def test_push_sends_only_what_changed(inventory, home, testbed, tmp_path):
     assert first.code == 0, first.err
     assert json.loads(first.out)["files"] == 5
     (tree / "f1.bin").write_bytes(os.urandom(64 << 10))
+    # the quick check sees whole seconds, as rsync's does: the edit is a second later
+    later = (tree / "f1.bin").stat().st_mtime + 1
+    os.utime(tree / "f1.bin", (later, later))
     (tree / "f2.bin").chmod(0o600)
     again = dflashops("--json", "push", "ct201", str(tree), "/workspace/inc", inventory=inventory,
                       home=home)  # fmt: skip

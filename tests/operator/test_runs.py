@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -131,7 +132,8 @@ def status(cli, run: str) -> dict:
 @pytest.mark.slow  # shares the module's two real trainings (about a minute)
 def test_launch_runs_detached_then_status_follows_it_to_the_end(cli, trained, bed):
     launched = trained["launch"]
-    assert "r-main: running on train (tmux dflash-r-main" in launched.out
+    # finished already where 8 steps take less than the launch's own look at it
+    assert re.search(r"r-main: (running|finished) on train \(tmux dflash-r-main", launched.out)
     assert "starting on train" in launched.err
     follow = trained["follow"]["r-main"]
     steps = [line.split()[2] for line in follow.out.splitlines() if line.startswith("r-main step")]

@@ -636,12 +636,18 @@ def _interrupted(inventory: Path, *args: str) -> tuple[int, str]:
     """Run the CLI and press Ctrl-C (SIGINT) once it has printed something on stdout (it is
     following by then): (exit code, stderr)."""
     full = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
-    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         assert proc.stdout.read(1), "printed nothing"
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        return proc.wait(timeout=30), proc.stderr.read().decode()
+        try:
+            return proc.wait(timeout=30), proc.stderr.read().decode()
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"{args}: still running 30 s after Ctrl-C:\n{err.decode()}")
     finally:
         proc.kill()
 

@@ -194,13 +194,19 @@ class Host:
     def remove_container(self, vmid: int) -> None:
         self.containers.pop(vmid).destroy()
 
-    def set_faults(self, *, corrupt_exec_stdin_at: int | None = None) -> None:
+    def set_faults(
+        self, *, corrupt_exec_stdin_at: int | None = None, slow_exec_stdin_after: int | None = None
+    ) -> None:
         """Inject faults into this host's pct; no argument clears them.
 
-        corrupt_exec_stdin_at=N: `pct exec` flips the byte at offset N of its stdin."""
+        corrupt_exec_stdin_at=N: `pct exec` flips the byte at offset N of its stdin.
+        slow_exec_stdin_after=N: past offset N, `pct exec` passes its stdin on at 8 MiB/s (a
+        slow link, so that a test can act in the middle of a long copy)."""
         faults = {}
         if corrupt_exec_stdin_at is not None:
             faults["corrupt_exec_stdin_at"] = int(corrupt_exec_stdin_at)
+        if slow_exec_stdin_after is not None:
+            faults["slow_exec_stdin_after"] = int(slow_exec_stdin_after)
         state.write_json(str(self.dir / "faults.json"), faults)
 
     # --- inspection --------------------------------------------------------------------

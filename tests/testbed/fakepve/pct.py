@@ -14,6 +14,7 @@ from __future__ import annotations
 import _signal  # not `signal`: its enums cost milliseconds, and every pct call pays them
 import os
 import sys
+import time
 
 from . import perlopts, state
 from .perlopts import VMID, ParamError, Prop
@@ -189,11 +190,13 @@ def cmd_exec(host: state.HostConfig, opts: dict) -> int:
     env = dict(os.environ)
     env.pop("SSL_CERT_FILE", None)
     env.pop("SSL_CERT_DIR", None)
-    corrupt_at = state.faults(host).get("corrupt_exec_stdin_at")
+    faults = state.faults(host)
+    corrupt_at = faults.get("corrupt_exec_stdin_at")
+    slow_after = faults.get("slow_exec_stdin_after")
     if ct.kind == "lxc":
         flag = "--keep-env" if keep_env else "--clear-env"
         cmd = ["/usr/bin/lxc-attach", "-P", host.lxcpath, "-n", str(vmid), flag, "--", *argv]
-        if corrupt_at is None:
+        if corrupt_at is None and slow_after is None:
             sys.stdout.flush()
             _signal.signal(SIGPIPE, _signal.SIG_DFL)
             _signal.signal(SIGXFSZ, _signal.SIG_DFL)
@@ -201,7 +204,7 @@ def cmd_exec(host: state.HostConfig, opts: dict) -> int:
     else:
         env = {**env, "container": "lxc"} if keep_env else attach_clear_env()
         cmd = [*ns_enter(pid), "--", *argv]
-    return run_attached(cmd, env, corrupt_at)
+    return run_attached(cmd, env, corrupt_at, slow_after)
 
 
 def attach_clear_env() -> dict[str, str]:
@@ -218,31 +221,39 @@ def ns_enter(pid: int) -> list[str]:
     return ["/usr/bin/nsenter", "-t", str(pid), "-m", "-u", "-i", "-n", "-p", "-r", f"--wd={cwd}"]
 
 
-def run_attached(cmd: list[str], env: dict[str, str], corrupt_at: int | None) -> int:
+def run_attached(
+    cmd: list[str], env: dict[str, str], corrupt_at: int | None, slow_after: int | None = None
+) -> int:
     """Run the attached command with our stdio; exit code as lxc-attach reports it."""
     sigdef = (SIGPIPE, SIGXFSZ)
-    if corrupt_at is None:
+    if corrupt_at is None and slow_after is None:
         pid = os.posix_spawn(cmd[0], cmd, env, setsigdef=sigdef)
     else:
         read_end, write_end = os.pipe()
         actions = [(os.POSIX_SPAWN_DUP2, read_end, 0), (os.POSIX_SPAWN_CLOSE, write_end)]
         pid = os.posix_spawn(cmd[0], cmd, env, file_actions=actions, setsigdef=sigdef)
         os.close(read_end)
-        pump_corrupted(write_end, int(corrupt_at))
+        pump_faulty(write_end, corrupt_at, slow_after)
     _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     return 128 - rc if rc < 0 else rc
 
 
-def pump_corrupted(write_end: int, offset: int) -> None:
-    """Copy our stdin to the pipe, flipping the byte at `offset` (the injected fault)."""
+SLOW_BYTES_PER_S = 8 << 20
+
+
+def pump_faulty(write_end: int, corrupt_at: int | None, slow_after: int | None) -> None:
+    """Copy our stdin to the pipe, flipping the byte at `corrupt_at` and, past `slow_after`,
+    at SLOW_BYTES_PER_S (the injected faults)."""
     pos = 0
     try:
         while chunk := os.read(0, 1 << 20):
-            if pos <= offset < pos + len(chunk):
+            if corrupt_at is not None and pos <= corrupt_at < pos + len(chunk):
                 data = bytearray(chunk)
-                data[offset - pos] ^= 0xFF
+                data[corrupt_at - pos] ^= 0xFF
                 chunk = bytes(data)
+            if slow_after is not None and pos + len(chunk) > slow_after:
+                time.sleep(len(chunk) / SLOW_BYTES_PER_S)
             view = memoryview(chunk)
             while view:
                 view = view[os.write(write_end, view) :]
