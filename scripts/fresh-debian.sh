@@ -13,7 +13,7 @@ DIR=${FRESH_DIR:-/var/tmp/dflashops-fresh}
 COMMAND=${1:-./scripts/demo.sh}
 MIRROR=${FRESH_MIRROR:-$(grep -rhoE '(^deb\s+|URIs:\s*)https?://\S*debian\S*' \
   /etc/apt/sources.list /etc/apt/sources.list.d 2>/dev/null | grep -v security | head -1 |
-  awk '{print $NF}')}
+  awk '{print $NF}' || true)}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 command -v debootstrap >/dev/null || { echo "fresh-debian: needs debootstrap (apt-get install debootstrap)" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "fresh-debian: needs root (chroot, mounts)" >&2; exit 1; }
