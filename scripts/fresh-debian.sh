@@ -6,7 +6,8 @@
 #
 # Needs root and debootstrap on this machine. FRESH_DIR (default /var/tmp/dflashops-fresh) holds
 # the chroot, rebuilt on every call. FRESH_BIND: colon-separated paths of this machine bound at
-# the same place inside (e.g. a local pip mirror and its pip.conf); PIP_* variables pass through.
+# the same place inside, or PATH=INSIDE elsewhere (e.g. a local pip mirror, its pip.conf, a CA
+# bundle for a proxy); PIP_* variables pass through.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${FRESH_DIR:-/var/tmp/dflashops-fresh}
@@ -40,10 +41,11 @@ bind sysfs /sys -t sysfs
 bind /dev /dev --rbind
 bind tmpfs /run -t tmpfs
 IFS=: read -r -a extra <<<"${FRESH_BIND:-}"
-for path in "${extra[@]}"; do
+for entry in "${extra[@]}"; do
+  path=${entry%%=*} inside=${entry#*=}  # PATH, or PATH=WHERE-INSIDE
   [ -e "$path" ] || continue
-  if [ -d "$path" ]; then mkdir -p "$DIR$path"; else mkdir -p "$(dirname "$DIR$path")"; touch "$DIR$path"; fi
-  mount --bind "$path" "$DIR$path"; mounts+=("$DIR$path")
+  if [ -d "$path" ]; then mkdir -p "$DIR$inside"; else mkdir -p "$(dirname "$DIR$inside")"; touch "$DIR$inside"; fi
+  mount --bind "$path" "$DIR$inside"; mounts+=("$DIR$inside")
 done
 git clone -q "$REPO" "$DIR/root/dflashops"
 pass=(HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
