@@ -1,4 +1,4 @@
-"""Human output: sizes, durations, progress bars (always on stderr), tables.
+"""Human output: sizes, durations, progress bars (always on stderr), tables (tables.py).
 
 Text is text: every string printed through `console()` or put in a `table()` shows exactly as
 it is (a log line, a container name or an error with `[/]`, `[bold]` or `:smile:` in it);
@@ -11,6 +11,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from dflashops.tables import Col, Grid
 
 SHOW_AFTER_S = 2.0  # contract: progress for anything over about two seconds
 BIG_TRANSFER = 0  # TODO(pull-ckpt): drop; the delay above now decides what is shown
@@ -136,8 +138,10 @@ def styled(text: object, style: str | None = None):  # noqa: ANN201 (rich.text.T
 
 
 def console(*, stderr: bool = False):  # noqa: ANN201 (rich.console.Console, imported lazily)
-    """A rich console that prints strings literally (no markup, no emoji codes); when not a
-    terminal, wide enough that tables never wrap."""
+    """A rich console that prints strings literally (no markup, no emoji codes) and whole: a
+    line wider than the terminal is the terminal's to wrap, never cut or folded (a run name in
+    it stays one word). Tables are laid out for its width (tables.py); when not a terminal, the
+    width is $COLUMNS, else 220."""
     import os
 
     from rich.console import Console
@@ -152,7 +156,7 @@ def console(*, stderr: bool = False):  # noqa: ANN201 (rich.console.Console, imp
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else int(os.environ.get("COLUMNS", 0) or 220)
     return LiteralConsole(
-        file=stream, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False
+        file=stream, width=width, highlight=False, soft_wrap=True, markup=False, emoji=False
     )
 
 
@@ -184,8 +188,6 @@ def duration(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def table(*columns: str, title: str | None = None):  # noqa: ANN201 (rich.table.Table)
-    """A plain table in the style of `hosts`: no box, left-aligned headers."""
-    from rich.table import Table
-
-    return Table(*columns, box=None, pad_edge=False, title=title, title_justify="left")
+def table(*columns: Col | str, title: str | None = None, label: str | None = None) -> Grid:
+    """A plain table (no box, left-aligned headers) that never cuts a name: see tables.py."""
+    return Grid(*columns, title=title, label=label)

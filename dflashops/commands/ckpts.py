@@ -8,6 +8,7 @@ from dflashops import context, runs
 from dflashops.errors import ExitCode
 from dflashops.render import console, duration, human_bytes, styled, table
 from dflashops.runs import Checkpoint, RunView
+from dflashops.tables import Col
 
 
 def register(app: typer.Typer) -> None:
@@ -74,8 +75,9 @@ def show(view: RunView, points: list[Checkpoint], verify: bool) -> None:
     if not points:
         out.print(f"{view.name} ({view.target}:{view.dir}): no checkpoints yet")
         return
-    grid = table("STEP", "STATE", "SIZE", "FILES", "WRITTEN", "DIR",
-                 title=f"{view.name} on {view.target} ({view.state})")  # fmt: skip
+    grid = table(Col("STEP", keep=True), Col("STATE", keep=True, wrap=True),
+                 Col("SIZE", priority=3), Col("FILES", priority=1), Col("WRITTEN", priority=2),
+                 Col("DIR", priority=4), title=f"{view.name} on {view.target} ({view.state})")  # fmt: skip
     for c in points:
         age = f"{duration(view.now - c.mtime)} ago"
         grid.add_row(str(c.step), state_of(c), human_bytes(c.bytes), str(c.files), age, c.name)

@@ -1,4 +1,5 @@
-"""`hosts`: every host and target (reachable, running, GPUs, free disk); `hosts trust HOST`."""
+"""`hosts`: every host and target (reachable, running, GPUs, free disk), each GPU's memory,
+utilisation and the run holding it; `hosts trust HOST`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 import typer
 
-from dflashops import context
+from dflashops import context, runs
 from dflashops.errors import ExitCode, HostKeyError, NoAnswerError, OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target
+from dflashops.tables import Col, Grid
 
 # Run inside each target: free disk under the workspace (or its nearest existing parent),
 # GPU count, whether the target's python runs. Paths arrive as arguments, never inlined.
@@ -45,6 +47,7 @@ class TargetRow:
     disk_free_bytes: int | None = None
     python: bool | None = None
     error: str | None = None
+    devices: list[dict] | None = None  # per GPU (nvidia-smi): memory, utilisation, who holds it
 
 
 def register(app: typer.Typer) -> None:
@@ -56,7 +59,8 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
-        """Every host and target: reachable, container running, GPUs, free disk."""
+        """Every host and target: reachable, container running, GPUs, free disk; each GPU's
+        memory used, utilisation and the run holding it."""
         if ctx.invoked_subcommand is not None:
             return
         opts = context.get(ctx)
@@ -154,7 +158,46 @@ def probe(session, target: Target, states: dict, failed: dict) -> TargetRow:  # 
     if facts.get("gpus", "").isdigit():
         row.gpus = int(facts["gpus"])
     row.python = facts.get("python") == "yes"
+    if row.gpus is not None:
+        try:
+            row.devices = devices(runs.probe(session.machine(target), names=None, gpus=True,
+                                             records="none"))  # fmt: skip
+        except OpsError as exc:
+            row.error = f"no GPU details: {exc.message}"
     return row
+
+
+def devices(found: runs.Probe) -> list[dict] | None:
+    """Each GPU nvidia-smi shows, with the runs holding it (a rank's process on it, or an alive
+    rank with that local rank) and the processes on it."""
+    smi = found.gpus or {}
+    by_pid, by_local = holders(found)
+    out = []
+    for gpu in smi.get("gpus") or []:
+        index = gpu.get("index")
+        procs = [{k: a.get(k) for k in ("pid", "name", "used_mib")}
+                 for a in smi.get("apps") or [] if a.get("gpu") == index]  # fmt: skip
+        held = [by_pid[p["pid"]] for p in procs if p["pid"] in by_pid]
+        held += by_local.get(index, [])
+        out.append({**gpu, "runs": sorted(set(held)), "processes": procs})
+    return out
+
+
+def holders(found: runs.Probe) -> tuple[dict[int, str], dict[int, list[str]]]:
+    """(pid -> run, local rank -> runs) of the target's running runs' alive ranks."""
+    by_pid: dict[int, str] = {}
+    by_local: dict[int, list[str]] = {}
+    for view in found.runs:
+        if not view.running:
+            continue
+        if view.status.get("pid"):
+            by_pid[view.status["pid"]] = view.name
+        for rank in view.raw.get("ranks") or []:
+            if not rank.get("alive"):
+                continue
+            by_pid[rank.get("pid")] = view.name
+            by_local.setdefault(rank.get("local_rank"), []).append(view.name)
+    return by_pid, by_local
 
 
 def _error_row(target: Target, error: OpsError) -> TargetRow:
@@ -181,15 +224,18 @@ def render(host_rows: list[HostRow], target_rows: list[TargetRow]) -> None:
 
     out = console()
     if host_rows:
-        hosts = table("HOST", "ADDRESS", "REACHABLE", "CTS", "NOTE")
+        hosts = table(Col("HOST", keep=True), Col("ADDRESS", priority=3),
+                      Col("REACHABLE", keep=True), Col("CTS", priority=2),
+                      Col("NOTE", priority=1, wrap=True))  # fmt: skip
         for r in host_rows:
             mark = styled("yes", "green") if r.reachable else styled("no", "red")
             hosts.add_row(r.name, r.address, mark, _dash(r.containers), r.error or "")
         out.print(hosts)
         out.print()
-    targets = table(
-        "TARGET", "KIND", "WHERE", "ROLE", "STATE", "GPUS", "FREE DISK", "PYTHON", "NOTE"
-    )
+    targets = table(Col("TARGET", keep=True), Col("KIND", priority=1), Col("WHERE", priority=4),
+                    Col("ROLE", priority=2), Col("STATE", keep=True), Col("GPUS", priority=6),
+                    Col("FREE DISK", priority=5), Col("PYTHON", priority=3),
+                    Col("NOTE", priority=7, wrap=True))  # fmt: skip
     for r in target_rows:
         colour = {"running": "green", "stopped": "yellow"}.get(r.state, "red")
         free = human_bytes(r.disk_free_bytes) if r.disk_free_bytes is not None else "-"
@@ -197,6 +243,41 @@ def render(host_rows: list[HostRow], target_rows: list[TargetRow]) -> None:
         targets.add_row(r.name, r.kind, r.where, r.role, styled(r.state, colour),
                         _dash(r.gpus), free, python, r.error or "")  # fmt: skip
     out.print(targets)
+    if any(r.devices for r in target_rows):
+        out.print()
+        out.print(gpu_table(target_rows))
+
+
+def gpu_table(target_rows: list[TargetRow]) -> Grid:
+    from dflashops.render import table
+
+    grid = table(Col("TARGET", keep=True), Col("GPU", keep=True), Col("MEMORY USED", priority=3),
+                 Col("UTIL", priority=2), Col("HELD BY", keep=True),
+                 Col("MODEL", priority=1))  # fmt: skip
+    for r in target_rows:
+        for gpu in r.devices or []:
+            grid.add_row(r.name, _dash(gpu.get("index")), _memory(gpu),
+                         _percent(gpu.get("utilization")), _held(gpu), _dash(gpu.get("name")))  # fmt: skip
+    return grid
+
+
+def _memory(gpu: dict) -> str:
+    used, total = gpu.get("memory_used_mib"), gpu.get("memory_total_mib")
+    if used is None or total is None:
+        return "-"
+    return f"{used / 1024:.1f} of {total / 1024:.1f} GiB"
+
+
+def _percent(value: int | None) -> str:
+    return "-" if value is None else f"{value}%"
+
+
+def _held(gpu: dict) -> str:
+    """The runs holding it, else the processes on it (pid and name), else '-'."""
+    if gpu["runs"]:
+        return ", ".join(gpu["runs"])
+    procs = [f"pid {p['pid']} ({p['name']})" for p in gpu["processes"]]
+    return ", ".join(procs) or "-"
 
 
 def _dash(value: object) -> str:

@@ -18,6 +18,7 @@ from dflashops import context, runs
 from dflashops.errors import ExitCode, NotFoundError, OpsError
 from dflashops.render import console, duration, metric, styled, table
 from dflashops.runs import RunView
+from dflashops.tables import Col, Grid
 
 COLOURS = {
     "running": "green",
@@ -213,10 +214,13 @@ def step_cell(view: RunView) -> str:
     return f"{step}/{total}" if total else str(step)
 
 
-def runs_table(views: list[RunView]):  # noqa: ANN201 (rich Table)
+def runs_table(views: list[RunView]) -> Grid:
     notes = any(v.note for v in views)
-    columns = ["RUN", "TARGET", "STATE", "STEP", "LOSS", "ACC", "STREAK", "DDS8", "TOK/S"]
-    columns += ["ETA", "LAST LOG"] + (["NOTE"] if notes else [])
+    columns = [Col("RUN", keep=True), Col("TARGET", keep=True), Col("STATE", keep=True),
+               Col("STEP", keep=True), Col("LOSS", priority=8), Col("ACC", priority=7),
+               Col("STREAK", priority=4), Col("DDS8", priority=3), Col("TOK/S", priority=2),
+               Col("ETA", priority=6), Col("LAST LOG", priority=1)]  # fmt: skip
+    columns += [Col("NOTE", priority=5, wrap=True)] if notes else []
     out = table(*columns)
     for v in views:
         last = v.last or {}
@@ -229,11 +233,12 @@ def runs_table(views: list[RunView]):  # noqa: ANN201 (rich Table)
     return out
 
 
-def history_table(records: list[dict[str, Any]], title: str | None = "recent log lines"):  # noqa: ANN201
+def history_table(records: list[dict[str, Any]], title: str | None = "recent log lines") -> Grid:
     keys = [k for k in HISTORY_METRICS if any(k in r for r in records)]
-    out = table(
-        "STEP", *(k.upper().replace("_", "/" if k == "tok_s" else " ") for k in keys), title=title
-    )
+    headers = [k.upper().replace("_", "/" if k == "tok_s" else " ") for k in keys]
+    rank = len(keys)  # the first metrics stay longest
+    cols = [Col(h, priority=rank - i) for i, h in enumerate(headers)]
+    out = table(Col("STEP", keep=True), *cols, title=title)
     for r in records:
         out.add_row(str(r["step"]), *(metric(r.get(k), k) for k in keys))
     return out
@@ -250,18 +255,15 @@ def vs_rows(a: RunView, b: RunView, count: int = 12) -> list[dict[str, Any]]:
     ]
 
 
-def vs_table(a: RunView, b: RunView):  # noqa: ANN201
-    columns = ["STEP"]
-    for k in runs.METRICS:
-        columns += [f"{k.upper()} {a.name}", f"{k.upper()} {b.name}"]
+def vs_table(a: RunView, b: RunView) -> Grid:
+    """A row per run at each step: the names stay whole at any width."""
+    columns = [Col("STEP", keep=True, head=True), Col("RUN", keep=True, head=True)]
+    columns += [Col(k.upper(), priority=len(runs.METRICS) - i) for i, k in enumerate(runs.METRICS)]
     out = table(*columns, title=f"{a.name} ({a.target}) vs {b.name} ({b.target})")
     for row in vs_rows(a, b):
-        cells = [str(row["step"])]
-        for k in runs.METRICS:
-            for name in (a.name, b.name):
-                rec = row[name]
-                cells.append(_at(rec, k, row["step"]))
-        out.add_row(*cells)
+        for name in (a.name, b.name):
+            rec = row[name]
+            out.add_row(str(row["step"]), name, *(_at(rec, k, row["step"]) for k in runs.METRICS))
     return out
 
 
@@ -447,6 +449,8 @@ class _PlainPrinter:
         step = f"{rec['step']}/{total}" if total else str(rec["step"])
         parts = [f"{view.name} step {step}"]
         parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW_METRICS if k in rec]
+        if rec["step"] == view.step and view.eta is not None:  # the ETA is as of now
+            parts.append(f"eta {duration(view.eta)}")
         if other is not None:
             orec = runs.value_at(other.records, rec["step"])
             if orec is not None:
