@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from dflashops import complete
 from dflashops.commands import (
     archive,
     ckpts,
@@ -28,11 +29,23 @@ app = typer.Typer(
     name="dflashops",
     help="Train and evaluate DFlash drafters on Proxmox GPU servers.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def show_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        typer.echo(f"dflashops {version('dflashops')}")
+    except PackageNotFoundError:
+        typer.echo("dflashops (not installed: no package metadata)")
+    raise typer.Exit()
 
 
 @app.callback()
@@ -59,6 +72,13 @@ def global_options(
         help="How long any remote call may go without an answer before it fails with exit 3 "
         "(default: 15 for hosts, 120 for copies and launches, else 30; a call that streams "
         "output or keeps copying bytes runs on while the connection answers).",
+    ),
+    _version: bool = typer.Option(
+        False,
+        "--version",
+        callback=show_version,
+        is_eager=True,
+        help="Print the version and exit.",
     ),
 ) -> None:
     ctx.obj = Context(
@@ -88,8 +108,11 @@ for module in (
     module.register(app)
 
 
+complete.attach(app)
+
+
 def main() -> None:
-    app()
+    app(prog_name="dflashops")
 
 
 if __name__ == "__main__":

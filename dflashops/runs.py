@@ -440,13 +440,43 @@ def find(session: Session, name: str, *, host: str | None = None, **request: Any
         raise UsageError(
             f"run {name!r} exists in more than one place ({places}); pick one with --host TARGET"
         )
+    if host is not None and found.where(name):
+        places = ", ".join(f"{t}:{w}/{name}" for t, w in found.where(name))
+        raise NotFoundError(f"no run {name!r} on {host} (it is at {places})")
+    raise not_found(found, [name])
+
+
+def pick(found: Survey, names: list[str]) -> list[RunView]:
+    """The named runs from a survey, in the order given (a name given twice once)."""
+    by_name: dict[str, list[RunView]] = {}
+    for view in found.runs():
+        by_name.setdefault(view.name, []).append(view)
+    missing = [n for n in dict.fromkeys(names) if n not in by_name]
+    if missing:
+        raise not_found(found, missing)
+    for name in names:
+        if len(by_name[name]) > 1:
+            places = ", ".join(f"{v.target}:{v.where}/{name}" for v in by_name[name])
+            raise UsageError(f"run {name!r} exists in more than one place ({places})")
+    return [by_name[n][0] for n in dict.fromkeys(names)]
+
+
+LISTED_RUNS = 12
+
+
+def not_found(found: Survey, missing: list[str]) -> OpsError:
+    """The one error for runs that are not there, naming the runs that are: exit 4, or exit 3
+    when a target could not be read (the run may live there)."""
+    known = found.all_names()
+    quoted = ", ".join(repr(n) for n in missing)
+    hint = did_you_mean(missing[0], known) if len(missing) == 1 else ""
+    shown = ", ".join(known[:LISTED_RUNS]) + (" ..." if len(known) > LISTED_RUNS else "")
+    listed = f" (runs: {shown})" if known else " (no runs there)"
+    message = f"no run {quoted} on the targets read{hint}{listed}"
     if found.errors:
         unread = ", ".join(f"{t} ({e.message})" for t, e in found.errors.items())
-        raise UnreachableError(f"run {name!r} not found on the targets read; not read: {unread}")
-    known = found.all_names()
-    hint = did_you_mean(name, known)
-    listed = f" (runs: {', '.join(known[:12])}{' ...' if len(known) > 12 else ''})" if known else ""
-    raise NotFoundError(f"no run {name!r} on any target{hint}{listed}")
+        return UnreachableError(f"{message}; not read: {unread}")
+    return NotFoundError(message)
 
 
 def newest_running(session: Session, **request: Any) -> RunView:

@@ -8,18 +8,17 @@ step S is the record with the largest step <= S ("@N" marks a record from an ear
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from dflashops import context, runs
+from dflashops import plot as plotting
 from dflashops.commands.status import warn_logs
-from dflashops.errors import NotFoundError, UnreachableError, UsageError
+from dflashops.errors import UsageError
 from dflashops.render import console, metric, styled, table
 from dflashops.runs import RunView
-from dflashops.yamlfile import did_you_mean
 
 HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
 DEFAULT_STEP_COUNT = 6
@@ -43,10 +42,8 @@ def register(app: typer.Typer) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
-        if plot is not None and importlib.util.find_spec("matplotlib") is None:
-            raise UsageError(
-                "--plot needs matplotlib, which is not installed here: pip install matplotlib"
-            )
+        if plot is not None:
+            plotting.check(plot)
         wanted = parse_steps(steps)
         keys = [k.strip() for k in metrics.split(",") if k.strip()]
         if not keys:
@@ -58,7 +55,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             runs.dry_run_done(opts, runs=names)
             return
-        views = pick_runs(found, names)
+        views = runs.pick(found, names)
         warn_logs(views)
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
@@ -69,7 +66,7 @@ def register(app: typer.Typer) -> None:
         else:
             show(views, chosen, keys, table_doc)
         if plot is not None:
-            draw(views, keys, chosen, plot)
+            plotting.draw(views, keys, chosen, plot)
             context.note(f"wrote {plot}")
 
 
@@ -85,25 +82,6 @@ def parse_steps(text: str | None) -> list[int]:
     if any(s < 0 for s in steps):
         raise UsageError(f"--steps {text}: steps are >= 0")
     return steps
-
-
-def pick_runs(found: runs.Survey, names: list[str]) -> list[RunView]:
-    by_name: dict[str, list[RunView]] = {}
-    for view in found.runs():
-        by_name.setdefault(view.name, []).append(view)
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        found.warn_errors()
-        known = found.all_names()
-        hint = did_you_mean(missing[0], known)
-        exc = UnreachableError if found.errors else NotFoundError
-        raise exc(f"no run {', '.join(missing)} on any target read{hint}")
-    doubles = {n: v for n, v in by_name.items() if len(v) > 1}
-    if doubles:
-        name, views = next(iter(doubles.items()))
-        places = ", ".join(f"{v.target}:{v.where}/{name}" for v in views)
-        raise UsageError(f"run {name!r} exists in more than one place ({places})")
-    return [by_name[n][0] for n in dict.fromkeys(names)]
 
 
 def default_steps(views: list[RunView]) -> list[int]:
@@ -192,27 +170,3 @@ def format_cell(cell: dict | None, key: str, step: int, best: float | None):  # 
     if cell["step"] != step:
         text += f" @{cell['step']}"
     return styled(text, "bold" if best is not None and cell["value"] == best else None)
-
-
-def draw(views: list[RunView], keys: list[str], steps: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys, strict=True):
-        for v in views:
-            points = [(r["step"], r[key]) for r in v.records if r.get(key) is not None]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, label=f"{v.name} ({v.target})")
-        for s in steps:
-            ax.axvline(s, color="grey", linewidth=0.5, linestyle=":")
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(loc="best", fontsize="small")
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -16,7 +16,6 @@ import typer
 import yaml
 
 from dflashops import context, runs
-from dflashops.commands.compare import pick_runs
 from dflashops.render import console, styled, table
 from dflashops.runs import RunView
 
@@ -45,7 +44,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             runs.dry_run_done(opts, runs=names)
             return
-        views = pick_runs(found, names)
+        views = runs.pick(found, names)
         configs = {v.name: read_config(v) for v in views}
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)

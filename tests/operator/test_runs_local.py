@@ -398,19 +398,6 @@ def test_archive_never_removes_the_newest_complete_checkpoint(cli, ws):
     assert doc["removed"] == ["step_10"] and doc["kept"] == ["step_20"]
 
 
-def test_plot_without_matplotlib_is_a_one_line_error(cli, ws, tmp_path):
-    make_run(ws, "p1")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        ran = cli("compare", "p1", "p1", "--plot", str(tmp_path / "x.png"))
-        assert ran.code == 2 and "pip install matplotlib" in ran.err
-        assert len(ran.err.strip().splitlines()) == 1
-    else:
-        ran = cli("compare", "p1", "p1", "--plot", str(tmp_path / "x.png"))
-        assert ran.code == 0 and (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
-
-
 def test_a_missing_interpreter_points_at_setup(tmp_path, ws, tmux_dir):
     inv = tmp_path / "nopy.yaml"
     env = json.dumps({"TMUX_TMPDIR": str(tmux_dir)})

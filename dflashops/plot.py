@@ -1,0 +1,87 @@
+"""`compare --plot`: the runs' curves in one image, a panel per metric, steps across.
+
+matplotlib is imported only when a plot is drawn (it costs ~0.3 s), with its headless Agg
+backend, so the command line starts fast and plots on machines without a display.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from dflashops.errors import OpsError, UsageError
+from dflashops.runs import RunView
+
+FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
+LOG_SPAN = 10.0  # a loss panel whose values span more than this factor gets a log scale
+
+
+def check(path: Path) -> None:
+    """Refuse a plot file that cannot be written before anything is read."""
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in FORMATS:
+        raise UsageError(f"--plot {path}: name a .png, .svg, .pdf or .jpg file")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {path}: no directory {path.parent}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise OpsError(
+            "--plot: matplotlib is missing from this install (it is a dependency of "
+            "dflashops): reinstall it, e.g. pip install -e ."
+        )
+
+
+def title(views: list[RunView], today: datetime.date | None = None) -> str:
+    """'a, b on ct200, ct201 · 2026-12-01': the runs, where they live, the day drawn."""
+    names = ", ".join(v.name for v in views)
+    targets = ", ".join(dict.fromkeys(v.target for v in views))
+    return f"{names} on {targets} · {(today or datetime.date.today()).isoformat()}"
+
+
+def points(view: RunView, key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in view.records if r.get(key) is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def wants_log(key: str, values: list[float]) -> bool:
+    """A loss that spans decades (positive, max/min > LOG_SPAN) reads better on a log scale."""
+    if "loss" not in key or not values or min(values) <= 0:
+        return False
+    return max(values) / min(values) > LOG_SPAN
+
+
+def draw(views: list[RunView], keys: list[str], steps: list[int], path: Path) -> Any:
+    """Write the figure to `path` (format from its suffix) and return it (closed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys) + 0.5), sharex=True,
+                             squeeze=False)  # fmt: skip
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        shown: list[float] = []
+        for view in views:
+            xs, ys = points(view, key)
+            if xs:
+                ax.plot(xs, ys, label=f"{view.name} ({view.target})")
+                shown += ys
+        if wants_log(key, shown):
+            ax.set_yscale("log")
+        for s in steps:
+            ax.axvline(s, color="grey", linewidth=0.5, linestyle=":")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    if axes[0, 0].get_legend_handles_labels()[0]:
+        axes[0, 0].legend(loc="best", fontsize="small")
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(title(views))
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise OpsError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+    return fig
