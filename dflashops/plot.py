@@ -69,6 +69,9 @@ def draw(views: list[RunView], keys: list[str], steps: list[int], path: Path) ->
                 shown += ys
         if wants_log(key, shown):
             ax.set_yscale("log")
+        if not shown:
+            ax.text(0.5, 0.5, f"no run logged {key}", transform=ax.transAxes, ha="center",
+                    color="grey")  # fmt: skip
         for s in steps:
             ax.axvline(s, color="grey", linewidth=0.5, linestyle=":")
         ax.set_ylabel(key)
