@@ -54,6 +54,15 @@ def inventory(tmp_path, ws) -> Path:
 
 
 @pytest.fixture
+def hung_inventory(tmp_path, ws, silent_port) -> Path:
+    """`local`, and `hung`: an sshd that never answers."""
+    hung = {"kind": "ssh", "address": "127.0.0.1", "port": silent_port}
+    return write_inventory(
+        tmp_path / "hosts.yaml", {"local": local_entry(ws, tmp_path), "hung": hung}
+    )
+
+
+@pytest.fixture
 def cli(inventory, tmp_path):
     def run(*args: str, **kw) -> Ran:
         return dflashops(*args, inventory=inventory, home=tmp_path, **kw)
@@ -192,13 +201,9 @@ def test_completion_of_target_names_from_the_inventory(tmp_path, ws, silent_port
         assert seconds < 2.5, (line, seconds)  # the inventory only: no target is read
 
 
-def test_completion_is_bounded_and_silent_when_a_target_hangs(tmp_path, ws, silent_port):
+def test_completion_is_bounded_and_silent_when_a_target_hangs(tmp_path, ws, hung_inventory):
     make_run(ws, "quick-1")
-    inv = write_inventory(tmp_path / "hosts.yaml", {
-        "local": local_entry(ws, tmp_path),
-        "hung": {"kind": "ssh", "address": "127.0.0.1", "port": silent_port},
-    })  # fmt: skip
-    got, ran, seconds = complete(inv, "dflashops logs qu", tmp_path)
+    got, ran, seconds = complete(hung_inventory, "dflashops logs qu", tmp_path)
     assert (ran.code, ran.err, got) == (0, "", ["quick-1"])
     assert seconds < 4.5, seconds  # 3 s at most waiting on targets, plus starting python
 
@@ -252,14 +257,10 @@ def test_one_wording_for_a_run_that_is_not_there(cli, ws):
     )
 
 
-def test_no_such_run_when_a_target_could_not_be_read(tmp_path, ws, silent_port):
+def test_no_such_run_when_a_target_could_not_be_read(tmp_path, ws, hung_inventory):
     make_run(ws, "v4")
-    inv = write_inventory(tmp_path / "hosts.yaml", {
-        "local": local_entry(ws, tmp_path),
-        "hung": {"kind": "ssh", "address": "127.0.0.1", "port": silent_port},
-    })  # fmt: skip
     for args in (("logs", "v9"), ("compare", "v4", "v9")):
-        ran = dflashops("--timeout", "1", *args, inventory=inv, home=tmp_path)
+        ran = dflashops("--timeout", "1", *args, inventory=hung_inventory, home=tmp_path)
         assert ran.code == 3, ran.err
         assert ran.err.startswith(
             "dflashops: error: no run 'v9' on the targets read (runs: v4); not read: hung ("
