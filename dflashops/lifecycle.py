@@ -2,7 +2,8 @@
 nodes and ranks), claiming its name, its code snapshot, its run directory, starting it under
 torchrun in a tmux session of our own, and taking back a launch that failed.
 
-A run is one torchrun per node. One node: `torchrun --standalone --nproc-per-node N`. Several:
+A run is one torchrun per node. One node: `torchrun --nproc-per-node N` with a c10d rendezvous of
+its own on 127.0.0.1 (what --standalone does, without resolving "localhost"). Several:
 the same on each node with a c10d rendezvous hosted by node 0 (`--rdzv-conf is_host=...`, so no
 node needs to resolve another's hostname) and each node's own `--local-addr`. Every node has
 the run directory at the same path; node 0 holds train_log.jsonl, state.json and checkpoints.
@@ -319,8 +320,15 @@ def torchrun_argv(placement: Placement, node: Node, rundir: str, *, resume: bool
             "--rdzv-conf", f"is_host={is_host},join_timeout={RDZV_JOIN_S}",
             "--local-addr", str(target.node_address),
         ]  # fmt: skip
-    else:  # the loopback address: no need for the container to resolve its own hostname
-        head += ["--standalone", "--nnodes", "1", "--local-addr", LOOPBACK]
+    else:  # what --standalone does, on 127.0.0.1 instead of "localhost": a container need not
+        # resolve any name (a minimal one may have no /etc/hosts at all)
+        head += [
+            "--nnodes", "1",
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{LOOPBACK}:0",
+            "--rdzv-id", f"{placement.run}-{placement.run_id}",
+            "--local-addr", LOOPBACK,
+        ]  # fmt: skip
     train = ["-m", "workload.train", "--config", "run.yaml", "--run-dir", rundir]
     return head + train + (["--resume"] if resume else [])
 
