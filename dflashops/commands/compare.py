@@ -19,6 +19,7 @@ from dflashops.commands.status import warn_logs
 from dflashops.errors import UsageError
 from dflashops.render import console, metric, styled, table
 from dflashops.runs import RunView
+from dflashops.tables import Col, Grid
 
 HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
 DEFAULT_STEP_COUNT = 6
@@ -120,26 +121,36 @@ def values(views: list[RunView], steps: list[int], keys: list[str]) -> list[dict
 
 def show(views: list[RunView], steps: list[int], keys: list[str], doc: list[dict]) -> None:
     out = console()
+    bold = out.color_system is not None  # else styles are not shown: the best gets a *
     for v in views:
         where = "archive" if v.where == "archive" else v.state
         last = v.records[-1]["step"] if v.records else "-"
         out.print(f"{v.name}: {v.target} ({where}), last logged step {last}")
     for k in keys:
         out.print()
-        grid = table(k, *(f"step {s}" for s in steps))
-        best = best_per_step(doc, k, steps)
-        base = doc[0]["values"][k]
-        for i, row in enumerate(doc):
-            cells = [row["run"]]
-            for s in steps:
-                cell = row["values"][k][str(s)]
-                text = format_cell(cell, k, s, best.get(s))
-                cells.append(text + (relative(cell, base[str(s)]) if i else ""))
-            grid.add_row(*cells)
-        out.print(grid)
+        out.print(metric_table(doc, k, steps, bold))
     out.print()
+    best = "bold: the best" if bold else "*: the best"
     out.print("values at step S are from the last record at or before S (@N: from step N); "
-              f"-: the run never reached S; (+N%): against {views[0].name}; bold: the best")  # fmt: skip
+              f"-: the run never reached S; (+N%): against {views[0].name}; {best}")  # fmt: skip
+
+
+def metric_table(doc: list[dict], key: str, steps: list[int], bold: bool) -> Grid:
+    """One metric: runs down, steps across; the last steps stay longest on a narrow terminal."""
+    columns = [Col(f"step {s}", priority=i) for i, s in enumerate(steps)]
+    if columns:
+        columns[-1].keep = True
+    grid = table(Col(key, keep=True), *columns, label=key)
+    best = best_per_step(doc, key, steps)
+    base = doc[0]["values"][key]
+    for i, row in enumerate(doc):
+        cells = [row["run"]]
+        for s in steps:
+            cell = row["values"][key][str(s)]
+            text = format_cell(cell, key, s, best.get(s), bold)
+            cells.append(text + (relative(cell, base[str(s)]) if i else ""))
+        grid.add_row(*cells)
+    return grid
 
 
 def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, float]:
@@ -162,11 +173,14 @@ def relative(cell: dict | None, base: dict | None) -> str:
     return f" ({100 * (cell['value'] - base['value']) / abs(base['value']):+.0f}%)"
 
 
-def format_cell(cell: dict | None, key: str, step: int, best: float | None):  # noqa: ANN201
-    """The cell as rich Text (bold: the best); the value shown literally."""
+def format_cell(cell: dict | None, key: str, step: int, best: float | None, bold: bool = True):  # noqa: ANN201
+    """The cell as rich Text, shown literally; the best in bold, or marked * where bold is not
+    shown."""
     if cell is None:
         return styled("-")
     text = metric(cell["value"], key)
     if cell["step"] != step:
         text += f" @{cell['step']}"
-    return styled(text, "bold" if best is not None and cell["value"] == best else None)
+    if best is None or cell["value"] != best:
+        return styled(text)
+    return styled(text, "bold") if bold else styled(text + "*")

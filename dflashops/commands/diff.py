@@ -18,6 +18,7 @@ import yaml
 from dflashops import context, runs
 from dflashops.render import console, styled, table
 from dflashops.runs import RunView
+from dflashops.tables import Col
 
 FILES = ["resolved.yaml", "run.yaml", "audit.json"]
 MARKS = {"info": "*", "warn": "!", "error": "!!"}
@@ -177,7 +178,10 @@ def show(
     if not rows:
         out.print("the configs are the same" + ("" if all_ else " (--all shows every key)"))
         return
-    grid = table("KEY", *(v.name for v in views), "RECIPE AUDIT")
+    names = [Col(v.name, keep=True, wrap=True) for v in views]  # a long value wraps, never a name
+    grid = table(
+        Col("KEY", keep=True, head=True), *names, Col("RECIPE AUDIT", keep=True, wrap=True)
+    )
     for row in rows:
         cells = [row["key"]]
         for v in views:

@@ -221,8 +221,8 @@ def test_status_table_vs_and_names(cli, ws):
     assert "a1 " not in table.out and "1 finished or archived run(s) not shown" in table.out
     vs = cli("status", "a1", "--vs", "a2")
     assert vs.code == 0, vs.err
-    row4 = next(line for line in vs.out.splitlines() if line.startswith("4 "))
-    assert "0.400" in row4 and "0.150 @3" in row4
+    rows = {tuple(line.split()[:2]): line for line in vs.out.splitlines()}  # (step, run): row
+    assert "0.400" in rows["4", "a1"] and "0.150 @3" in rows["4", "a2"]
     make_run(ws, "a3", [{"step": 3, "time": now, "acc": 0.3}])
     rows = json.loads(cli("--json", "status", "a1", "--vs", "a3").out)["rows"]
     # none that early, then the record at or before the step, then never reached
