@@ -178,9 +178,8 @@ def format_cell(cell: dict | None, key: str, step: int, best: float | None, bold
     shown."""
     if cell is None:
         return styled("-")
-    text = metric(cell["value"], key)
+    is_best = best is not None and cell["value"] == best
+    text = metric(cell["value"], key) + ("*" if is_best and not bold else "")
     if cell["step"] != step:
         text += f" @{cell['step']}"
-    if best is None or cell["value"] != best:
-        return styled(text)
-    return styled(text, "bold") if bold else styled(text + "*")
+    return styled(text, "bold" if is_best and bold else None)

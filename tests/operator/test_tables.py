@@ -172,6 +172,8 @@ def test_the_legend_says_how_the_best_is_marked(cli, two_runs, tmp_path):
     assert rows_of(B, ran.out)[0].split()[1] == "0.833*"  # acc: higher is better
     assert rows_of(B, ran.out)[1].split()[1] == "0.0150*"  # loss: lower is better
     assert "*" not in " ".join(rows_of(A, ran.out))
+    later = cli("compare", A, B, "--metrics", "acc", "--steps", "295", columns=120)
+    assert rows_of(B, later.out)[0].split()[1:] == ["0.806*", "@290", "(+11%)"], later.out
     on_terminal = on_a_terminal(tmp_path / "hosts.yaml", "compare", A, B, "--metrics", "acc")
     assert "\x1b[1m0.833" in on_terminal and "0.833*" not in on_terminal, on_terminal
     assert "bold: the best" in on_terminal
