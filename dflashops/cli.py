@@ -7,6 +7,7 @@ import typer
 from dflashops import complete
 from dflashops.commands import (
     archive,
+    attach,
     ckpts,
     compare,
     diff,
@@ -20,6 +21,7 @@ from dflashops.commands import (
     resume,
     run_script,
     setup,
+    shell,
     status,
     stop,
 )
@@ -90,12 +92,13 @@ def global_options(
     )
 
 
-for module in (hosts, exec_cmd, push, run_script, setup):
+for module in (hosts, exec_cmd, shell, push, run_script, setup):
     module.register(app)
 for module in (
     launch,
     status,
     logs,
+    attach,
     stop,
     resume,
     ckpts,

@@ -52,12 +52,14 @@ class Configs:
         self._aliases: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def argv(self, conn: Connection, command: str) -> list[str]:
-        """`ssh` running `command` (one shell string, as sshd takes it) on `conn`'s server."""
+    def argv(self, conn: Connection, command: str, *, terminal: bool = False) -> list[str]:
+        """`ssh` running `command` (one shell string, as sshd takes it) on `conn`'s server;
+        `terminal`: with a pty on our terminal, where the client may ask for a passphrase."""
         with self._lock:
             alias = self._alias(conn)
             path = os.path.join(self._dir, "config")
-        return [client() or "ssh", "-F", path, "-T", "-o", "BatchMode=yes", alias, "--", command]
+        mode = ["-t", "-o", "BatchMode=no"] if terminal else ["-T", "-o", "BatchMode=yes"]
+        return [client() or "ssh", "-F", path, *mode, alias, "--", command]
 
     def _alias(self, conn: Connection) -> str:
         if id(conn) in self._aliases:
@@ -89,6 +91,17 @@ class Configs:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
             self._aliases.clear()
+
+
+def terminal_argv(conn: Connection, command: str) -> list[str] | None:
+    """`ssh -t` running `command` on `conn`'s server with our terminal (shell, attach), under
+    the same private config as bulk copies; None where the OpenSSH client is not installed.
+    The paramiko connection is opened first, so host keys and logins are checked, and
+    reported, the one way."""
+    if conn._openssh is None or client() is None:
+        return None
+    conn.transport()
+    return conn._openssh.argv(conn, command, terminal=True)
 
 
 def _sweep() -> None:

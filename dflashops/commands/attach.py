@@ -1,0 +1,78 @@
+"""`attach [RUN] [--host TARGET] [--node K]`: the user's terminal in the run's tmux session
+(`dflash-RUN` on our private tmux server) where it runs: node 0 of a run over several
+targets, or node K. Detaching (C-b d) comes back with exit 0; the run goes on.
+
+The launcher's own window shows nothing (everything goes to console.log, so a terminal can
+never hold up the trainer), so the session gets a window `console` that follows console.log
+(`tail -F`) and ends with the launcher (`--pid`, checked every 0.2 s): the session still ends
+with the run.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+import typer
+
+from dflashops import context, runs
+from dflashops.commands.shell import on_terminal
+from dflashops.errors import NotFoundError
+from dflashops.runs import RunView
+
+# $1: the session, $2: its console.log. The launcher is the first window's pane.
+ATTACH = """\
+s="=$1"; log=$2
+set -- tmux -L dflashops -f /dev/null
+if ! "$@" list-windows -t "$s:" -F '#{window_name}' | grep -qx console; then
+  pid=$("$@" display-message -p -t "$s:0" '#{pane_pid}')
+  "$@" new-window -d -t "$s:" -n console tail -n 200 -s 0.2 --pid="$pid" -F "$log"
+fi
+"$@" select-window -t "$s:console" 2>/dev/null
+exec "$@" attach-session -t "$s"
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("attach")
+    @context.command
+    def attach(
+        ctx: typer.Context,
+        run: str = typer.Argument(
+            None, metavar="RUN", help="A running run (default: the newest running one)."
+        ),
+        host: str = typer.Option(
+            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
+        ),
+        node: int = typer.Option(
+            0, "--node", min=0, metavar="K", help="Node K of a run over several targets."
+        ),
+    ) -> None:
+        """Attach this terminal to a run's tmux session.
+
+        C-b d detaches (exit 0); the run goes on.
+        """
+        opts = context.get(ctx)
+        with runs.sessions(opts) as (reader, writer):
+            view = on_node(runs.resolve(reader, run, host=host, records="none"), node)
+            console = posixpath.join(view.dir, "console.log")
+            argv = ["/bin/sh", "-c", ATTACH, "sh", runs.tmux_session(view.name), console]
+            hint = f"`dflashops logs {view.name} --follow` shows its output"
+            code = on_terminal(writer.machine(view.target), argv, what="attach", hint=hint)
+        raise typer.Exit(code)
+
+
+def on_node(view: RunView, node: int) -> RunView:
+    """Node `node`'s view of a run, refused unless its tmux session is there."""
+    nodes = sorted(view.nodes or [view], key=lambda v: v.node_index)
+    if node >= len(view.node_targets):
+        raise NotFoundError(f"{view.name}: no node {node} (nodes 0..{len(view.node_targets) - 1})")
+    found = next((v for v in nodes if v.node_index == node), None)
+    if found is None:
+        raise NotFoundError(f"{view.name}: node {node} ({view.node_targets[node]}) was not read")
+    if not found.raw.get("tmux"):
+        where = f" on {found.target}" if view.multi else ""
+        raise NotFoundError(
+            f"{view.name}: not running{where} ({found.state}), so there is no session to attach "
+            f"to; its output: dflashops logs {view.name}"
+        )
+    return found
