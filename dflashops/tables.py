@@ -6,9 +6,9 @@ always shown whole; a `wrap` column (free text) wraps onto more lines, never nar
 header; any other column is left out: one with nothing to say first (empty or dashes only),
 then the lowest `priority`, then the rightmost; a line under the table names what was left out.
 When even the kept columns do not fit, the grid is stacked: one block per row, its `head` cells
-on the first line, then `key: value` lines. Names and titles are printed as unbroken lines (as
-`console()` prints every string): a name wider than the terminal is wrapped by the terminal,
-never cut or folded by us.
+on the first line, then `key: value` lines. Titles and stacked lines are printed whole by
+`console()` (a line wider than the terminal is the terminal's to wrap); in a live view they wrap
+between words, so a name stays whole there too.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ class Grid:
 
         width = options.max_width
         if self.title:
-            yield from _unbroken(console, Text(self.title, style="italic"))
+            yield Text(self.title, style="italic")
         layout = self.widths(width)
         if layout is None:
-            yield from self._stacked(console)
+            yield from self._stacked()
             return
         yield self._table(layout)
         left_out = [c.header for i, c in enumerate(self.columns) if i not in layout]
@@ -120,27 +120,23 @@ class Grid:
             out.add_row(*(cell for i, cell in enumerate(row) if i in layout))
         return out
 
-    def _stacked(self, console: Any) -> Iterator[Any]:
+    def _stacked(self) -> Iterator[Any]:
         from rich.text import Text
 
         if self.label:
-            yield from _unbroken(console, Text(self.label, style="italic"))
+            yield Text(self.label, style="italic")
         heads = [i for i, c in enumerate(self.columns) if c.head]
         rest = [i for i, c in enumerate(self.columns) if not c.head]
         pad = max((len(self.columns[i].header) for i in rest), default=0) + 1
         for n, row in enumerate(self.rows):
             if n:
                 yield Text("")
-            yield from _unbroken(console, self._head_line(heads, row))
+            yield self._head_line(heads, row)
             for i in rest:
                 col = self.columns[i]
                 if not row[i].plain:
                     continue
-                line = Text(f"  {(col.header.lower() + ':'):<{pad}} ") + row[i]
-                if col.wrap:
-                    yield line
-                else:
-                    yield from _unbroken(console, line)
+                yield Text(f"  {(col.header.lower() + ':'):<{pad}} ") + row[i]
 
     def _head_line(self, heads: list[int], row: list[Any]) -> Any:
         """The first head cell as it is; any other with its header before it."""
@@ -184,11 +180,3 @@ def _cell_width(cell: Any) -> int:
 
     plain = cell if isinstance(cell, str) else cell.plain
     return max((cell_len(line) for line in plain.splitlines()), default=0)
-
-
-def _unbroken(console: Any, text: Any) -> Iterator[Any]:
-    """`text` as one line however wide (the terminal wraps it; nothing is cut or folded)."""
-    from rich.segment import Segment
-
-    yield from text.render(console)
-    yield Segment.line()

@@ -412,7 +412,9 @@ def _follow_live(session: Any, view: RunView, other: RunView | None, interval: f
         top = runs_table([v] + ([o] if o else []))
         return Group(top, vs_table(v, o) if o else history_table(v.records[-10:], title=None))
 
-    with Live(render(view, other), console=console(), refresh_per_second=2) as live:
+    screen = console()
+    screen.soft_wrap = False  # redrawn in place, it wraps its own lines (between words)
+    with Live(render(view, other), console=screen, refresh_per_second=2) as live:
         return _follow(session, view, other, interval, lambda f, o: live.update(render(f.view, o)))
 
 

@@ -179,9 +179,16 @@ def test_the_legend_says_how_the_best_is_marked(cli, two_runs, tmp_path):
     assert "bold: the best" in on_terminal
 
 
-def on_a_terminal(inv: Path, *args: str) -> str:
-    """What the command prints on a terminal (a pty) 120 columns wide."""
-    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm-256color"}
+def test_the_live_view_on_a_narrow_terminal_keeps_the_names_whole(two_runs, tmp_path, cli):
+    shown = on_a_terminal(tmp_path / "hosts.yaml", "status", A, "--follow", "--vs", B, columns=60)
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", shown)
+    assert set(re.findall(r"demo-[\w.-]*", text)) == {A, B}, text
+    assert whole(B, text) >= 3 and TARGET in text.split(), text  # the title, the blocks, rows
+
+
+def on_a_terminal(inv: Path, *args: str, columns: int = 120) -> str:
+    """What the command prints on a terminal (a pty) `columns` wide."""
+    env = {**os.environ, "COLUMNS": str(columns), "LINES": "200", "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
     main, child = pty.openpty()
     argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inv), *args]
