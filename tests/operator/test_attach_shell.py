@@ -110,12 +110,27 @@ def box(testbed):
 
 
 @pytest.fixture(scope="module")
-def inv(testbed, box, tmp_path_factory) -> Path:
+def here_tmux(tmp_path_factory):
+    """TMUX_TMPDIR of the local target `here` (its runs' tmux server), killed afterwards."""
+    path = tmp_path_factory.mktemp("tmux")
+    yield path
+    env = {**os.environ, "TMUX_TMPDIR": str(path)}
+    subprocess.run(["tmux", "-L", "dflashops", "kill-server"], env=env, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def inv(testbed, box, here_tmux, tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("inv")
+    stand_in = where / "stand-in"
+    stand_in.write_text(STAND_IN_TRAINER)
+    stand_in.chmod(0o755)
+    here = {"kind": "local", "workspace": str(where / "ws2"), "python": str(stand_in),
+            "env": {"TMUX_TMPDIR": str(here_tmux)}}  # fmt: skip
     targets = {
         "box": ("pve1", VMID, {"python": "/workspace/stand-in"}),
         "pve": "pve2",
         "local": {"kind": "local", "workspace": str(where / "ws"), "python": sys.executable},
+        "here": here,
     }
     return testbed.write_inventory(where / "hosts.yaml", targets)
 
@@ -126,6 +141,14 @@ def cli(inv, home):
         return dflashops(*args, inventory=inv, home=home, timeout=timeout, **kw)
 
     return run
+
+
+def logins(testbed, host: str) -> list[str]:
+    """The addresses sshd of `host` accepted a login from, in order."""
+    log = (testbed[host].dir / "sshd.log").read_text()
+    return [
+        ln.split(" from ")[1].split()[0] for ln in log.splitlines() if "Accepted publickey" in ln
+    ]
 
 
 def typed(inv: Path, *args: str) -> str:
@@ -174,6 +197,34 @@ def test_shell_passes_the_shell_exit_code_through(pane, inv):
     assert pane.exit_code() == 7
 
 
+def test_shell_goes_through_the_jump_host(testbed, pane, box, tmp_path):
+    """pve1 reached only through pve2: the shell's client takes the same way in."""
+    pve2 = testbed["pve2"]
+    inv = testbed.write_inventory(
+        tmp_path / "hosts.yaml",
+        {"box": ("pve1", VMID)},
+        extra_hosts={"pve2": {"address": pve2.address, "port": pve2.port}},
+    )
+    inv.write_text(inv.read_text().replace("  pve1:\n", "  pve1:\n    jump: pve2\n"))
+    before = len(logins(testbed, "pve1"))
+    pane.type(typed(inv, "shell", "box"))
+    pane.wait_for_prompt(1)
+    pane.type('echo "in:$(hostname)"')
+    pane.wait_for(rf"^in:ct{VMID}$")
+    pane.type("exit")
+    assert pane.exit_code() == 0
+    # ours (host key and login checked), then the OpenSSH client's: both by way of pve2
+    assert logins(testbed, "pve1")[before:] == [pve2.address, pve2.address]
+
+
+def test_shell_in_a_stopped_container_is_one_line(testbed, make_container, tmp_path):
+    ct = make_container("pve1", start=False)
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"off": ct})
+    ran = dflashops("shell", "off", inventory=inv, home=tmp_path)
+    assert (ran.code, ran.out) == (3, ""), ran
+    assert f"CT {ct.vmid} on pve1 is stopped" in ran.err and len(ran.err.splitlines()) == 1
+
+
 # ---------------------------------------------------------------- attach
 
 
@@ -191,19 +242,28 @@ def test_attach_shows_the_run_and_detaching_leaves_it_running(pane, inv, cli, ru
     assert later["step"] >= state["step"]
 
 
-def test_the_session_still_ends_with_the_run(pane, inv, cli, box, tmp_path):
-    """attach adds a window following console.log: it must not outlive the run's launcher."""
+@pytest.mark.parametrize("target", ["box", "here"], ids=["pct", "local"])
+def test_the_session_still_ends_with_the_run(pane, inv, cli, box, here_tmux, tmp_path, target):
+    """attach adds a window following console.log: it must not outlive the run's launcher.
+    (The pane runs inside a tmux of its own: attaching on the local target still works.)"""
+    run = f"att-{target}"
     cfg = tmp_path / "c.yaml"
     cfg.write_text("seed: 0\n")
-    assert cli("launch", "att2", "--host", "box", "--config", str(cfg), "--force").code == 0
-    pane.type(typed(inv, "attach", "att2"))
+    assert cli("launch", run, "--host", target, "--config", str(cfg), "--force").code == 0
+    pane.type(typed(inv, "attach", run))
     pane.wait_for(r"step \d+/1000 loss")
     pane.keys("C-b", "d")
     assert pane.exit_code() == 0
-    stopped = cli("stop", "att2", timeout=60)
-    assert stopped.code == 0 and "att2: stopped at step" in stopped.out, stopped
-    listed = box.run(["tmux", "-L", "dflashops", "list-sessions", "-F", "#{session_name}"])
-    assert "dflash-att2" not in listed.stdout.decode()
+    assert f"[detached (from session dflash-{run})]" in pane.screen()
+    stopped = cli("stop", run, timeout=60)
+    assert stopped.code == 0 and f"{run}: stopped at step" in stopped.out, stopped
+    tmux = ["tmux", "-L", "dflashops", "list-sessions", "-F", "#{session_name}"]
+    if target == "box":
+        listed = box.run(tmux).stdout.decode()
+    else:
+        env = {**os.environ, "TMUX_TMPDIR": str(here_tmux)}
+        listed = subprocess.run(tmux, env=env, capture_output=True, text=True).stdout
+    assert f"dflash-{run}" not in listed
 
 
 def test_attach_to_the_newest_running_run_by_default(pane, inv, running):
