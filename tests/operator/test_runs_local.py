@@ -634,7 +634,9 @@ def _interrupted(inventory: Path, *args: str) -> tuple[int, str]:
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             _, err = proc.communicate(timeout=10)
-            raise AssertionError(f"{args}: still running 30 s after Ctrl-C:\n{err.decode()}")
+            raise AssertionError(
+                f"{args}: still running 30 s after Ctrl-C:\n{err.decode()}"
+            ) from None
     finally:
         proc.kill()
 
