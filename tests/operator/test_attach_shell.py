@@ -217,6 +217,19 @@ def test_shell_goes_through_the_jump_host(testbed, pane, box, tmp_path):
     assert logins(testbed, "pve1")[before:] == [pve2.address, pve2.address]
 
 
+@pytest.mark.lxc
+def test_shell_in_a_real_lxc_container(testbed, lxc_ct, pane, tmp_path):
+    """pct exec is lxc-attach there, which makes a pty of its own inside the container."""
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"lxc": lxc_ct})
+    pane.type(typed(inv, "shell", "lxc"))
+    pane.wait_for_prompt(1)
+    pane.type('echo "in:$(hostname):$(tty)"')
+    found = pane.wait_for(r"^in:(\S*):(\S*)$")
+    assert found.group(1) == f"ct{lxc_ct.vmid}" and found.group(2).startswith("/dev/")
+    pane.type("exit")
+    assert pane.exit_code() == 0
+
+
 def test_shell_in_a_stopped_container_is_one_line(testbed, make_container, tmp_path):
     ct = make_container("pve1", start=False)
     inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"off": ct})
