@@ -145,6 +145,8 @@ def test_launch_runs_detached_then_status_follows_it_to_the_end(cli, trained, be
     run_dir = bed["train"].host_path("/workspace/runs/r-main")
     assert (run_dir / "run.yaml").read_text().startswith("# run.yaml of run r-main")
     assert json.loads((run_dir / "state.json").read_text())["tmux"] == "dflash-r-main"
+    logs = [run_dir / "console.log", *sorted((run_dir / "ranks").glob("rank_*.log"))]
+    assert all(b"\r" not in p.read_bytes() for p in logs)  # lines, never a progress bar
     table = cli("status", "--all")
     assert table.code == 0, table.err
     row = next(line for line in table.out.splitlines() if line.startswith("r-main "))
