@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from workload import decode as dc
 from workload import eval as ev
-from workload.eval import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
+from workload.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
 from workload.model import DFlashDrafter
 
 VOCAB, BLOCK = 32, 8
@@ -117,7 +118,7 @@ def _zlab_run(drafter, target, prompt, max_new, stops):
 def _simulated(drafter, target, prompt, max_new, stops, budgets=()):
     ids = prompt[0].tolist()
     seq = ids + greedy_continuation(target, ids, max_new, stops or [])
-    hidden = ev.target_hidden_states(target, seq)
+    hidden = dc.target_hidden_states(target, seq)
     return seq[len(ids) :], evaluate_drafter(
         drafter, target, hidden, seq, len(ids), max_new, stops or [], budgets
     )
@@ -155,7 +156,7 @@ def test_layer_ids_outside_the_target_are_refused(tiny):
     drafter.target_layer_ids = [-1, *drafter.target_layer_ids[1:]]
     ids = _prompts()[0][0].tolist()
     seq = ids + greedy_continuation(target, ids, 8, [])
-    hidden = ev.target_hidden_states(target, seq)
+    hidden = dc.target_hidden_states(target, seq)
     with pytest.raises(ValueError, match=r"target layer ids \[-1\] out of range 0\.\.3"):
         evaluate_drafter(drafter, target, hidden, seq, len(ids), 8, [], [8])
 
@@ -168,9 +169,9 @@ def test_oracle_drafts_equal_drafts_from_the_full_context(tiny, kind):
     target, drafter = tiny["target"], tiny[kind]
     ids = _prompts()[3][0].tolist()
     seq = ids + greedy_continuation(target, ids, 30, [])
-    hidden = ev.target_hidden_states(target, seq)
-    feats = ev.select_target_features(hidden, drafter.target_layer_ids)
-    oracle = ev.DraftOracle(ev.DraftSession(drafter, target), feats, seq, top=5)
+    hidden = dc.target_hidden_states(target, seq)
+    feats = dc.select_target_features(hidden, drafter.target_layer_ids)
+    oracle = dc.DraftOracle(dc.DraftSession(drafter, target), feats, seq, top=5)
     p = len(ids)
     for start, size in [(p, 8), (p + 1, 8), (p + 7, 8), (p + 3, 8), (p + 20, 5), (p + 21, 8)]:
         block = torch.tensor([[seq[start]] + [drafter.mask_token_id] * (size - 1)])
@@ -279,11 +280,11 @@ def test_simulated_ddtree_equals_real_tree_verification(tiny, kind):
 
 
 def test_summary_follows_the_contract():
-    a = ev.PromptResult([Round(10, 4, 3, 4), Round(14, 4, 0, 1), Round(15, 3, 1, 2)])
+    a = dc.PromptResult([Round(10, 4, 3, 4), Round(14, 4, 0, 1), Round(15, 3, 1, 2)])
     a.trees[8] = [Round(10, 4, 3, 4), Round(14, 4, 2, 3)]
-    b = ev.PromptResult([Round(5, 4, 1, 2)])
+    b = dc.PromptResult([Round(5, 4, 1, 2)])
     b.trees[8] = [Round(5, 4, 1, 2)]
-    s = ev.summarize([a, b, ev.PromptResult([], {8: []})], block_size=4, budgets=[8])
+    s = ev.summarize([a, b, dc.PromptResult([], {8: []})], block_size=4, budgets=[8])
     assert s["tau"] == pytest.approx(((4 + 1 + 2) / 3 + 2) / 2)  # mean over prompts of means
     assert s["ddtree"] == {"8": pytest.approx((3.5 + 2) / 2)}
     assert s["histogram"] == [0, 1, 2, 0, 1]  # rounds by accepted + 1
