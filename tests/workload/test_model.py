@@ -268,7 +268,7 @@ def test_weights_are_one_file_whatever_the_default_shard_size(tmp_path, monkeypa
     assert sum(p.numel() * 4 for p in drafter.parameters()) > 64 * 1024
     drafter.save_pretrained(tmp_path / "one")
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
-        "config.json", "model.safetensors"
+        "config.json", "dflash.py", "model.safetensors"
     ]  # fmt: skip
     with pytest.raises(ValueError, match="saved in shards"):
         drafter.save_pretrained(tmp_path / "sharded", max_shard_size="16KB")
