@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workload.ddtree import label_ranks, tree_depth
+from workload.metrics import streak_lengths
 from workload.model import dflash_setting, select_target_features
+from workload.rollback import VerifyCache, crop, new_cache
 
 # ----------------------------------------------------------------------------- model plumbing
 
@@ -42,19 +44,6 @@ def draft_logits(drafter: torch.nn.Module, hidden: Tensor, head: torch.nn.Module
     if cap is not None and float(cap) > 0:
         logits = torch.tanh(logits / float(cap)) * float(cap)
     return logits
-
-
-def _new_cache(config: Any):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
-
-
-def _crop(cache: Any, length: int) -> None:
-    cache.crop(-(cache.get_seq_length() - length))
 
 
 def _target_call(
@@ -108,7 +97,7 @@ class DraftSession:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = _new_cache(self.drafter.config)
+        self.cache = new_cache(self.drafter.config)
         self.cached = 0  # context positions whose K/V the cache holds
 
     def draft(self, new_context: Tensor, token: int, start: int, size: int) -> Tensor:
@@ -126,7 +115,7 @@ class DraftSession:
             past_key_values=self.cache,
             use_cache=True,
         )[:, 1 - size :, :]
-        _crop(self.cache, start)
+        crop(self.cache, start)
         self.cached = start
         return draft_logits(self.drafter, hidden, self.head)[0]
 
@@ -180,12 +169,13 @@ Accept = Callable[[Draft, list[int]], int]
 
 
 def leading_matches(guesses: Sequence[int], labels: Sequence[int]) -> int:
-    n = 0
-    for guess, label in zip(guesses, labels, strict=False):
-        if guess != label:
-            break
-        n += 1
-    return n
+    """Draft tokens a greedy verifier accepts: training's `streak` (metrics.streak_lengths) of
+    one block whose slots are all valid, up to the shorter of the two lists."""
+    n = min(len(guesses), len(labels))
+    if n == 0:
+        return 0
+    correct = torch.tensor(list(guesses[:n])) == torch.tensor(list(labels[:n]))
+    return int(streak_lengths(correct[None], torch.ones_like(correct)[None])[0])
 
 
 def chain_accept(draft: Draft, labels: list[int]) -> int:
@@ -240,7 +230,7 @@ def greedy_continuation(
 ) -> list[int]:
     """The target's greedy tokens after `prompt`: max_new_tokens, or through the first stop."""
     stops = set(stop_ids)
-    cache = _new_cache(target.config)
+    cache = new_cache(target.config, recording=False)
     out = _target_call(target, prompt, 0, cache, last_only=True)
     new = [int(out.logits[0, -1].argmax())]
     while len(new) < max_new_tokens and new[-1] not in stops:
@@ -262,30 +252,29 @@ def real_generate(
     max_new_tokens: int,
     stop_ids: Sequence[int] | None,
 ) -> tuple[list[int], list[int]]:
-    """Greedy draft-and-verify with KV caches: (new tokens, per-round lengths).
-
-    Dense-attention targets only: rejected drafts are removed by cropping the target's cache,
-    which cannot undo a hybrid (Gated DeltaNet) layer's recurrent state (ValueError)."""
+    """Greedy draft-and-verify with KV caches: (new tokens, per-round lengths). Rejected drafts
+    leave the target's cache by a crop, and on hybrid targets by the rollback of rollback.py."""
     stops = set(stop_ids or ())
     tokens = [int(t) for t in input_ids.view(-1).tolist()]
     prompt_len = len(tokens)
     max_length = prompt_len + max_new_tokens
     block, layers = int(drafter.block_size), list(drafter.target_layer_ids)
-    tcache, session = _new_cache(target.config), DraftSession(drafter, target)
-    out = _target_call(target, tokens, 0, tcache, hidden=True, last_only=True)
-    if not getattr(tcache, "is_croppable", True):
-        raise ValueError(
-            "the real draft-and-verify loop needs a target whose KV cache can be cropped; "
-            "this one keeps recurrent (linear-attention) state that a crop cannot roll back"
-        )
+    tcache, session = VerifyCache(target.config), DraftSession(drafter, target)
+    out = _target_call(target, tokens, 0, tcache.cache, hidden=True, last_only=True)
     tokens.append(int(out.logits[0, -1].argmax()))
     context = select_target_features(out.hidden_states, layers)
     start, lengths = prompt_len, []
     stopped = tokens[start] in stops
+
+    def forward(ids: list[int], at: int) -> None:
+        _target_call(target, ids, at, tcache.cache, last_only=True)
+
     while start + 1 < max_length and not stopped:
         size = min(block, max_length - start)
         guesses = session.draft(context, tokens[start], start, size).argmax(dim=-1).tolist()
-        out = _target_call(target, [tokens[start], *guesses], start, tcache, hidden=True)
+        verified = [tokens[start], *guesses]
+        tcache.before_verify()
+        out = _target_call(target, verified, start, tcache.cache, hidden=True)
         posterior = out.logits[0].argmax(dim=-1).tolist()
         accepted = leading_matches(guesses, posterior)
         committed = [*guesses[:accepted], posterior[accepted]]
@@ -295,8 +284,8 @@ def real_generate(
                 produced, stopped = i + 1, True
                 break
         tokens.extend(committed[:produced])
+        tcache.keep(start, produced, verified, forward)
         start += produced
-        _crop(tcache, start)
         context = select_target_features(out.hidden_states, layers)[:, :produced]
         lengths.append(produced)
     return tokens[prompt_len:], lengths

@@ -495,32 +495,3 @@ def test_module_entry_point_exits_with_one_line(run_dir, tmp_path):
         f"eval: error: {partial / 'MANIFEST.sha256'}: missing, the checkpoint is incomplete "
         "(pass --allow-incomplete to evaluate it anyway)"
     ]
-
-
-@torch.no_grad()
-def test_hybrid_target_simulates_and_the_real_loop_refuses_it():
-    """Gated DeltaNet targets: the simulation needs no cache rollback (it only decodes and runs
-    one forward); the real loop would need one, so it refuses instead of going wrong."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    from workload.targets import force_torch_fallback_off_gpu
-
-    torch.manual_seed(0)
-    config = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        layer_types=["linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4,
-    )  # fmt: skip
-    target = Qwen3_5ForCausalLM(config).eval()
-    force_torch_fallback_off_gpu(target)
-    drafter = DFlashDrafter(_drafter_config(MASK)).eval()
-    prompt = _prompts()[2]
-    continuation, result = _simulated(drafter, target, prompt, 20, None, budgets=[4])
-    seq = prompt[0].tolist() + continuation
-    greedy = target(torch.tensor([seq])).logits[0, prompt.shape[1] - 1 : -1].argmax(-1)
-    assert greedy.tolist() == continuation  # incremental decoding == one forward's argmax
-    assert sum(r.produced for r in result.chain) == len(continuation) - 1
-    with pytest.raises(ValueError, match="cannot roll back"):
-        real_draft_and_verify(drafter, target, prompt, 20, None)
