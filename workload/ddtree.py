@@ -1,13 +1,20 @@
-"""DDTree depth: how deep a draft tree of a given node budget follows the teacher's tokens.
+"""DDTree: the draft tree of a given node budget, and how deep it follows the teacher's tokens.
 
-The tree (DDTree, Ringel & Romano) is grown best-first from one block's per-slot draft
-distributions: a max-heap keyed by the cumulative log-probability of a path; popping node
-(depth d, rank r) pushes its next sibling (d, r + 1) and its first child (d + 1, rank 0);
-growth stops after `budget` non-root nodes. Only the top min(budget, V) tokens of a slot can
-ever enter such a tree, so callers pass those (sorted, descending) instead of full rows.
+The definition (one for training's `dds{b}` and eval's DDTree tau, as the official DDTree code
+builds its trees, Ringel & Romano): the root is the block's first token (the committed bonus
+token); the draft's slots 1..K-1 give one distribution per depth 1..K-1. Nodes are added
+best-first by the cumulative log-probability of their path: a max-heap that starts with the best
+token of slot 1; popping node (depth d, rank r) adds it to the tree and pushes its next sibling
+(d, r + 1) and its first child (d + 1, rank 0). The budget b is the number of nodes besides the
+root: growth stops after b pops, so a tree never holds more than b nodes below its root nor
+reaches a depth beyond min(b, K - 1). Ties pop in heapq's order of (depth, rank). The accepted
+depth is the deepest d such that the teacher's tokens of depths 1..d form a root path; a greedy
+verifier of the tree accepts that many drafts and commits one more. Only the top min(b, V)
+tokens of a slot can enter a tree, so callers pass those (sorted, descending).
 
-`tree_depth` is the readable reference (one block, Python floats, a heap); `tree_depths` grows
-the trees of many blocks at once on their device, with the same result, ties included.
+`build_tree` lists a tree's nodes; `tree_depth` is the readable reference of the depth (one
+block, Python floats, a heap); `tree_depths` grows the trees of many blocks at once on their
+device, with the same result, ties included.
 """
 
 from __future__ import annotations
@@ -18,6 +25,29 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+
+def build_tree(top_logprobs: Sequence[Sequence[float]], budget: int) -> list[tuple[int, int, int]]:
+    """The tree's nodes in the order they are added: (parent index or -1 for the root, depth
+    1.., rank of its token in its slot's row). top_logprobs[i]: descending, slot i + 1."""
+    depths = len(top_logprobs)
+    if budget <= 0 or depths == 0:
+        return []
+    width = min(budget, len(top_logprobs[0]))
+    nodes: list[tuple[int, int, int]] = []
+    heap = [
+        (-top_logprobs[0][0], 0, 0, 0.0, -1)
+    ]  # (-score, depth index, rank, parent score, parent)
+    while heap and len(nodes) < budget:
+        neg, d, r, parent_score, parent = heapq.heappop(heap)
+        nodes.append((parent, d + 1, r))
+        if r + 1 < width:
+            sibling = parent_score + top_logprobs[d][r + 1]
+            heapq.heappush(heap, (-sibling, d, r + 1, parent_score, parent))
+        if d + 1 < depths:
+            child = -neg + top_logprobs[d + 1][0]
+            heapq.heappush(heap, (-child, d + 1, 0, -neg, len(nodes) - 1))
+    return nodes
 
 
 def tree_depth(

@@ -28,12 +28,14 @@ from workload.decode import (
     Round,
     evaluate_drafter,
     greedy_continuation,
-    real_draft_and_verify,
+    real_generate,
     sync_device,
     target_hidden_states,
 )
 
-DEFAULT_BUDGETS = (8, 16, 32)
+OFFICIAL_BUDGETS = (16, 32, 64)  # the smallest of the official DDTree benchmark's budgets
+TRAINING_BUDGET = 8  # training's dds8, for a side-by-side
+DEFAULT_BUDGETS = (TRAINING_BUDGET, *OFFICIAL_BUDGETS)
 
 
 class EvalError(Exception):
@@ -240,7 +242,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N")
     p.add_argument("--reference", type=Path, help="a reference drafter directory (e.g. z-lab's)")
-    p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
+    p.add_argument(
+        "--budgets",
+        default="",
+        help="DDTree budgets (nodes besides the root) to add to "
+        + ",".join(map(str, DEFAULT_BUDGETS)),
+    )
     p.add_argument("--out", required=True, type=Path, help="where to write the result JSON")
     p.add_argument("--allow-incomplete", action="store_true", help="accept a missing manifest")
     p.add_argument(
@@ -265,10 +272,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _budgets(text: str) -> list[int]:
     try:
-        budgets = sorted({int(x) for x in text.split(",") if x.strip()})
+        budgets = sorted({*DEFAULT_BUDGETS, *(int(x) for x in text.split(",") if x.strip())})
     except ValueError:
         raise EvalError(
-            f"--budgets {text}: expected comma-separated integers, e.g. 8,16,32"
+            f"--budgets {text}: expected comma-separated integers, e.g. 128,256"
         ) from None
     if any(b < 1 for b in budgets):
         raise EvalError(f"--budgets {text}: budgets must be >= 1")
@@ -343,6 +350,7 @@ class Evaluation:
         result = self.assemble(records)
         if self.args.check_real:
             result["check_real"] = self.check_real(self.prompts[: self.args.check_real])
+        result["real_loop_rounds_checked"] = result.get("check_real", {}).get("rounds_checked", 0)
         self.timing["total_s"] = time.perf_counter() - self.t_start
         result["timing"] = {k: round(v, 3) for k, v in self.timing.items()}
         return result
@@ -408,32 +416,57 @@ class Evaluation:
         return result
 
     def check_real(self, items: list[dict]) -> dict:
-        """The real draft-and-verify loop on a few prompts, against the simulated rounds."""
+        """The real draft-and-verify loop on a few prompts, against the simulated rounds, and
+        its generated tokens per second against plain greedy decoding of the same prompts."""
         subject, details = self.subjects[0], []
+        clock = {"real_s": 0.0, "real_tokens": 0, "ar_s": 0.0, "ar_tokens": 0}
         for i, item in enumerate(items):
             ids = render_prompt(self.tokenizer, item, self.template)
-            prompt = torch.tensor([ids], device=self.device)
-            try:
-                real = real_draft_and_verify(
-                    subject.drafter, self.target, prompt, self.args.max_new_tokens, self.stops
-                )
-            except ValueError as exc:
-                raise EvalError(f"--check-real: {exc}") from None
+            real, tokens = self._timed_real(subject.drafter, ids, clock)
             simulated = [x.produced for x in subject.results[i].chain]
             real_tau, sim_tau = _tau_of(real), _tau_of(simulated)
             equal = real == simulated
+            same = sum(a == b for a, b in zip(real, simulated, strict=False))
             details.append(
-                {"index": i, "real_tau": real_tau, "simulated_tau": sim_tau, "equal": equal}
-            )
+                {"index": i, "real_tau": real_tau, "simulated_tau": sim_tau, "equal": equal,
+                 "rounds": len(real), "rounds_equal": same, "new_tokens": len(tokens)}
+            )  # fmt: skip
             say(
                 f"check-real {i + 1}/{len(items)}: real tau {_fmt(real_tau)}, simulated "
-                f"{_fmt(sim_tau)}, rounds equal: {equal}"
+                f"{_fmt(sim_tau)}, rounds equal: {equal} ({same}/{len(real)})"
             )
+        real_tps = _rate(clock["real_tokens"], clock["real_s"])
+        ar_tps = _rate(clock["ar_tokens"], clock["ar_s"])
         return {
             "prompts": len(details),
             "equal": sum(d["equal"] for d in details),
+            "rounds_checked": sum(d["rounds"] for d in details),
+            "rounds_equal": sum(d["rounds_equal"] for d in details),
+            "real_tokens_per_s": real_tps,
+            "ar_tokens_per_s": ar_tps,
+            "speedup": real_tps / ar_tps if real_tps and ar_tps else None,
             "details": details,
         }
+
+    def _timed_real(self, drafter, ids: list[int], clock: dict) -> tuple[list[int], list[int]]:
+        """(round lengths, new tokens) of the real loop; both loops' times added to `clock`."""
+        prompt = torch.tensor([ids], device=self.device)
+        t0 = time.perf_counter()
+        ar = greedy_continuation(self.target, ids, self.args.max_new_tokens, self.stops)
+        sync_device(self.device)
+        t1 = time.perf_counter()
+        try:
+            tokens, real = real_generate(
+                drafter, self.target, prompt, self.args.max_new_tokens, self.stops
+            )
+        except ValueError as exc:
+            raise EvalError(f"--check-real: {exc}") from None
+        sync_device(self.device)
+        clock["ar_s"] += t1 - t0
+        clock["real_s"] += time.perf_counter() - t1
+        clock["ar_tokens"] += len(ar)
+        clock["real_tokens"] += len(tokens)
+        return real, tokens
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -467,6 +500,10 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def _rate(count: int, seconds: float) -> float | None:
+    return count / seconds if seconds > 0 else None
+
+
 def _tau_of(lengths: list[int]) -> float | None:
     return float(statistics.mean(lengths)) if lengths else None
 
@@ -497,9 +534,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"eval: tau {_fmt(result['tau'])}, ddtree "
         + ", ".join(f"{b}: {_fmt(t)}" for b, t in result["ddtree"].items())
         + (f"; reference tau {_fmt(result['reference']['tau'])}" if "reference" in result else "")
+        + _real_summary(result.get("check_real"))
         + f" -> {args.out}"
     )
     return 0
+
+
+def _real_summary(check: dict | None) -> str:
+    if not check:
+        return ""
+    return (
+        f"; real loop: {check['rounds_equal']}/{check['rounds_checked']} rounds as simulated, "
+        f"{_fmt(check['real_tokens_per_s'])} tokens/s vs {_fmt(check['ar_tokens_per_s'])} "
+        "autoregressive"
+    )
 
 
 if __name__ == "__main__":

@@ -403,7 +403,7 @@ def test_cli_writes_the_contract_keys(run_dir, capsys):
         assert key in r, key
     assert r["n_prompts"] == 3 and r["max_new_tokens"] == 24
     assert r["checkpoint"] == str((run_dir / "checkpoints" / "step_5").resolve())
-    assert set(r["ddtree"]) == {"4", "8"}
+    assert set(r["ddtree"]) == {"4", "8", "16", "32", "64"}  # asked for + training's + official
     assert len(r["per_position"]) == 7 and len(r["histogram"]) == 9
     assert sum(r["histogram"]) == r["rounds"] > 0
     assert 1.0 <= r["tau"] <= 8.0
@@ -414,7 +414,12 @@ def test_cli_writes_the_contract_keys(run_dir, capsys):
     assert ref["checkpoint"] == str((run_dir / "zlab-drafter").resolve())
     assert ref["tau"] == r["tau"] and ref["histogram"] == r["histogram"]
     assert ref["ddtree"] == r["ddtree"] and ref["n_prompts"] == 3
-    assert r["check_real"]["prompts"] == 2 and r["check_real"]["equal"] == 2
+    real = r["check_real"]
+    assert real["prompts"] == 2 and real["equal"] == 2
+    rounds = sum(len(p["checkpoint"]["rounds"]) for p in r["prompts"][:2])
+    assert r["real_loop_rounds_checked"] == real["rounds_checked"] == real["rounds_equal"] == rounds
+    assert real["real_tokens_per_s"] > 0 and real["ar_tokens_per_s"] > 0 and real["speedup"] > 0
+    assert "rounds as simulated" in err and "tokens/s vs" in err
     assert r["timing"]["total_s"] > 0
 
 
@@ -435,6 +440,8 @@ def test_cli_refuses_a_checkpoint_without_manifest(run_dir, capsys, tmp_path):
         capsys, run_dir, "--allow-incomplete", "--budgets", "8", checkpoint=partial
     )
     assert rc == 0 and r["checkpoint"] == str(partial.resolve())
+    assert r["real_loop_rounds_checked"] == 0  # no real loop ran
+    assert set(r["ddtree"]) == {"8", "16", "32", "64"}
 
 
 def test_cli_refuses_a_changed_checkpoint(run_dir, capsys, tmp_path):
