@@ -12,6 +12,7 @@ from dflashops.commands import (
     compare,
     diff,
     eval_cmd,
+    evals,
     exec_cmd,
     hosts,
     launch,
@@ -107,6 +108,7 @@ for module in (
     archive,
     pull_ckpt,
     eval_cmd,
+    evals,
 ):
     module.register(app)
 

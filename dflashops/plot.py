@@ -1,4 +1,6 @@
-"""`compare --plot`: the runs' curves in one image, a panel per metric, steps across.
+"""`compare --plot`: the runs' curves in one image, a panel per metric, steps across; below
+them a tau panel (chain tau and the largest DDTree budget's, against step, from stored
+evaluations, with the reference drafter's tau dotted) when the runs have any.
 
 matplotlib is imported only when a plot is drawn (it costs ~0.3 s), with its headless Agg
 backend, so the command line starts fast and plots on machines without a display.
@@ -11,6 +13,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from dflashops.commands.evals import tau_value
 from dflashops.errors import OpsError, UsageError
 from dflashops.runs import RunView
 
@@ -51,16 +54,56 @@ def wants_log(key: str, values: list[float]) -> bool:
     return max(values) / min(values) > LOG_SPAN
 
 
-def draw(views: list[RunView], keys: list[str], steps: list[int], path: Path) -> Any:
-    """Write the figure to `path` (format from its suffix) and return it (closed)."""
+def tau_points(evals: list[dict[str, Any]], run: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, taus) of a run's stored evaluations; key as tau_value takes it."""
+    by_step: dict[int, float] = {}
+    for r in sorted((r for r in evals if r["run"] == run), key=lambda r: r.get("mtime") or 0):
+        value = tau_value(r, key)
+        if value is not None:
+            by_step[r["step"]] = value
+    return sorted(by_step), [by_step[s] for s in sorted(by_step)]
+
+
+def draw_tau(ax: Any, views: list[RunView], evals: list[dict[str, Any]]) -> None:
+    budgets = sorted({b for r in evals for b in (r.get("ddtree") or {})}, key=int)
+    for view in views:
+        line = None
+        series = [("tau", "-o", "tau chain")]
+        series += [(f"ddtree{b}", "--s", f"DDTree {b}") for b in budgets[-1:]]  # the largest
+        series += [("ref_tau", ":", "reference")]
+        for key, style, label in series:
+            xs, ys = tau_points(evals, view.name, key)
+            if xs:
+                color = None if line is None else line.get_color()
+                (drawn,) = ax.plot(xs, ys, style, color=color, label=f"{view.name} {label}")
+                line = line or drawn
+    ax.set_ylabel("tau (eval)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+
+
+def draw(
+    views: list[RunView],
+    keys: list[str],
+    steps: list[int],
+    path: Path,
+    evals: list[dict[str, Any]] | None = None,
+) -> Any:
+    """Write the figure to `path` (format from its suffix) and return it (closed); a tau panel
+    below the metrics when `evals` (stored results, see commands/evals.py) has any of the runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.6 * len(keys) + 0.5), sharex=True,
+    names = {v.name for v in views}
+    evals = [r for r in evals or [] if r["run"] in names]
+    panels = len(keys) + (1 if evals else 0)
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 2.6 * panels + 0.5), sharex=True,
                              squeeze=False)  # fmt: skip
-    for ax, key in zip(axes[:, 0], keys, strict=True):
+    if evals:
+        draw_tau(axes[-1, 0], views, evals)
+    for ax, key in zip(axes[: len(keys), 0], keys, strict=True):
         shown: list[float] = []
         for view in views:
             xs, ys = points(view, key)

@@ -1,9 +1,13 @@
-"""`compare RUN RUN... [--steps 100,500,1000] [--metrics acc,dds8,loss,streak] [--plot FILE.png]`
+"""`compare RUN RUN... [--steps 100,500,1000] [--metrics acc,dds8,loss,streak] [--tau] [--plot FILE.png]`
 
 The runs' metrics at the same steps, wherever they live (any target, runs/ or archive/): one
 table per metric, runs down, steps across, the best value of each column marked. The value at
 step S is the record with the largest step <= S ("@N" marks a record from an earlier step N);
 "-" means the run never got to S.
+
+--tau adds the stored evaluations (`eval`, listed by `evals`): tau chain and tau per DDTree
+budget at each evaluated step (exactly that checkpoint's; "-": not evaluated). --plot draws tau
+against step below the training metrics whenever the runs have stored evaluations.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import typer
 
 from dflashops import context, runs
 from dflashops import plot as plotting
+from dflashops.commands.evals import Stored, stored, tau_value
 from dflashops.commands.status import warn_logs
 from dflashops.errors import UsageError
 from dflashops.render import console, metric, styled, table
@@ -38,6 +43,7 @@ def register(app: typer.Typer) -> None:
             "acc,dds8,loss,streak", "--metrics", help="Comma-separated train_log.jsonl keys."
         ),
         plot: Path = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw the curves."),
+        tau: bool = typer.Option(False, "--tau", help="Add tau rows from stored evaluations."),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
@@ -60,15 +66,56 @@ def register(app: typer.Typer) -> None:
         warn_logs(views)
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
+        evals = stored(session, list(names)) if tau or plot is not None else Stored()
+        taus = tau_doc(views, evals) if tau else None
         if as_json:
-            opts.emit(
-                {"rule": runs.VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
-            )
+            doc = {"rule": runs.VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
+            opts.emit(doc | ({"tau": taus} if taus is not None else {}))
         else:
             show(views, chosen, keys, table_doc)
+            if taus is not None:
+                show_tau(taus)
         if plot is not None:
-            plotting.draw(views, keys, chosen, plot)
+            plotting.draw(views, keys, chosen, plot, evals=evals.results)
             context.note(f"wrote {plot}")
+
+
+def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:
+    """The runs' stored taus in compare's shape: {"steps", "metrics", "runs": [{"run",
+    "values": {key: {step: {"value", "step", "target"} or None}}}]}; keys "tau" (chain),
+    "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated)."""
+    steps = sorted({r["step"] for r in evals.results})
+    keys = ["tau", *(f"ddtree{b}" for b in evals.budgets()), "ref_tau"]
+    rows = []
+    for v in views:
+        by_step = {r["step"]: r for r in sorted(evals.of(v.name), key=lambda r: r["mtime"])}
+        table_of: dict[str, dict[str, Any]] = {k: {} for k in keys}
+        for s in steps:
+            found = by_step.get(s)
+            for k in keys:
+                value = None if found is None else tau_value(found, k)
+                table_of[k][str(s)] = (
+                    None
+                    if value is None
+                    else {"value": value, "step": s, "target": found["target"]}
+                )
+        rows.append({"run": v.name, "values": table_of})
+    return {"steps": steps, "metrics": keys, "runs": rows}
+
+
+def show_tau(doc: dict[str, Any]) -> None:
+    out = console()
+    out.print()
+    if not doc["steps"]:
+        out.print("tau: no stored evaluations of these runs (dflashops eval RUN --steps ...)")
+        return
+    bold = out.color_system is not None
+    for k in doc["metrics"]:
+        if any(c is not None for row in doc["runs"] for c in row["values"][k].values()):
+            out.print(metric_table(doc["runs"], k, doc["steps"], bold))
+            out.print()
+    out.print("tau: from stored evaluations of each step's checkpoint (dflashops evals); "
+              "-: not evaluated")  # fmt: skip
 
 
 def parse_steps(text: str | None) -> list[int]:
@@ -154,7 +201,7 @@ def metric_table(doc: list[dict], key: str, steps: list[int], bold: bool) -> Gri
 
 
 def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, float]:
-    higher = HIGHER_IS_BETTER.get(key)
+    higher = HIGHER_IS_BETTER.get(key, True if key.startswith(("tau", "ddtree")) else None)
     if higher is None or len(doc) < 2:
         return {}
     best = {}

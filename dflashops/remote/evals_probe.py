@@ -1,0 +1,93 @@
+"""Runs inside a target with its python3 (stdlib only): the stored eval results and eval jobs.
+
+stdin: {"ws": workspace, "runs": [run, ...] or null for all}.
+stdout: {"now": time, "results": [...], "jobs": [...]}: a result is the summary of
+<ws>/evals/RUN/step_N.json (its keys without the per-prompt records, with run, step, file and
+mtime); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
+(its tmux session on our server, or its launcher by pid and start time).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from dflashops.remote.shared import proc_start, read_json
+
+STEP_FILE = re.compile(r"^step_(\d+)\.json$")
+SUMMARY = ("tau", "ddtree", "per_position", "n_prompts", "max_new_tokens", "checkpoint",
+           "budgets", "prompts_file", "timing")  # fmt: skip
+
+
+def listdir(path):
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def summary(doc):
+    out = {k: doc[k] for k in SUMMARY if k in doc}
+    ref = doc.get("reference")
+    if isinstance(ref, dict):
+        out["reference"] = {k: ref[k] for k in SUMMARY if k in ref}
+    return out
+
+
+def results(base, run):
+    found = []
+    for name in listdir(os.path.join(base, run)):
+        match = STEP_FILE.match(name)
+        path = os.path.join(base, run, name)
+        if not match:
+            continue
+        doc = read_json(path)
+        if not doc:
+            continue
+        entry = {"run": run, "step": int(match.group(1)), "file": path}
+        entry["mtime"] = os.path.getmtime(path)
+        entry.update(summary(doc))
+        found.append(entry)
+    return found
+
+
+def alive(session, job_dir):
+    try:
+        argv = ["tmux", "-L", "dflashops", "has-session", "-t", "=" + session]
+        if subprocess.run(argv, capture_output=True).returncode == 0:
+            return True
+    except OSError:
+        pass
+    launcher = read_json(os.path.join(job_dir, "node.json")).get("launcher") or {}
+    pid, start = launcher.get("pid"), launcher.get("start")
+    return pid is not None and start is not None and proc_start(pid) == start
+
+
+def jobs(base, run):
+    found = []
+    for job in listdir(os.path.join(base, run, "jobs")):
+        job_dir = os.path.join(base, run, "jobs", job)
+        state = read_json(os.path.join(job_dir, "state.json"))
+        if not state:
+            continue
+        state.update(run=run, job=job, dir=job_dir, alive=alive(state.get("tmux", ""), job_dir))
+        found.append(state)
+    return found
+
+
+def main():
+    req = json.load(sys.stdin)
+    base = os.path.join(req["ws"], "evals")
+    wanted = req.get("runs")
+    names = [n for n in listdir(base) if os.path.isdir(os.path.join(base, n))]
+    names = [n for n in names if wanted is None or n in wanted]
+    out = {"now": time.time(), "results": [], "jobs": []}
+    for run in names:
+        out["results"] += results(base, run)
+        out["jobs"] += jobs(base, run)
+    json.dump(out, sys.stdout)
+
+
+main()
