@@ -18,8 +18,13 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
              attention flex vs dense mask (and chunked if time allows); step time split into
              target forward / drafter forward+backward / optimizer, tokens/s, peak memory
   hybrid     the same on a small Qwen3.5-style hybrid target (Gated DeltaNet + full attention)
-             whose linear layers run fla's kernels on CUDA; and the fla forward against the
-             torch reference (float32, on CPU) on the same weights and tokens
+             whose linear layers run fla's kernels on CUDA
+  fla        the small hybrid target's forward (4096 tokens) with the kernels transformers picked
+             (fla's Gated DeltaNet, causal-conv1d where installed) against transformers' torch
+             code on the same device, weights and tokens, in float32 and bfloat16: max |kernels -
+             torch| (absolute and over max |torch|), median times and the speed-up. Pass:
+             float32 relative difference <= 1e-2 (a wrong kernel, not rounding). On CPU
+             (--cpu-smoke) the kernels are skipped and only the torch code runs
   target_load  host memory of loading a saved target onto the device, each way in its own
              process: load_target (device_map: each weight straight to the device) against
              from_pretrained on the CPU then .to(device); the peak of anonymous RSS while
@@ -43,6 +48,7 @@ import platform
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -323,30 +329,115 @@ def section_train(kind: str, spec: dict, d, budget: Budget) -> dict:
         except Exception as exc:  # noqa: BLE001 - record and go on
             out["impls"][impl] = _failure(exc)
             say(f"{kind}: {impl} FAILED: {exc}")
-    if kind == "hybrid" and budget.left() > 20:
-        try:
-            out["fla_vs_torch"] = _fla_vs_torch(target, size)
-        except Exception as exc:  # noqa: BLE001
-            out["fla_vs_torch"] = _failure(exc)
     return out
 
 
-def _fla_vs_torch(target, size: dict) -> dict:
-    """Final hidden states of the same hybrid target: device kernels vs the torch reference."""
-    import copy
+# ---------------------------------------------------------------- fla: kernels vs torch code
 
+FLA = {"gpu": dict(seq_len=4096, repeats=5, dtypes=["float32", "bfloat16"]),
+       "smoke": dict(seq_len=128, repeats=2, dtypes=["float32"])}  # fmt: skip
+FLA_TOL = 1e-2  # float32, relative to max |torch|: catches a wrong kernel, not rounding
+
+
+@contextmanager
+def torch_code(model):
+    """Within: the model's linear-attention and conv functions are transformers' torch code,
+    whatever kernels transformers (or workload.targets' dispatcher) picked at import."""
+    from workload.targets import _KERNEL_FUNCS
+
+    saved = []
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        for fn_name in _KERNEL_FUNCS:
+            fn = getattr(module, fn_name, None)
+            reference = getattr(fn, "__wrapped__", None)
+            if reference is not None:
+                saved.append((module, fn_name, fn))
+                setattr(module, fn_name, reference)
+    try:
+        yield
+    finally:
+        for module, fn_name, fn in saved:
+            setattr(module, fn_name, fn)
+
+
+def kernel_sources(model) -> dict:
+    """{function: the module its chosen implementation comes from} (fla, causal_conv1d, or
+    transformers' own torch code when the kernel package did not import)."""
+    import inspect
+
+    from workload.targets import _KERNEL_FUNCS
+
+    found = {}
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        for fn_name in _KERNEL_FUNCS:
+            fn = getattr(module, fn_name, None)
+            if fn is None:
+                continue
+            for hop in ("kernel", "implementation"):  # dispatcher -> transformers' wrapper -> impl
+                try:
+                    fn = inspect.getclosurevars(fn).nonlocals.get(hop, fn)
+                except TypeError:  # not a Python function: the implementation itself
+                    break
+            found[fn_name] = getattr(fn, "__module__", "?")
+    return found
+
+
+def _timed_forward(model, ids, repeats: int):
+    """The final hidden states (float32, CPU) and the median milliseconds of `repeats` forwards
+    after one warm-up (which compiles triton kernels the first time)."""
     import torch
 
-    ids = torch.randint(4, size["vocab"] - 1, (1, 512), generator=torch.Generator().manual_seed(1))
-    device = next(target.parameters()).device
+    cuda = ids.device.type == "cuda"
+    times = []
     with torch.no_grad():
-        ref_model = copy.deepcopy(target).float().cpu()
-        ref = ref_model.model(input_ids=ids).last_hidden_state
-        fast_model = copy.deepcopy(target).float().to(device)
-        fast = fast_model.model(input_ids=ids.to(device)).last_hidden_state.cpu()
-    err = (fast - ref).abs()
-    return {"device": str(device), "max_abs": float(err.max()), "mean_abs": float(err.mean()),
-            "ref_rms": float(ref.pow(2).mean().sqrt())}  # fmt: skip
+        for i in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.model(input_ids=ids).last_hidden_state
+            if cuda:
+                torch.cuda.synchronize()
+            if i:
+                times.append(1000 * (time.perf_counter() - t0))
+    return out.float().cpu(), sorted(times)[len(times) // 2]
+
+
+def section_fla(mode: str, d, budget: Budget) -> dict:
+    """The small hybrid target's forward: the kernels transformers picked against its torch code."""
+    import torch
+
+    spec, size = FLA[mode], (FULL if mode == "gpu" else SMOKE)["hybrid"]
+    target = _target("hybrid", size, d.device)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, size["vocab"] - 1, (1, spec["seq_len"]), generator=gen).to(d.device)
+    cuda = d.device.type == "cuda"
+    out: dict = {"size": size, "seq_len": spec["seq_len"], "kernels": kernel_sources(target),
+                 "tolerance": FLA_TOL, "dtypes": {}}  # fmt: skip
+    if not cuda:
+        out["skipped"] = "fla's kernels need a CUDA device: the torch code only"
+    for dtype_name in spec["dtypes"]:
+        if budget.left() < 20:
+            out["dtypes"][dtype_name] = {"skipped": "time budget spent"}
+            continue
+        target.to(getattr(torch, dtype_name))
+        with torch_code(target):
+            ref, torch_ms = _timed_forward(target, ids, spec["repeats"])
+        row = {"torch_ms": torch_ms, "ref_max_abs": float(ref.abs().max())}
+        if cuda:
+            fast, fla_ms = _timed_forward(target, ids, spec["repeats"])
+            diff = float((fast - ref).abs().max())
+            row.update(fla_ms=fla_ms, speedup=torch_ms / fla_ms, max_abs=diff,
+                       rel=diff / max(row["ref_max_abs"], 1e-30))  # fmt: skip
+            say(f"fla {dtype_name}: max |kernels - torch| {diff:.2e} (rel {row['rel']:.2e}); "
+                f"{fla_ms:.1f} ms vs torch {torch_ms:.1f} ms ({row['speedup']:.1f}x)")  # fmt: skip
+        else:
+            say(f"fla {dtype_name}: skipped on {d.device}; torch code {torch_ms:.1f} ms")
+        out["dtypes"][dtype_name] = row
+    if cuda and "rel" in out["dtypes"].get("float32", {}):
+        out["passed"] = out["dtypes"]["float32"]["rel"] <= FLA_TOL
+    return out
 
 
 def _short(r: dict) -> str:
@@ -576,7 +667,8 @@ def main() -> int:
     sections = [("env", lambda: section_env(d.device)),
                 ("flex", lambda: section_flex(d.device, mode, budget)),
                 ("dense_1b", lambda: section_train("dense", spec, d, budget)),
-                ("hybrid", lambda: section_train("hybrid", spec, d, budget))]  # fmt: skip
+                ("hybrid", lambda: section_train("hybrid", spec, d, budget)),
+                ("fla", lambda: section_fla(mode, d, budget))]  # fmt: skip
     sections.append(("target_load", lambda: section_target_load(mode, d, Path(a.out))))
     sections.append(("multi", lambda: section_multi(mode, budget, Path(a.out))))
     if a.only:
@@ -595,7 +687,8 @@ def main() -> int:
     failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
     if "flex" in results and not results["flex"].get("passed", False):
         failed.append("flex")
-    failed += [n for n in ("target_load", "multi") if results.get(n, {}).get("passed") is False]
+    failed += [n for n in ("target_load", "multi", "fla")
+               if results.get(n, {}).get("passed") is False]  # fmt: skip
     return 1 if failed else 0
 
 
