@@ -2,8 +2,8 @@
 pve1), its checkpoints evaluated in another (`evalbox`, CT 972 on pve2) by `eval` as a detached
 tmux job, listed by `evals`, tabled by `compare --tau` and drawn by `compare --plot`.
 
-No published drafter can be had offline: the "reference" is a checkpoint of the run itself
-(step 2), in the same (z-lab) format.
+No published drafter can be had offline: the reference is the run's own step-2 checkpoint saved
+by z-lab's own class (the `dflash` package's DFlashDraftModel), so it is in their format.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs import tiny_build
+from tests.operator.test_runs import ROOT, tiny_build
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -191,10 +191,27 @@ def test_an_eval_job_survives_the_operator_going_away(cli, trained, inv, home, b
     assert [line.split()[0] for line in again.out.splitlines()[2:4]] == ["2", "4"]
 
 
+SAVE_AS_ZLAB = """
+import copy, sys
+import dflash.model as zlab
+from workload.model import DFlashDrafter
+ours = DFlashDrafter.from_pretrained(sys.argv[1])
+theirs = zlab.DFlashDraftModel(copy.deepcopy(ours.config))
+theirs.load_state_dict(ours.state_dict())
+theirs.save_pretrained(sys.argv[2])
+"""
+
+
 def test_a_reference_is_evaluated_beside_and_the_gap_shown(cli, trained, bed):
     pulled = cli("pull-ckpt", "2", "--to", "evalbox", "--run", RUN)
     assert pulled.code == 0, pulled.err
-    reference = f"/workspace/ckpts/{RUN}/step_2"
+    reference = "/workspace/zlab-ref"
+    step_2 = bed["evalbox"].host_path(f"/workspace/ckpts/{RUN}/step_2")
+    where = bed["evalbox"].host_path(reference)
+    saved = subprocess.run([sys.executable, "-c", SAVE_AS_ZLAB, str(step_2), str(where)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr
+    assert not (where / "MANIFEST.sha256").exists()  # z-lab's drafters come without one
     ran = cli("eval", RUN, "--step", "6", "--on", "evalbox", "--reference", reference, *SMALL)
     assert ran.code == 0, ran.err
     rows = {line.split()[0]: line.split() for line in ran.out.splitlines() if line.strip()}
