@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workload.ddtree import label_ranks, tree_depth
+from workload.ddtree import build_tree, label_ranks, tree_depth
 from workload.metrics import streak_lengths
 from workload.model import dflash_setting, select_target_features
 from workload.rollback import VerifyCache, crop, new_cache
@@ -289,6 +289,71 @@ def real_generate(
         context = select_target_features(out.hidden_states, layers)[:, :produced]
         lengths.append(produced)
     return tokens[prompt_len:], lengths
+
+
+@torch.inference_mode()
+def real_tree_generate(
+    drafter: torch.nn.Module,
+    target: torch.nn.Module,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] | None,
+    budget: int,
+) -> tuple[list[int], list[int]]:
+    """Greedy DDTree decoding verified by the target, node by node: (new tokens, per-round
+    lengths). Each round drafts a block, builds its tree of `budget` nodes (ddtree.build_tree)
+    and walks it: feed the root token, take the target's greedy token, and while that token is
+    a child of the current node, feed it and go on. The walk commits its path and the target's
+    next token; the cache keeps what was committed (rollback.py). One target call per accepted
+    token: this checks what the tree accepts on real forwards, it is not a fast tree verifier."""
+    stops = set(stop_ids or ())
+    tokens = [int(t) for t in input_ids.view(-1).tolist()]
+    prompt_len = len(tokens)
+    max_length = prompt_len + max_new_tokens
+    block, layers = int(drafter.block_size), list(drafter.target_layer_ids)
+    tcache, session = VerifyCache(target.config), DraftSession(drafter, target)
+    out = _target_call(target, tokens, 0, tcache.cache, hidden=True, last_only=True)
+    tokens.append(int(out.logits[0, -1].argmax()))
+    context = select_target_features(out.hidden_states, layers)
+    start, lengths = prompt_len, []
+    stopped = tokens[start] in stops
+
+    def forward(ids: list[int], at: int):
+        return _target_call(target, ids, at, tcache.cache, hidden=True, last_only=True)
+
+    while start + 1 < max_length and not stopped:
+        size = min(block, max_length - start)
+        draft = Draft.from_logits(session.draft(context, tokens[start], start, size), budget)
+        children = _tree_children(draft, budget)
+        tcache.before_verify()
+        fed, node, feats = [tokens[start]], -1, []
+        while True:
+            out = forward(fed[-1:], start + len(fed) - 1)
+            feats.append(select_target_features(out.hidden_states, layers))
+            want = int(out.logits[0, -1].argmax())
+            node = children.get((node, want), None)
+            if node is None:
+                break
+            fed.append(want)
+        committed = [*fed[1:], want]
+        produced = min(len(committed), max_length - start - 1)
+        for i in range(produced):
+            if committed[i] in stops:
+                produced, stopped = i + 1, True
+                break
+        tokens.extend(committed[:produced])
+        tcache.keep(start, produced, fed, forward)
+        start += produced
+        context = torch.cat(feats, dim=1)[:, :produced]
+        lengths.append(produced)
+    return tokens[prompt_len:], lengths
+
+
+def _tree_children(draft: Draft, budget: int) -> dict[tuple[int, int], int]:
+    """{(parent node, token): node} of the block's tree (parent -1: the root)."""
+    nodes = build_tree(draft.top_logprobs, budget)
+    ids = draft.top_ids.tolist()
+    return {(parent, ids[depth - 1][rank]): i for i, (parent, depth, rank) in enumerate(nodes)}
 
 
 def real_draft_and_verify(

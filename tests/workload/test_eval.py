@@ -276,6 +276,24 @@ def test_simulated_ddtree_equals_real_tree_verification(tiny, kind):
     assert deeper >= 1  # a wide tree beats the chain somewhere, as it should
 
 
+@pytest.mark.parametrize("kind", ["ours", "zlab_ctx"])
+@torch.no_grad()
+def test_real_tree_loop_equals_the_simulated_ddtree(tiny, kind):
+    """The real DDTree loop (drafts from its own caches, the target walks the tree) accepts what
+    the simulation says, round for round, stops and the length limit included."""
+    target, drafter = tiny["target"], tiny[kind]
+    budgets, deeper = [2, 5, 16], 0
+    for prompt, (max_new, use_stop) in zip(_prompts(), CASES * 2, strict=False):
+        stops = [tiny["stop"]] if use_stop else None
+        continuation, result = _simulated(drafter, target, prompt, max_new, stops, budgets)
+        for b in budgets:
+            tokens, real = dc.real_tree_generate(drafter, target, prompt, max_new, stops, b)
+            assert tokens == continuation
+            assert real == [r.produced for r in result.trees[b]], b
+        deeper += (ev._tau(result.trees[16]) or 0) > (ev._tau(result.chain) or 0)
+    assert deeper >= 1
+
+
 # ----------------------------------------------------------------------------- summaries
 
 

@@ -13,6 +13,7 @@ from workload.decode import (
     evaluate_drafter,
     greedy_continuation,
     real_generate,
+    real_tree_generate,
     target_hidden_states,
 )
 from workload.model import DFlashDrafter
@@ -134,10 +135,14 @@ def test_real_loop_equals_the_simulation_on_a_hybrid_target(hybrid):
         ids = prompt[0].tolist()
         seq = ids + greedy_continuation(target, ids, max_new, [])
         hidden = target_hidden_states(target, seq)
-        sim = evaluate_drafter(drafter, target, hidden, seq, len(ids), max_new, [], [])
+        sim = evaluate_drafter(drafter, target, hidden, seq, len(ids), max_new, [], [3, 16])
         tokens, lengths = real_generate(drafter, target, prompt, max_new, [])
         assert tokens == seq[len(ids) :]
         assert lengths == [r.produced for r in sim.chain]
+        for b in (3, 16):
+            tokens, tree = real_tree_generate(drafter, target, prompt, max_new, [], b)
+            assert tokens == seq[len(ids) :]
+            assert tree == [r.produced for r in sim.trees[b]], b
         seen += lengths
         recomputed += sum(1 for n in lengths if n < BLOCK)
     counts = collections.Counter(seen)
