@@ -67,6 +67,7 @@ def register(app: typer.Typer) -> None:
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
         evals = stored(session, list(names)) if tau or plot is not None else Stored()
+        evals.warn_errors()
         taus = tau_doc(views, evals) if tau else None
         if as_json:
             doc = {"rule": runs.VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 
 from dflashops import context, runs
-from dflashops.errors import OpsError
+from dflashops.errors import ExitCode, OpsError
 from dflashops.remote import argv as helper_argv
 from dflashops.render import console, metric, table
 from dflashops.session import Session
@@ -30,6 +30,16 @@ class Stored:
     jobs: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, OpsError] = field(default_factory=dict)
 
+    def warn_errors(self) -> None:
+        for target, err in self.errors.items():
+            context.note(f"{target}: not read: {err.message}")
+
+    def exit_code(self) -> int:
+        """As `status`'s: 3 when a target could not be reached, 1 for another failure."""
+        if any(e.code == ExitCode.UNREACHABLE for e in self.errors.values()):
+            return int(ExitCode.UNREACHABLE)
+        return int(ExitCode.FAILED) if self.errors else 0
+
     def budgets(self) -> list[str]:
         found = {b for r in self.results for b in (r.get("ddtree") or {})}
         return sorted(found, key=int)
@@ -41,12 +51,11 @@ class Stored:
 def stored(session: Session, names: list[str] | None = None) -> Stored:
     """The eval results and jobs of `names` (None: every run) on every target, in parallel."""
     targets = list(session.inventory.targets.values())
-    request = json.dumps({"runs": names}).encode()
 
     def read(target: Any) -> dict[str, Any]:
         machine = session.machine(target)
-        body = json.loads(request) | {"ws": target.workspace}
-        result = machine.run(helper_argv("evals_probe.py"), stdin=json.dumps(body).encode())
+        request = json.dumps({"ws": target.workspace, "runs": names}).encode()
+        result = machine.run(helper_argv("evals_probe.py"), stdin=request)
         if machine.dry_run:
             return {"results": [], "jobs": []}
         if not result.ok:
@@ -89,8 +98,7 @@ def register(app: typer.Typer) -> None:
         if run is not None:
             runs.check_name(run)
         found = stored(opts.session(), [run] if run else None)
-        for target, err in found.errors.items():
-            context.note(f"{target}: not read: {err.message}")
+        found.warn_errors()
         if opts.dry_run:
             runs.dry_run_done(opts, run=run)
             return
@@ -98,6 +106,7 @@ def register(app: typer.Typer) -> None:
             opts.emit({"evals": found.results, "jobs": found.jobs})
         else:
             show(found, run)
+        raise typer.Exit(found.exit_code())
 
 
 def date(seconds: float | None) -> str:

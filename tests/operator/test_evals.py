@@ -98,7 +98,6 @@ def test_a_sweep_stores_three_results_listed_tabled_and_drawn(cli, trained, bed,
     started = time.monotonic()
     ran = cli("eval", RUN, "--steps", "2,4,6", "--on", "evalbox", *SMALL, "--follow")
     seconds = time.monotonic() - started
-    print(f"three-step sweep: {seconds:.1f}s")
     assert ran.code == 0, ran.err
     assert "eval job" in ran.err and "prompt 2/2" in ran.err  # the job's progress, followed
     assert [line.split()[0] for line in ran.out.splitlines()[2:5]] == ["2", "4", "6"]
@@ -110,6 +109,8 @@ def test_a_sweep_stores_three_results_listed_tabled_and_drawn(cli, trained, bed,
         (RUN, 2, "evalbox"), (RUN, 4, "evalbox"), (RUN, 6, "evalbox"),
     ]  # fmt: skip
     assert all(r["tau"] >= 1 and "8" in r["ddtree"] for r in doc["evals"])
+    inside = ", ".join(f"{r['timing']['total_s']:.1f}s" for r in doc["evals"])
+    print(f"three-step sweep: {seconds:.1f}s in all; each step's evaluator: {inside}")
     listing = cli("evals")
     assert listing.code == 0, listing.err
     header = listing.out.splitlines()[0].split()
