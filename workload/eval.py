@@ -29,6 +29,7 @@ from workload.decode import (
     evaluate_drafter,
     greedy_continuation,
     real_generate,
+    real_tree_generate,
     sync_device,
     target_hidden_states,
 )
@@ -416,37 +417,52 @@ class Evaluation:
         return result
 
     def check_real(self, items: list[dict]) -> dict:
-        """The real draft-and-verify loop on a few prompts, against the simulated rounds, and
-        its generated tokens per second against plain greedy decoding of the same prompts."""
+        """The real loops on a few prompts (chain, and DDTree per budget) against the simulated
+        rounds, and the chain loop's tokens per second against plain greedy decoding."""
         subject, details = self.subjects[0], []
         clock = {"real_s": 0.0, "real_tokens": 0, "ar_s": 0.0, "ar_tokens": 0}
+        trees: dict[int, list[dict]] = {b: [] for b in self.budgets}
         for i, item in enumerate(items):
             ids = render_prompt(self.tokenizer, item, self.template)
             real, tokens = self._timed_real(subject.drafter, ids, clock)
-            simulated = [x.produced for x in subject.results[i].chain]
-            real_tau, sim_tau = _tau_of(real), _tau_of(simulated)
-            equal = real == simulated
-            same = sum(a == b for a, b in zip(real, simulated, strict=False))
             details.append(
-                {"index": i, "real_tau": real_tau, "simulated_tau": sim_tau, "equal": equal,
-                 "rounds": len(real), "rounds_equal": same, "new_tokens": len(tokens)}
-            )  # fmt: skip
+                {"index": i, **_compare(real, subject.results[i].chain), "new_tokens": len(tokens)}
+            )
+            for b in self.budgets:
+                trees[b].append(_compare(self._real_tree(subject.drafter, ids, b),
+                                         subject.results[i].trees[b]))  # fmt: skip
+            d = details[-1]
             say(
-                f"check-real {i + 1}/{len(items)}: real tau {_fmt(real_tau)}, simulated "
-                f"{_fmt(sim_tau)}, rounds equal: {equal} ({same}/{len(real)})"
+                f"check-real {i + 1}/{len(items)}: real tau {_fmt(d['real_tau'])}, simulated "
+                f"{_fmt(d['simulated_tau'])}, rounds equal: {d['equal']} "
+                f"({d['rounds_equal']}/{d['rounds']}); ddtree real/simulated "
+                + ", ".join(
+                    f"{b}: {_fmt(t[-1]['real_tau'])}/{_fmt(t[-1]['simulated_tau'])}"
+                    for b, t in trees.items()
+                )
             )
         real_tps = _rate(clock["real_tokens"], clock["real_s"])
         ar_tps = _rate(clock["ar_tokens"], clock["ar_s"])
+        ddtree = {str(b): _totals(t) for b, t in trees.items()}
+        chain = _totals(details)
         return {
             "prompts": len(details),
             "equal": sum(d["equal"] for d in details),
-            "rounds_checked": sum(d["rounds"] for d in details),
-            "rounds_equal": sum(d["rounds_equal"] for d in details),
+            **chain,
+            "rounds_checked": chain["rounds_checked"]
+            + sum(t["rounds_checked"] for t in ddtree.values()),
+            "rounds_equal": chain["rounds_equal"] + sum(t["rounds_equal"] for t in ddtree.values()),
+            "ddtree": ddtree,
             "real_tokens_per_s": real_tps,
             "ar_tokens_per_s": ar_tps,
             "speedup": real_tps / ar_tps if real_tps and ar_tps else None,
             "details": details,
         }
+
+    def _real_tree(self, drafter, ids: list[int], budget: int) -> list[int]:
+        prompt = torch.tensor([ids], device=self.device)
+        max_new = self.args.max_new_tokens
+        return real_tree_generate(drafter, self.target, prompt, max_new, self.stops, budget)[1]
 
     def _timed_real(self, drafter, ids: list[int], clock: dict) -> tuple[list[int], list[int]]:
         """(round lengths, new tokens) of the real loop; both loops' times added to `clock`."""
@@ -498,6 +514,28 @@ def _chat_template(template: str | None) -> str | None:
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def _compare(real: list[int], simulated: list[Round]) -> dict:
+    """One prompt's real rounds (accepted + 1 each) against the simulated ones."""
+    sim = [x.produced for x in simulated]
+    return {
+        "real_tau": _tau_of(real),
+        "simulated_tau": _tau_of(sim),
+        "equal": real == sim,
+        "rounds": len(real),
+        "rounds_equal": sum(a == b for a, b in zip(real, sim, strict=False)),
+    }
+
+
+def _totals(compared: list[dict]) -> dict:
+    """Mean taus over prompts and round counts of `_compare` results."""
+    taus = {k: [c[k] for c in compared if c[k] is not None] for k in ("real_tau", "simulated_tau")}
+    return {
+        **{k: statistics.mean(v) if v else None for k, v in taus.items()},
+        "rounds_checked": sum(c["rounds"] for c in compared),
+        "rounds_equal": sum(c["rounds_equal"] for c in compared),
+    }
 
 
 def _rate(count: int, seconds: float) -> float | None:

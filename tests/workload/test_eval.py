@@ -434,8 +434,14 @@ def test_cli_writes_the_contract_keys(run_dir, capsys):
     assert ref["ddtree"] == r["ddtree"] and ref["n_prompts"] == 3
     real = r["check_real"]
     assert real["prompts"] == 2 and real["equal"] == 2
-    rounds = sum(len(p["checkpoint"]["rounds"]) for p in r["prompts"][:2])
+    checked = r["prompts"][:2]
+    rounds = sum(len(p["checkpoint"]["rounds"]) for p in checked)
+    rounds += sum(len(p["checkpoint"]["ddtree"][b]["rounds"]) for p in checked for b in r["ddtree"])
     assert r["real_loop_rounds_checked"] == real["rounds_checked"] == real["rounds_equal"] == rounds
+    assert real["real_tau"] == real["simulated_tau"]
+    assert set(real["ddtree"]) == set(r["ddtree"])
+    for tree in real["ddtree"].values():
+        assert tree["real_tau"] == tree["simulated_tau"] and tree["rounds_checked"] > 0
     assert real["real_tokens_per_s"] > 0 and real["ar_tokens_per_s"] > 0 and real["speedup"] > 0
     assert "rounds as simulated" in err and "tokens/s vs" in err
     assert r["timing"]["total_s"] > 0
