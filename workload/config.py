@@ -83,6 +83,9 @@ class LossConfig:
     kl_temperature: float = 2.0
     kl_weight: float = 0.7  # blend = kl_weight * KL + (1 - kl_weight) * CE
     teacher: str = "logits"  # logits | last_layer (old runs: lm_head(norm(last configured layer)))
+    # slots after the first data token that is not the target's greedy token are invalid: the
+    # verifier never reaches that prefix (false trains on it, and streak no longer matches tau)
+    on_trajectory: bool = True
 
 
 @dataclass
@@ -555,6 +558,12 @@ _RECIPE: list[tuple[str, Any, str]] = [
     ("loss.teacher", "logits", "old-run teacher: lm_head(norm(last configured layer)), clean"),
     ("loss.gamma", 7.0, "decay exp(-(k-1)/gamma); v3/v4 used 10"),
     ("loss.weighting", "decay", "dpace reproduces v3/v4's streak-aware weights"),
+    (
+        "loss.on_trajectory",
+        True,
+        "trains slots past the first data token off the target's greedy path, prefixes the "
+        "verifier never reaches; streak then overstates tau",
+    ),
     ("noise.start", 0.05, "uniform +-std on fc inputs"),
     ("noise.end", 0.05, "uniform +-std on fc inputs"),
     ("noise.steps", 0, "noise schedule length"),

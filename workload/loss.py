@@ -3,6 +3,10 @@
 Slot k (1..K-1) of the block at anchor a predicts position a+k. Its teacher is the target's own
 greedy token there: argmax of the target's final logits at a+k-1, from the clean forward pass.
 Labels are computed before any noise exists, so they cannot depend on noise or on the fc inputs.
+A block's valid slots are a leading run, as the verifier's accepted prefix is: they stop at the
+first slot outside the anchor's assistant turn or document, and (`loss.on_trajectory`) after the
+first position where the data leaves the target's greedy path, where the label would continue a
+prefix the verifier never reaches. So training's `streak` counts what evaluation's tau counts.
 
 Shapes: B rows, S row length, N anchors per row, K block size, M real blocks (anchor_valid),
 H hidden size, V vocab. Logits are never materialised for all blocks at once: the objective runs
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,13 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 LogitsHook = Callable[[Tensor, Tensor, Tensor], None]
+
+
+class LossSums(NamedTuple):
+    """A loss as sums, so a step normalises once over all its micro-batches and ranks."""
+
+    total: Tensor  # sum(loss * w) over valid slots, with the graph
+    weight: Tensor  # sum(w) over valid slots, detached
 
 
 @dataclass(frozen=True)
@@ -66,11 +78,15 @@ def teacher_labels(
     loss_mask: Tensor,
     doc_ids: Tensor | None,
     block_size: int,
+    input_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Labels and validity of slots 1..K-1: [B, N, K-1] long and bool.
 
-    Label of slot k = greedy[a+k-1] (the target's token at a+k). Valid iff the block is real,
-    a+k < S, loss_mask[a+k], and a+k is in the anchor's document.
+    Label of slot k = greedy[a+k-1] (the target's token at a+k). Slot k is valid iff the block
+    is real and every slot j <= k has a+j < S, loss_mask[a+j] and a+j in the anchor's document
+    (validity never resumes after a gap, such as a user turn between two assistant turns).
+    With `input_ids` (the on-trajectory rule), slot k is also invalid when some slot j < k has a
+    data token input_ids[a+j] other than its label.
     """
     seq_len = greedy.shape[1]
     pos = slot_positions(anchors, block_size)  # [B, N, K-1]
@@ -82,7 +98,17 @@ def teacher_labels(
     if doc_ids is not None:
         anchor_doc = doc_ids.gather(1, anchors).unsqueeze(-1)
         valid &= doc_ids.gather(1, flat).view_as(pos) == anchor_doc
-    return labels, valid
+    if input_ids is not None:
+        on_path = input_ids.gather(1, flat).view_as(pos) == labels
+        reached = torch.ones_like(on_path)
+        reached[..., 1:] = on_path[..., :-1]
+        valid &= reached
+    return labels, leading_run(valid)
+
+
+def leading_run(valid: Tensor) -> Tensor:
+    """[..., K-1] bool -> the same with every slot after the first invalid one made invalid."""
+    return valid.to(torch.int32).cumprod(dim=-1).bool()
 
 
 def gather_slots(per_position: Tensor, anchors: Tensor, block_size: int) -> Tensor:
@@ -119,11 +145,16 @@ def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
     return valid_f * suffix
 
 
+def weighted_sums(per_slot: Tensor, weights: Tensor, valid: Tensor) -> LossSums:
+    """(sum(loss * w * valid), sum(w * valid))."""
+    w = weights.float() * valid.float()
+    return LossSums((per_slot.float() * w).sum(), w.sum().detach())
+
+
 def weighted_mean(per_slot: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
     """sum(loss * w * valid) / sum(w * valid); zero (with a graph) when nothing is valid."""
-    w = weights.float() * valid.float()
-    total = w.sum()
-    return (per_slot.float() * w).sum() / total.clamp_min(1e-12)
+    total, weight = weighted_sums(per_slot, weights, valid)
+    return total / weight.clamp_min(1e-12)
 
 
 # ---------------------------------------------------------------- per-slot losses
@@ -172,13 +203,15 @@ def objective(
     teacher_hidden: Tensor | None = None,
     chunk_blocks: int = 64,
     on_logits: LogitsHook | None = None,
-) -> Tensor:
+    reduction: str = "mean",
+) -> Tensor | LossSums:
     """The training loss of M blocks.
 
     hidden [M, K-1, H]: drafter outputs of slots 1..K-1; labels/valid [M, K-1];
     teacher_hidden [M, K-1, H]: the target's final hidden at a+k-1 (kl and blend only).
     `on_logits(logits, labels, valid)` sees each chunk's detached draft logits once (metrics).
-    Weighted mean over valid slots with decay, D-PACE or uniform weights.
+    Weighted mean over valid slots with decay, D-PACE or uniform weights; `reduction="sum"`
+    returns its numerator and denominator instead (`LossSums`).
     """
     if obj.type != "ce" and teacher_hidden is None:
         raise ValueError(f"loss type {obj.type!r} needs teacher_hidden")
@@ -197,7 +230,8 @@ def objective(
     hook[0] = None  # the backward recomputation must not report the logits a second time
     k1 = labels.shape[-1]
     if not losses:
-        return hidden.sum() * 0.0
+        zero = hidden.sum() * 0.0
+        return LossSums(zero, zero.detach()) if reduction == "sum" else zero
     ce = torch.cat(ces)
     per_slot = torch.cat(losses)
     if obj.weighting == "dpace":
@@ -206,4 +240,6 @@ def objective(
         weights = decay_weights(k1 + 1, obj.gamma, hidden.device).expand_as(per_slot)
     else:
         weights = torch.ones_like(per_slot)
+    if reduction == "sum":
+        return weighted_sums(per_slot, weights, valid)
     return weighted_mean(per_slot, weights, valid)

@@ -2,8 +2,9 @@
 
 target forward (clean hidden states, no grad) -> teacher labels from the final logits -> block
 inputs (anchor token + MASK x K-1) and noised fc features -> drafter over all anchor blocks ->
-loss through the target's frozen lm_head (chunked; the metrics see each chunk's logits) ->
-backward; after grad_accum micro-steps: clip -> AdamW -> schedule.
+loss sums through the target's frozen lm_head (chunked; the metrics see each chunk's logits) ->
+backward; after grad_accum micro-steps: gradients / (the step's valid slot weight over all
+micro-batches and ranks) -> clip -> AdamW -> schedule.
 The run's lifecycle (setup, logging, checkpoints, signals, processes) is in train.py.
 """
 
@@ -16,13 +17,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from workload.config import RunConfig
 from workload.data import Batch, sample_anchors
-from workload.loss import Objective, gather_slots, greedy_tokens, objective, teacher_labels
+from workload.loss import (
+    LossSums,
+    Objective,
+    gather_slots,
+    greedy_tokens,
+    objective,
+    teacher_labels,
+)
 from workload.metrics import DraftMetrics, empty_sums
 from workload.model import DFlashDrafter, select_target_features
+from workload.targets import DraftConventions, DraftHead, block_embeddings, output_head
 
 if TYPE_CHECKING:
     from workload.train import Run
@@ -121,7 +131,7 @@ def target_forward(run: Run, batch: Batch) -> TeacherView:
         last = run.layer_ids[-1]
         h = hidden_states[last + 1]
         teacher_hidden = h if last + 2 == len(hidden_states) else body.norm(h)
-    greedy = greedy_tokens(teacher_hidden, run.target.get_output_embeddings())
+    greedy = greedy_tokens(teacher_hidden, output_head(run.target))
     return TeacherView(features, teacher_hidden, greedy)
 
 
@@ -141,7 +151,8 @@ def block_inputs(run: Run, batch: Batch, anchors: Tensor) -> Tensor:
     b, n = anchors.shape
     ids = torch.full((b, n, k), run.cfg.drafter.mask_token_id, device=anchors.device)
     ids[:, :, 0] = batch.input_ids.gather(1, anchors)
-    return run.target.get_input_embeddings()(ids.view(b, n * k))
+    conventions = DraftConventions.of(run.drafter.config)
+    return block_embeddings(run.target, ids.view(b, n * k), conventions)
 
 
 def real_blocks(per_block: Tensor, real: Tensor) -> Tensor:
@@ -168,10 +179,11 @@ def _tick(run: Run, name: str, start: float) -> float:
     return start
 
 
-def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> Tensor:
+def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> LossSums:
     """Forward and backward one micro-batch of host tensors (as the stream gives them); returns
-    its loss and adds its tokens and draft metrics to `sums`. Nothing here waits for the device:
-    what needs the host (token count, anchors, which blocks are real) is done on host tensors."""
+    its loss sums (detached; the gradient is of their total, normalised later by `accumulate`)
+    and adds its tokens and draft metrics to `sums`. Nothing here waits for the device: what
+    needs the host (token count, anchors, which blocks are real) is done on host tensors."""
     cfg = run.cfg
     k = cfg.drafter.block_size
     t0 = time.perf_counter()
@@ -188,8 +200,9 @@ def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> Tensor:
     with autocast:
         view = target_forward(run, batch)
         labels, valid = teacher_labels(
-            view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k
-        )
+            view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k,
+            input_ids=batch.input_ids if cfg.loss.on_trajectory else None,
+        )  # fmt: skip
         with torch.no_grad():
             embeds = block_inputs(run, batch, anchors)
             features = add_noise(view.features, noise_std(cfg, step))
@@ -205,15 +218,16 @@ def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> Tensor:
         if cfg.loss.type != "ce":
             teacher = real_blocks(gather_slots(view.teacher_hidden, anchors, k), real)
         metrics = DraftMetrics(DDS_BUDGETS, run.device)
+        head = DraftHead(output_head(run.target), DraftConventions.of(run.drafter.config))
         loss = objective(
-            slots, run.target.get_output_embeddings(), real_blocks(labels, real),
-            real_blocks(valid, real), Objective.from_config(cfg.loss), teacher_hidden=teacher,
-            on_logits=metrics,
+            slots, head, real_blocks(labels, real), real_blocks(valid, real),
+            Objective.from_config(cfg.loss), teacher_hidden=teacher, on_logits=metrics,
+            reduction="sum",
         )  # fmt: skip
-    (loss / cfg.optim.grad_accum).backward()
+    loss.total.backward()
     _tick(run, "drafter_fwd_bwd", t1)
     sums.add_metrics(metrics.sums())
-    return loss.detach()
+    return LossSums(loss.total.detach(), loss.weight)
 
 
 def trim_padding(batch: Batch) -> Batch:
@@ -226,16 +240,35 @@ def trim_padding(batch: Batch) -> Batch:
                                           batch.position_ids)))  # fmt: skip
 
 
-def train_step(run: Run, step: int, sums: StepSums) -> tuple[Tensor, Tensor, float]:
-    """One optimizer step over grad_accum micro-batches; adds its tokens and draft metrics to
-    `sums` and returns (loss, grad norm, lr): the first two are on the device (not waited for)."""
+def accumulate(run: Run, step: int, sums: StepSums) -> Tensor:
+    """Forward and backward grad_accum micro-batches and normalise the summed gradients by the
+    step's valid slot weight over all micro-batches and ranks (one all_reduce of a scalar on
+    the device; DDP has averaged the gradients over ranks). Returns this rank's share of the
+    step's loss (their mean over ranks is the loss the gradient is of), on the device."""
     accum = run.cfg.optim.grad_accum
-    losses = []
+    totals, weights = [], []
     for i in range(accum):
         batch = trim_padding(run.stream.next_batch())
         sync = contextlib.nullcontext() if i == accum - 1 else run.ddp.no_sync()
         with sync:
-            losses.append(micro_step(run, batch, step, sums))
+            total, weight = micro_step(run, batch, step, sums)
+        totals.append(total)
+        weights.append(weight)
+    weight = torch.stack(weights).sum()
+    world = run.dist.world
+    if world > 1:
+        dist.all_reduce(weight)
+    scale = world / weight.clamp_min(1e-12)
+    grads = [p.grad for p in run.drafter.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)
+    return torch.stack(totals).sum() * scale
+
+
+def train_step(run: Run, step: int, sums: StepSums) -> tuple[Tensor, Tensor, float]:
+    """One optimizer step over grad_accum micro-batches; adds its tokens and draft metrics to
+    `sums` and returns (loss, grad norm, lr): the first two are on the device (not waited for)."""
+    loss = accumulate(run, step, sums)
     t0 = time.perf_counter()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.cfg.optim.grad_clip)
     lr = run.optimizer.param_groups[0]["lr"]
@@ -243,4 +276,4 @@ def train_step(run: Run, step: int, sums: StepSums) -> tuple[Tensor, Tensor, flo
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     _tick(run, "optimizer", t0)
-    return torch.stack(losses).mean(), grad_norm.detach(), lr
+    return loss, grad_norm.detach(), lr

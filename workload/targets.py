@@ -4,6 +4,10 @@ Hybrid Gated DeltaNet models (Qwen3.5/3.6 text, Qwen3-Next, ...) pick fla's trit
 import time whenever fla imports, without looking at the device. Those kernels crash on CPU, so
 `load_target` installs a per-call dispatcher: CPU tensors go to transformers' torch reference,
 CUDA tensors keep the fla kernels.
+
+A drafter reads the target's embedding and drafts through the target's head, with the settings a
+DFlash config may add (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`).
+Training and evaluation both go through `block_embeddings` and `draft_logits` below.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +133,66 @@ def load_target(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- the draft's use
+
+
+@dataclass(frozen=True)
+class DraftConventions:
+    """How a drafter uses the target's embedding and head (read from the drafter's config)."""
+
+    embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    logit_softcap: float | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> DraftConventions:
+        from workload.model import dflash_setting
+
+        cap = dflash_setting(config, "final_logit_softcapping")
+        return cls(
+            float(dflash_setting(config, "input_embedding_scale", 1.0) or 1.0),
+            float(dflash_setting(config, "output_multiplier", 1.0) or 1.0),
+            float(cap) if cap is not None and float(cap) > 0 else None,
+        )
+
+
+def output_head(target: torch.nn.Module) -> torch.nn.Module:
+    """The target's LM head (the module its logits come from)."""
+    head = getattr(target, "lm_head", None)
+    return head if head is not None else target.get_output_embeddings()
+
+
+def block_embeddings(
+    target: torch.nn.Module, ids: torch.Tensor, conventions: DraftConventions
+) -> torch.Tensor:
+    """The drafter's inputs for token ids: the target's embedding module, times the scale."""
+    embeds = target.get_input_embeddings()(ids)
+    if conventions.embedding_scale != 1.0:
+        embeds = embeds * conventions.embedding_scale
+    return embeds
+
+
+def draft_logits(
+    hidden: torch.Tensor, head: torch.nn.Module, conventions: DraftConventions
+) -> torch.Tensor:
+    """The drafter's logits: the target's head, times the output multiplier, then softcapped."""
+    logits = head(hidden)
+    if conventions.output_multiplier != 1.0:
+        logits = logits * conventions.output_multiplier
+    if conventions.logit_softcap is not None:
+        logits = torch.tanh(logits / conventions.logit_softcap) * conventions.logit_softcap
+    return logits
+
+
+class DraftHead(torch.nn.Module):
+    """`draft_logits` as a module: what the training loss calls as its LM head."""
+
+    def __init__(self, head: torch.nn.Module, conventions: DraftConventions) -> None:
+        super().__init__()
+        self.head = head
+        self.conventions = conventions
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return draft_logits(hidden, self.head, self.conventions)
