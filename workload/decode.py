@@ -19,31 +19,23 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from workload.ddtree import build_tree, label_ranks, tree_depth
 from workload.metrics import streak_lengths
-from workload.model import dflash_setting, select_target_features
+from workload.model import select_target_features
 from workload.rollback import VerifyCache, crop, new_cache
+from workload.targets import DraftConventions, block_embeddings, output_head
+from workload.targets import draft_logits as head_logits
 
 # ----------------------------------------------------------------------------- model plumbing
 
 
-def _output_head(target: torch.nn.Module) -> torch.nn.Module:
-    head = getattr(target, "lm_head", None)
-    return head if head is not None else target.get_output_embeddings()
-
-
 def draft_logits(drafter: torch.nn.Module, hidden: Tensor, head: torch.nn.Module) -> Tensor:
-    """The drafter's logits through the target's head (output multiplier and softcap honoured)."""
+    """The drafter's logits through the target's head (training's code: targets.draft_logits)."""
     if hasattr(drafter, "compute_logits"):
         return drafter.compute_logits(hidden, head)
-    logits = head(hidden) * float(dflash_setting(drafter.config, "output_multiplier", 1.0))
-    cap = dflash_setting(drafter.config, "final_logit_softcapping")
-    if cap is not None and float(cap) > 0:
-        logits = torch.tanh(logits / float(cap)) * float(cap)
-    return logits
+    return head_logits(hidden, head, DraftConventions.of(drafter.config))
 
 
 def _target_call(
@@ -90,9 +82,10 @@ class DraftSession:
 
     def __init__(self, drafter: torch.nn.Module, target: torch.nn.Module) -> None:
         self.drafter = drafter
+        self.target = target
         self.embed = target.get_input_embeddings().weight
-        self.head = _output_head(target)
-        self.scale = float(dflash_setting(drafter.config, "input_embedding_scale", 1.0))
+        self.head = output_head(target)
+        self.conventions = DraftConventions.of(drafter.config)
         self.mask_id = int(drafter.mask_token_id)
         self.reset()
 
@@ -106,7 +99,7 @@ class DraftSession:
             raise ValueError(f"context covers {self.cached}+{new_context.shape[1]}, not {start}")
         device = self.embed.device
         ids = torch.tensor([[token] + [self.mask_id] * (size - 1)], device=device)
-        noise = F.embedding(ids, self.embed) * self.scale
+        noise = block_embeddings(self.target, ids, self.conventions)
         positions = torch.arange(self.cached, start + size, device=device)[None]
         hidden = self.drafter(
             position_ids=positions,
