@@ -144,9 +144,21 @@ def show(found: Stored, run: str | None) -> None:
         out.print(grid)
         out.print("tau = mean accepted + 1 per round; REF TAU: the reference drafter's, "
                   "(ours - reference)")  # fmt: skip
-    for job in found.jobs:
+    for job in newest_jobs(found.jobs):
+        steps = ",".join(str(s) for s in job.get("steps") or [])
+        what = f"eval job {job['job']} of {job['run']} (steps {steps}) on {job['target']}"
         if job.get("alive"):
-            steps = ",".join(str(s) for s in job.get("steps") or [])
-            out.print(f"running: eval job {job['job']} of {job['run']} (steps {steps}) on "
-                      f"{job['target']}; follow it: dflashops eval {job['run']} --follow "
+            out.print(f"running: {what}; follow it: dflashops eval {job['run']} --follow "
                       f"--on {job['target']}")  # fmt: skip
+        elif job.get("exit_code") != 0:
+            code = job.get("exit_code")
+            ended = "ended without an exit code" if code is None else f"failed (exit {code})"
+            out.print(f"{ended}: {what}; see {job['dir']}/console.log there")
+
+
+def newest_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest job of each run on each target."""
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    for job in sorted(jobs, key=lambda j: j.get("launched") or 0):
+        newest[(job["run"], job["target"])] = job
+    return list(newest.values())

@@ -239,3 +239,16 @@ def test_bad_eval_requests_are_one_line(cli, trained):
     nojob = cli("eval", RUN, "--follow", "--on", "train")
     assert nojob.code == 4 and f"{RUN}: no eval job on train" in nojob.err
     assert "Traceback" not in bad.err + both.err + missing.err + nojob.err
+
+
+def test_a_failed_job_is_said_by_evals_and_by_follow(cli, trained):
+    started = cli("eval", RUN, "--steps", "2,4", "--on", "evalbox", "--max-new-tokens", "0",
+                  "--detach")  # fmt: skip
+    assert started.code == 0, started.err
+    assert f"follow it: dflashops eval {RUN} --follow --on evalbox" in started.out
+    followed = cli("eval", RUN, "--follow", "--on", "evalbox")  # to its end
+    assert followed.code == 2, followed.err
+    assert followed.err.splitlines()[-1].startswith("dflashops: error: evalbox: --max-new-tokens")
+    listing = cli("evals", RUN)
+    assert listing.code == 0, listing.err
+    assert "failed (exit 2): eval job" in listing.out and "console.log" in listing.out
