@@ -47,7 +47,7 @@ def one_step(run: T.Run, batch, checkpointed: bool):
         for hook in hooks:
             hook.remove()
     grads = {n: p.grad.detach().clone() for n, p in run.drafter.named_parameters()}
-    return loss.detach(), grads, calls
+    return loss.total.detach(), grads, calls
 
 
 SETTINGS = {
