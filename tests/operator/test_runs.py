@@ -235,7 +235,7 @@ def test_pull_ckpt_to_another_host_is_verified_and_idempotent(cli, trained, bed,
     ran = cli("--json", "pull-ckpt", "8", "--to", "evalbox", "--run", "r-main")
     assert ran.code == 0, ran.err
     doc = json.loads(ran.out)
-    assert doc["copied"] and doc["from"] == "train" and doc["files"] == 3
+    assert doc["copied"] and doc["from"] == "train" and doc["files"] == 4
     src = bed["train"].host_path("/workspace/runs/r-main/checkpoints/step_8")
     dst = bed["evalbox"].host_path("/workspace/ckpts/r-main/step_8")
     assert _hashes(dst) == _hashes(src)

@@ -28,6 +28,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# as the trainer does: a gloo group left to the interpreter's exit can abort the process
+# ("terminate called without an active exception", exit -6) after the script succeeded
+_FINISH = """
+import torch.distributed as _dist
+if _dist.is_initialized():
+    _dist.destroy_process_group()
+"""
+
+
 def on_ranks(script: str, *args: str, world: int = 2, timeout: float = 120,
              env: dict | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
     """Run `script` as `world` gloo ranks (torchrun's environment, no agent); their results."""
@@ -37,7 +46,7 @@ def on_ranks(script: str, *args: str, world: int = 2, timeout: float = 120,
         full = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
-        cmd = [sys.executable, "-c", textwrap.dedent(script), *args]
+        cmd = [sys.executable, "-c", textwrap.dedent(script) + _FINISH, *args]
         procs.append(subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
     out = []

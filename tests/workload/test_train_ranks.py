@@ -146,7 +146,7 @@ def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(
     assert state["optimizer_shards"] == ["optimizer/rank_0.pt", "optimizer/rank_1.pt"]
     listed = {line.split("  ")[1] for line in (step3 / ckpt.MANIFEST).read_text().splitlines()}
     assert {"optimizer/rank_0.pt", "optimizer/rank_1.pt", "model.safetensors", "config.json",
-            "training_state.pt"} == listed  # fmt: skip
+            "dflash.py", "training_state.pt"} == listed  # fmt: skip
     shards = [torch.load(step3 / f, weights_only=False) for f in state["optimizer_shards"]]
     held = [set(s["state"]) for s in shards]
     assert held[0] and held[1] and not held[0] & held[1]  # each rank its own parameters
