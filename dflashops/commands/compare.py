@@ -20,11 +20,11 @@ import typer
 from dflashops import context, runs
 from dflashops import plot as plotting
 from dflashops.commands.evals import Stored, stored, tau_value
-from dflashops.commands.status import warn_logs
 from dflashops.errors import UsageError
 from dflashops.render import console, metric, styled, table
 from dflashops.runs import RunView
 from dflashops.tables import Col, Grid
+from dflashops.watch import warn_logs
 
 HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
 DEFAULT_STEP_COUNT = 6

@@ -427,7 +427,7 @@ def then_follow(opts: context.Context, reader: Any, view: RunView, follow: bool)
     if not (follow and opts.json):
         report(opts, view)
     if follow:
-        from dflashops.commands.status import follow_run
+        from dflashops.watch import follow_run
 
         emit = opts.emit if opts.json else None
         raise typer.Exit(follow_run(reader, view, None, interval=5.0, emit=emit))
