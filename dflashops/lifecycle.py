@@ -1,6 +1,7 @@
 """A run's life on its targets, shared by `launch`, `resume` and `eval`: where it runs (its
 nodes and ranks), claiming its name, its code snapshot, its run directory, starting it under
-torchrun in a tmux session of our own, and taking back a launch that failed.
+torchrun in a tmux session of our own, waiting for its first sign of life, and taking back a
+launch that failed; also what their command lines share (options, --set, --secret).
 
 A run is one torchrun per node. One node: `torchrun --nproc-per-node N` with a c10d rendezvous of
 its own on 127.0.0.1 (what --standalone does, without resolving "localhost"). Several:
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import secrets as random_tokens
 import tempfile
 import time
@@ -26,12 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import typer
+import yaml
+
 from dflashops import bundle, context, runs, transfer
 from dflashops.errors import OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
 from dflashops.remote import source as helper_source
+from dflashops.render import Stopwatch, duration
+from dflashops.runs import RunView
 from dflashops.session import Session
 from dflashops.targets.base import Machine
+from dflashops.watch import follow_run
 
 TMUX = ["tmux", "-L", "dflashops", "-f", "/dev/null"]  # our own server, never the user's
 LAUNCHER = "launcher.py"
@@ -40,6 +48,25 @@ SECRETS_HOME = "secrets"  # <ws>/dflashops/secrets/: read and deleted by the lau
 CLAIM_WAIT_S = 30.0
 RDZV_JOIN_S = 600  # how long node 0 waits for the others to join (rendezvous)
 LOOPBACK = "127.0.0.1"  # a one-node run's address: its ranks talk over lo
+SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# options that `launch` and `resume` share
+SECRETS_OPTION = typer.Option(
+    None,
+    "--secret",
+    metavar="NAME",
+    help="Pass NAME from your environment (e.g. WANDB_API_KEY) to the trainer through a 0600 "
+    "file outside the run directory, read and deleted as the trainer starts; never on a "
+    "command line. resume asks for it again.",
+)
+FOLLOW_OPTION = typer.Option(
+    False, "--follow", "-f", help="Then watch it, as status --follow does."
+)
+WAIT_OPTION = typer.Option(
+    900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
+)
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document.")
 
 
 # ---------------------------------------------------------------- where a run runs
@@ -405,7 +432,7 @@ def node_files(doc: dict[str, Any], config_text: str | None) -> dict[str, str]:
     return files
 
 
-# ---------------------------------------------------------------- starting
+# ---------------------------------------------------------------- making and starting
 
 
 def start(machine: Machine, run: str, rundir: str) -> None:
@@ -425,7 +452,8 @@ def start(machine: Machine, run: str, rundir: str) -> None:
 
 @dataclass
 class Started:
-    """What `launch`/`resume` did: enough to take it back if what follows fails."""
+    """What `launch`/`resume` made so far: enough to take it back if what follows fails (its
+    secrets files, besides the run directories)."""
 
     placement: Placement
     secrets: list[str] = field(default_factory=list)
@@ -438,3 +466,174 @@ def each_node(writer: Session, placement: Placement, work: Callable[[Node], Any]
         if isinstance(answer, BaseException):
             raise answer
     return answers
+
+
+def prepare(
+    writer: Session,
+    placement: Placement,
+    code: Code,
+    have_code: Callable[[Target, Code], bool],
+    config_text: str,
+    values: dict[str, str],
+    made: Started,
+    *,
+    resume: bool = False,
+    code_dirs: dict[str, str] | None = None,
+) -> None:
+    """On every node in parallel: the code snapshot, secrets, and the run files."""
+
+    def one(node: Node) -> None:
+        machine = writer.machine(node.target)
+        if code_dirs and node.target.name in code_dirs:
+            code_dir = code_dirs[node.target.name]
+        else:
+            code_dir = ensure_code(machine, code, have_code(node.target, code))
+        secret = None
+        if values:
+            secret = secrets_path(placement, node)
+            made.secrets.append(secret)
+            write_secrets(machine, secret, values)
+        doc = launch_doc(placement, node, code_dir=code_dir, secrets_path=secret,
+                         resume=resume)  # fmt: skip
+        files = node_files(doc, None if resume else config_text)
+        write_run_files(machine, placement.dir(node), files)
+
+    each_node(writer, placement, one)
+
+
+def start_all(writer: Session, placement: Placement) -> None:
+    """Node 0 first (it hosts the rendezvous), then the others."""
+    for node in placement.nodes:
+        start(writer.machine(node.target), placement.run, placement.dir(node))
+
+
+# ---------------------------------------------------------------- waiting
+
+
+def wait_for_life(reader: Session, placement: Placement, *, timeout: float) -> RunView:
+    """Until the trainer runs (state.json says so), ends, or `timeout` passes."""
+    clock = Stopwatch()
+    next_note = 5.0
+    run = placement.run
+    head = placement.nodes[0].target
+    where = ", ".join(n.target.name for n in placement.nodes)
+    context.note(f"{run}: starting on {where} (the trainer loads the target model first)")
+    view = runs.reread(reader.machine(head), run, records="recent", console=8192)
+    while True:
+        view = runs.refresh(reader, view, records="recent", console=8192)
+        if view.state == "running" and view.status.get("status") == "running":
+            return view
+        if view.state in ("finished", "stopped"):
+            return view
+        if view.state in ("failed", "unknown"):
+            error = trainer_failure(view, failed_target(reader, view))
+            for line in last_lines(view)[-12:]:
+                context.note(f"  {line}")
+            raise error
+        if clock.seconds > timeout:
+            context.note(
+                f"{run}: still starting after {duration(clock.seconds)}; it goes on: "
+                f"`dflashops logs {run} --follow` shows what it prints"
+            )
+            return view
+        if clock.seconds >= next_note:
+            said = last_lines(view)[-1:] or ["(no output yet)"]
+            context.note(f"{run}: starting ({duration(clock.seconds)}): {said[0]}")
+            next_note += 10
+        time.sleep(1.0 if clock.seconds < 30 else 3.0)
+
+
+def failed_target(reader: Session, view: RunView) -> Target:
+    nodes = [v for v in view.nodes if v.state == "failed"] or [view]
+    return reader.inventory.target(min(nodes, key=runs.end_time).target)
+
+
+def last_lines(view: RunView) -> list[str]:
+    return runs.trainer_lines(view)
+
+
+def trainer_failure(view: RunView, target: Target) -> OpsError:
+    """The trainer's early exit as our error: its config refusal (exit 2) becomes our exit 2."""
+    failed = [v for v in view.nodes if v.state == "failed"]
+    if failed:
+        view = min(failed, key=runs.end_time)
+    cause = runs.root_cause(view)
+    code = cause[1] if cause else view.exit_code
+    lines = last_lines(view)
+    if code == 2:
+        refusals = [line for line in lines if line.startswith("error: ")]
+        message = (refusals or lines or ["(no message)"])[-1].removeprefix("error: ")
+        return UsageError(f"{view.name}: the trainer refused to start: {message}")
+    if code == 127:
+        return OpsError(
+            f"{view.name}: {target.python} not found on {target.name}; "
+            f"run `dflashops setup {target.name}` first"
+        )
+    why = view.note or f"exit code {code}"
+    last = lines[-1] if lines else "no output"
+    return OpsError(f"{view.name}: the trainer failed ({why}): {last}")
+
+
+def then_follow(opts: context.Context, reader: Any, view: RunView, follow: bool) -> None:
+    """Report the started run; with --follow, go on as `status --follow` (one JSON document
+    at the end under --json)."""
+    if not (follow and opts.json):
+        report(opts, view)
+    if follow:
+        emit = opts.emit if opts.json else None
+        raise typer.Exit(follow_run(reader, view, None, interval=5.0, emit=emit))
+
+
+def report(opts: context.Context, view: RunView) -> None:
+    if opts.json:
+        opts.emit(view.summary())
+        return
+    step = f", step {view.step}/{view.total_steps}" if view.step is not None else ""
+    where = ", ".join(view.node_targets)
+    context.say(
+        f"{view.name}: {view.state} on {where} (tmux {runs.tmux_session(view.name)}"
+        f"{step}); watch it with: dflashops status {view.name} --follow"
+    )
+
+
+# ---------------------------------------------------------------- the config
+
+
+def apply_set(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(KEY_PART.match(p) for p in parts):
+        raise UsageError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. loss.gamma=7")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise UsageError(f"--set {item}: the value is not valid YAML") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise UsageError(f"--set {item}: {where} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def secret_values(names: list[str]) -> dict[str, str]:
+    """--secret NAME...: the values from our environment (they travel on stdin only)."""
+    values = {}
+    for name in names:
+        if not SECRET_NAME.match(name):
+            raise UsageError(
+                f"--secret {name}: give an environment variable's name (its value is read from "
+                "your environment), e.g. --secret WANDB_API_KEY"
+            )
+        value = os.environ.get(name)
+        if value is None:
+            raise UsageError(f"--secret {name}: not set in your environment")
+        values[name] = value
+    return values

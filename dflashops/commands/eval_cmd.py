@@ -30,7 +30,6 @@ import yaml
 
 from dflashops import context, lifecycle, runs, transfer
 from dflashops.commands.evals import gap, stored
-from dflashops.commands.launch import apply_set
 from dflashops.commands.logs import stream_log
 from dflashops.commands.pull_ckpt import pull
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UsageError
@@ -312,7 +311,7 @@ def parse_config(view: runs.RunView, sets: list[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"{view.name}: its run.yaml is not a run config")
     for item in sets:
-        apply_set(data, item)
+        lifecycle.apply_set(data, item)
     return data
 
 

@@ -11,10 +11,7 @@ sign of life. A launch that fails takes back what it made.
 from __future__ import annotations
 
 import json
-import os
-import re
 import shlex
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +22,10 @@ from dflashops import bundle, context, lifecycle, runs
 from dflashops.errors import OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
 from dflashops.lifecycle import Placement
-from dflashops.render import Stopwatch, duration, human_bytes
-from dflashops.runs import RunView
+from dflashops.render import human_bytes
 from dflashops.session import Session
 from dflashops.yamlfile import YamlFileError, load_located
 
-SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-# options that `resume` shares
-SECRETS_OPTION = typer.Option(
-    None,
-    "--secret",
-    metavar="NAME",
-    help="Pass NAME from your environment (e.g. WANDB_API_KEY) to the trainer through a 0600 "
-    "file outside the run directory, read and deleted as the trainer starts; never on a "
-    "command line. resume asks for it again.",
-)
-FOLLOW_OPTION = typer.Option(
-    False, "--follow", "-f", help="Then watch it, as status --follow does."
-)
-WAIT_OPTION = typer.Option(
-    900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
-)
-JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document.")
 FORCE_OPTION = typer.Option(
     False,
     "--force",
@@ -92,7 +69,7 @@ def register(app: typer.Typer) -> None:
             help="Processes per target (default: its gpus in the inventory, else the GPUs "
             "nvidia-smi shows there, else 1).",
         ),
-        secrets: list[str] = SECRETS_OPTION,
+        secrets: list[str] = lifecycle.SECRETS_OPTION,
         force: bool = FORCE_OPTION,
         skip_unreadable: str = typer.Option(
             None,
@@ -100,16 +77,16 @@ def register(app: typer.Typer) -> None:
             metavar="TARGET[,TARGET...]",
             help="Launch although these targets cannot be read to check the name is free.",
         ),
-        follow: bool = FOLLOW_OPTION,
-        wait: float = WAIT_OPTION,
-        json_out: bool = JSON_OPTION,
+        follow: bool = lifecycle.FOLLOW_OPTION,
+        wait: float = lifecycle.WAIT_OPTION,
+        json_out: bool = lifecycle.JSON_OPTION,
     ) -> None:
         """Start a training run in a detached tmux session on one target or several."""
         opts = context.get(ctx)
         opts.want_json(json_out)
         runs.check_name(run)
         text = resolve_config(config, sets or [], run)
-        values = secret_values(secrets or [])
+        values = lifecycle.secret_values(secrets or [])
         inventory = opts.inventory()
         targets = [inventory.target(name) for name in lifecycle.parse_hosts(host)]
         skip = set(lifecycle.parse_hosts(skip_unreadable)) if skip_unreadable else set()
@@ -123,12 +100,12 @@ def register(app: typer.Typer) -> None:
                 show_plan(reader, placement, seen, text, code, force=True)
             else:
                 lifecycle.claim(reader, writer, placement, skip=skip)
-            made = Made(placement)
+            made = lifecycle.Started(placement)
             try:
-                prepare(writer, placement, code, seen.have_code, text, values, made)
+                lifecycle.prepare(writer, placement, code, seen.have_code, text, values, made)
                 if not opts.dry_run:
                     check_plan(writer, placement, seen, code, force=force)
-                start_all(writer, placement)
+                lifecycle.start_all(writer, placement)
             except BaseException:
                 if not opts.dry_run:
                     lifecycle.take_back(writer, placement, placement.nodes, made.secrets)
@@ -139,20 +116,12 @@ def register(app: typer.Typer) -> None:
                                   nodes=placement.record())  # fmt: skip
                 return
             try:
-                view = wait_for_life(reader, placement, timeout=wait)
+                view = lifecycle.wait_for_life(reader, placement, timeout=wait)
             except OpsError:
                 context.note(f"{run}: the launch failed; taking back its run directory")
                 lifecycle.take_back(writer, placement, placement.nodes, made.secrets)
                 raise
-            then_follow(opts, reader, view, follow)
-
-
-class Made:
-    """What a launch made so far that taking it back must remove besides run directories."""
-
-    def __init__(self, placement: Placement) -> None:
-        self.placement = placement
-        self.secrets: list[str] = []
+            lifecycle.then_follow(opts, reader, view, follow)
 
 
 # ---------------------------------------------------------------- before anything is made
@@ -270,48 +239,6 @@ def check_free(target: Target, probe: runs.Probe, *, force: bool) -> None:
     raise UsageError(f"{target.name} is busy: {why}, or pass --force")
 
 
-# ---------------------------------------------------------------- making and starting
-
-
-def prepare(
-    writer: Session,
-    placement: Placement,
-    code: lifecycle.Code,
-    have_code: Any,
-    config_text: str,
-    values: dict[str, str],
-    made: Made,
-    *,
-    resume: bool = False,
-    code_dirs: dict[str, str] | None = None,
-) -> None:
-    """On every node in parallel: the code snapshot, secrets, and the run files."""
-
-    def one(node: lifecycle.Node) -> None:
-        machine = writer.machine(node.target)
-        if code_dirs and node.target.name in code_dirs:
-            code_dir = code_dirs[node.target.name]
-        else:
-            code_dir = lifecycle.ensure_code(machine, code, have_code(node.target, code))
-        secret = None
-        if values:
-            secret = lifecycle.secrets_path(placement, node)
-            made.secrets.append(secret)
-            lifecycle.write_secrets(machine, secret, values)
-        doc = lifecycle.launch_doc(placement, node, code_dir=code_dir, secrets_path=secret,
-                                   resume=resume)  # fmt: skip
-        files = lifecycle.node_files(doc, None if resume else config_text)
-        lifecycle.write_run_files(machine, placement.dir(node), files)
-
-    lifecycle.each_node(writer, placement, one)
-
-
-def start_all(writer: Session, placement: Placement) -> None:
-    """Node 0 first (it hosts the rendezvous), then the others."""
-    for node in placement.nodes:
-        lifecycle.start(writer.machine(node.target), placement.run, placement.dir(node))
-
-
 # ---------------------------------------------------------------- the memory plan
 
 
@@ -421,30 +348,6 @@ def show_plan(
         context.note(f"{placement.run}: memory plan: {result.error_text}")
 
 
-def then_follow(opts: context.Context, reader: Any, view: RunView, follow: bool) -> None:
-    """Report the started run; with --follow, go on as `status --follow` (one JSON document
-    at the end under --json)."""
-    if not (follow and opts.json):
-        report(opts, view)
-    if follow:
-        from dflashops.watch import follow_run
-
-        emit = opts.emit if opts.json else None
-        raise typer.Exit(follow_run(reader, view, None, interval=5.0, emit=emit))
-
-
-def report(opts: context.Context, view: RunView) -> None:
-    if opts.json:
-        opts.emit(view.summary())
-        return
-    step = f", step {view.step}/{view.total_steps}" if view.step is not None else ""
-    where = ", ".join(view.node_targets)
-    context.say(
-        f"{view.name}: {view.state} on {where} (tmux {runs.tmux_session(view.name)}"
-        f"{step}); watch it with: dflashops status {view.name} --follow"
-    )
-
-
 # ---------------------------------------------------------------- the config
 
 
@@ -472,114 +375,7 @@ def resolve_config(spec: str | None, sets: list[str], run: str) -> str:
     if not sets:
         return f"{header}\n{path.read_text()}"
     for item in sets:
-        apply_set(data, item)
+        lifecycle.apply_set(data, item)
     shown = " ".join(f"--set {shlex.quote(s)}" for s in sets)
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     return f"{header}\n# with {shown}\n{body}"
-
-
-def apply_set(data: dict[str, Any], item: str) -> None:
-    key, sep, raw = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(KEY_PART.match(p) for p in parts):
-        raise UsageError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. loss.gamma=7")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise UsageError(f"--set {item}: the value is not valid YAML") from None
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            where = ".".join(parts[: i + 1])
-            raise UsageError(f"--set {item}: {where} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-# ---------------------------------------------------------------- secrets
-
-
-def secret_values(names: list[str]) -> dict[str, str]:
-    """--secret NAME...: the values from our environment (they travel on stdin only)."""
-    values = {}
-    for name in names:
-        if not SECRET_NAME.match(name):
-            raise UsageError(
-                f"--secret {name}: give an environment variable's name (its value is read from "
-                "your environment), e.g. --secret WANDB_API_KEY"
-            )
-        value = os.environ.get(name)
-        if value is None:
-            raise UsageError(f"--secret {name}: not set in your environment")
-        values[name] = value
-    return values
-
-
-# ---------------------------------------------------------------- waiting
-
-
-def wait_for_life(reader: Session, placement: Placement, *, timeout: float) -> RunView:
-    """Until the trainer runs (state.json says so), ends, or `timeout` passes."""
-    clock = Stopwatch()
-    next_note = 5.0
-    run = placement.run
-    head = placement.nodes[0].target
-    where = ", ".join(n.target.name for n in placement.nodes)
-    context.note(f"{run}: starting on {where} (the trainer loads the target model first)")
-    view = runs.reread(reader.machine(head), run, records="recent", console=8192)
-    while True:
-        view = runs.refresh(reader, view, records="recent", console=8192)
-        if view.state == "running" and view.status.get("status") == "running":
-            return view
-        if view.state in ("finished", "stopped"):
-            return view
-        if view.state in ("failed", "unknown"):
-            error = trainer_failure(view, failed_target(reader, view))
-            for line in last_lines(view)[-12:]:
-                context.note(f"  {line}")
-            raise error
-        if clock.seconds > timeout:
-            context.note(
-                f"{run}: still starting after {duration(clock.seconds)}; it goes on: "
-                f"`dflashops logs {run} --follow` shows what it prints"
-            )
-            return view
-        if clock.seconds >= next_note:
-            said = last_lines(view)[-1:] or ["(no output yet)"]
-            context.note(f"{run}: starting ({duration(clock.seconds)}): {said[0]}")
-            next_note += 10
-        time.sleep(1.0 if clock.seconds < 30 else 3.0)
-
-
-def failed_target(reader: Session, view: RunView) -> Target:
-    nodes = [v for v in view.nodes if v.state == "failed"] or [view]
-    return reader.inventory.target(min(nodes, key=runs.end_time).target)
-
-
-def last_lines(view: RunView) -> list[str]:
-    return runs.trainer_lines(view)
-
-
-def trainer_failure(view: RunView, target: Target) -> OpsError:
-    """The trainer's early exit as our error: its config refusal (exit 2) becomes our exit 2."""
-    failed = [v for v in view.nodes if v.state == "failed"]
-    if failed:
-        view = min(failed, key=runs.end_time)
-    cause = runs.root_cause(view)
-    code = cause[1] if cause else view.exit_code
-    lines = last_lines(view)
-    if code == 2:
-        refusals = [line for line in lines if line.startswith("error: ")]
-        message = (refusals or lines or ["(no message)"])[-1].removeprefix("error: ")
-        return UsageError(f"{view.name}: the trainer refused to start: {message}")
-    if code == 127:
-        return OpsError(
-            f"{view.name}: {target.python} not found on {target.name}; "
-            f"run `dflashops setup {target.name}` first"
-        )
-    why = view.note or f"exit code {code}"
-    last = lines[-1] if lines else "no output"
-    return OpsError(f"{view.name}: the trainer failed ({why}): {last}")

@@ -11,7 +11,6 @@ import time
 import typer
 
 from dflashops import context, lifecycle, runs
-from dflashops.commands import launch as launching
 from dflashops.errors import NotFoundError, UsageError
 from dflashops.lifecycle import Node, Placement
 from dflashops.runs import RunView
@@ -32,15 +31,15 @@ def register(app: typer.Typer) -> None:
             "--update-code",
             help="Run the workload as it is now, not the snapshot the run started with.",
         ),
-        secrets: list[str] = launching.SECRETS_OPTION,
-        follow: bool = launching.FOLLOW_OPTION,
-        wait: float = launching.WAIT_OPTION,
-        json_out: bool = launching.JSON_OPTION,
+        secrets: list[str] = lifecycle.SECRETS_OPTION,
+        follow: bool = lifecycle.FOLLOW_OPTION,
+        wait: float = lifecycle.WAIT_OPTION,
+        json_out: bool = lifecycle.JSON_OPTION,
     ) -> None:
         """Start a run again from its newest complete checkpoint."""
         opts = context.get(ctx)
         opts.want_json(json_out)
-        values = launching.secret_values(secrets or [])
+        values = lifecycle.secret_values(secrets or [])
         with runs.sessions(opts) as (reader, writer):
             view = runs.find(reader, run, host=host, checkpoints=True, records="none",
                              files=["launch.json"])  # fmt: skip
@@ -49,25 +48,25 @@ def register(app: typer.Typer) -> None:
             code = lifecycle.local_code()
             code_dirs = {} if update_code else recorded_code(view)
             have = {n.target.name: n.target.name in code_dirs for n in placement.nodes}
-            made = launching.Made(placement)
+            made = lifecycle.Started(placement)
             for node in placement.nodes:
                 reset = {"status": "launching", "exit_code": None, "finished": None,
                          "resumed": time.time()}  # fmt: skip
                 runs.control(writer.machine(node.target), "relaunch", placement.dir(node),
                              **reset)  # fmt: skip
-            launching.prepare(
+            lifecycle.prepare(
                 writer, placement, code, lambda t, c: have.get(t.name, False), "", values, made,
                 resume=True, code_dirs=code_dirs,
             )  # fmt: skip
-            launching.start_all(writer, placement)
+            lifecycle.start_all(writer, placement)
             if opts.dry_run:
                 context.note("dry run: nothing was changed")
                 runs.dry_run_done(opts, run=run, target=view.target, dir=view.dir,
                                   from_step=max(view.complete_steps()))  # fmt: skip
                 return
             context.note(f"{run}: resuming from step_{max(view.complete_steps())}")
-            view = launching.wait_for_life(reader, placement, timeout=wait)
-            launching.then_follow(opts, reader, view, follow)
+            view = lifecycle.wait_for_life(reader, placement, timeout=wait)
+            lifecycle.then_follow(opts, reader, view, follow)
 
 
 def check_resumable(view: RunView) -> None:
