@@ -31,9 +31,9 @@ import yaml
 from dflashops import context, lifecycle, runs, transfer
 from dflashops.commands.evals import gap, stored
 from dflashops.commands.logs import stream_log
-from dflashops.commands.pull_ckpt import pull
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
+from dflashops.pulls import pull
 from dflashops.remote import source as helper_source
 from dflashops.render import console, metric, table
 from dflashops.session import Session
