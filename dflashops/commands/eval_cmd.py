@@ -30,9 +30,9 @@ import yaml
 
 from dflashops import context, lifecycle, runs, transfer
 from dflashops.commands.evals import gap, stored
-from dflashops.commands.logs import stream_log
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
+from dflashops.logstream import stream_log
 from dflashops.pulls import pull
 from dflashops.remote import source as helper_source
 from dflashops.render import console, metric, table
