@@ -13,8 +13,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from dflashops.commands.evals import tau_value
 from dflashops.errors import OpsError, UsageError
+from dflashops.evalstore import tau_value
 from dflashops.runs import RunView
 
 FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")

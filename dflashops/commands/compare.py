@@ -19,8 +19,8 @@ import typer
 
 from dflashops import context, runs
 from dflashops import plot as plotting
-from dflashops.commands.evals import Stored, stored, tau_value
 from dflashops.errors import UsageError
+from dflashops.evalstore import Stored, stored, tau_value
 from dflashops.render import console, metric, styled, table
 from dflashops.runs import RunView
 from dflashops.tables import Col, Grid

@@ -29,8 +29,8 @@ import typer
 import yaml
 
 from dflashops import context, lifecycle, runs, transfer
-from dflashops.commands.evals import gap, stored
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UsageError
+from dflashops.evalstore import gap, stored
 from dflashops.inventory import Target
 from dflashops.logstream import stream_log
 from dflashops.pulls import pull

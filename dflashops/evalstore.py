@@ -1,0 +1,85 @@
+"""The stored evaluations on every target: <ws>/evals/RUN/step_N.json (written by `eval`) and
+the eval jobs (<ws>/evals/RUN/jobs/ID/), read by `evals`, `eval` and `compare`, and the values
+of a result (tau, DDTree tau per budget, the reference's, the gap).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflashops import context
+from dflashops.errors import ExitCode, OpsError
+from dflashops.remote import argv as helper_argv
+from dflashops.render import metric
+from dflashops.session import Session
+
+
+@dataclass
+class Stored:
+    """What every target holds: results (newest file of a run and step per target), jobs."""
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    errors: dict[str, OpsError] = field(default_factory=dict)
+
+    def warn_errors(self) -> None:
+        for target, err in self.errors.items():
+            context.note(f"{target}: not read: {err.message}")
+
+    def exit_code(self) -> int:
+        """As `status`'s: 3 when a target could not be reached, 1 for another failure."""
+        if any(e.code == ExitCode.UNREACHABLE for e in self.errors.values()):
+            return int(ExitCode.UNREACHABLE)
+        return int(ExitCode.FAILED) if self.errors else 0
+
+    def budgets(self) -> list[str]:
+        found = {b for r in self.results for b in (r.get("ddtree") or {})}
+        return sorted(found, key=int)
+
+    def of(self, run: str) -> list[dict[str, Any]]:
+        return [r for r in self.results if r["run"] == run]
+
+
+def stored(session: Session, names: list[str] | None = None) -> Stored:
+    """The eval results and jobs of `names` (None: every run) on every target, in parallel."""
+    targets = list(session.inventory.targets.values())
+
+    def read(target: Any) -> dict[str, Any]:
+        machine = session.machine(target)
+        request = json.dumps({"ws": target.workspace, "runs": names}).encode()
+        result = machine.run(helper_argv("evals_probe.py"), stdin=request)
+        if machine.dry_run:
+            return {"results": [], "jobs": []}
+        if not result.ok:
+            raise OpsError(f"{target.name}: could not read its evals: {result.error_text}")
+        return json.loads(result.stdout)
+
+    out = Stored()
+    for target, answer in zip(targets, session.each(read, targets), strict=True):
+        if isinstance(answer, OpsError):
+            out.errors[target.name] = answer
+            continue
+        for item in answer["results"] + answer["jobs"]:
+            item["target"] = target.name
+        out.results += answer["results"]
+        out.jobs += answer["jobs"]
+    out.results.sort(key=lambda r: (r["run"], r["step"], r["target"]))
+    return out
+
+
+def tau_value(result: dict[str, Any], key: str) -> float | None:
+    """A result's "tau" (chain), "ddtreeB" (DDTree budget B) or "ref_tau" (the reference's)."""
+    if key == "tau":
+        return result.get("tau")
+    if key == "ref_tau":
+        return (result.get("reference") or {}).get("tau")
+    return (result.get("ddtree") or {}).get(key.removeprefix("ddtree"))
+
+
+def gap(ours: float | None, ref: float | None) -> str:
+    """'12.4 (-9.4)': the reference's tau, and ours minus it."""
+    if ref is None:
+        return "-"
+    return metric(ref, "streak") + ("" if ours is None else f" ({ours - ref:+.2f})")
