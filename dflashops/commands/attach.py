@@ -15,7 +15,7 @@ import posixpath
 import typer
 
 from dflashops import context, runs
-from dflashops.commands.shell import on_terminal
+from dflashops.attached import on_terminal
 from dflashops.errors import NotFoundError
 from dflashops.runs import RunView
 

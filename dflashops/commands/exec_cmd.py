@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import typer
 
 from dflashops import context
+from dflashops.attached import run_streaming
 from dflashops.errors import UsageError
-from dflashops.targets.base import Result
 
 
 def register(app: typer.Typer) -> None:
@@ -57,32 +54,3 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
             raise UsageError(f"--env {item!r}: expected NAME=VALUE")
         out[name] = value
     return out
-
-
-def run_streaming(  # noqa: ANN001
-    machine, argv: list[str], *, env=None, cwd=None, forward_stdin: bool = True
-) -> Result:
-    """Run with our stdin (when it is not a terminal) and our stdout/stderr attached."""
-    attach = forward_stdin and sys.stdin is not None and not sys.stdin.isatty()
-    stdin = _FdReader(sys.stdin.fileno()) if attach else None
-    result = machine.run(
-        argv,
-        stdin=stdin,
-        env=env,
-        cwd=cwd,
-        stdout=context.stream_sink(sys.stdout),
-        stderr=context.stream_sink(sys.stderr),
-    )
-    return result
-
-
-class _FdReader:
-    """Our stdin read at the fd level: a thread blocked in it never holds a Python buffer lock."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def read1(self, size: int) -> bytes:
-        return os.read(self.fd, size)
-
-    read = read1

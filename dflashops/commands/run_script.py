@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from dflashops import context, transfer
-from dflashops.commands.exec_cmd import run_streaming
+from dflashops.attached import run_streaming
 from dflashops.errors import NotFoundError, UsageError
 
 SCRIPTS = "dflashops/scripts"
