@@ -143,6 +143,11 @@ def test_a_run_executes_its_own_snapshot_and_a_later_launch_never_changes_it(
     assert resumed.code == 0, resumed.err
     assert trainer_env(run1)["PYTHONPATH"] == str(code1)
     assert snapshot_of(run1) == digest1 and tree_hashes(code1) == before
+    assert cli("stop", "snap1").code == 0
+    updated = cli("resume", "snap1", "--update-code")  # unless asked to take the workload now
+    assert updated.code == 0, updated.err
+    assert trainer_env(run1)["PYTHONPATH"] == str(code2)
+    assert json.loads((run1 / "launch.json").read_text())["code"] == str(code2)
     for name in ("snap1", "snap2"):
         assert cli("stop", name).code == 0
 
