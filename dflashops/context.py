@@ -30,6 +30,12 @@ COMMAND_TIMEOUT_S = {
     ),
 }
 
+# `--host TARGET` of the commands that take a run's name (runs.find/choose: the run on TARGET
+# where the name exists on several targets; without a name, the newest running run there)
+HOST_OPTION = typer.Option(
+    None, "--host", metavar="TARGET", help="Where the name exists on several targets."
+)
+
 
 @dataclass
 class Context:

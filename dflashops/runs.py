@@ -424,15 +424,28 @@ def survey(session: Session, targets: Iterable[Target] | None = None, **request:
     return Survey(probes, errors)
 
 
-def find(session: Session, name: str, *, host: str | None = None, **request: Any) -> RunView:
+def find(
+    session: Session, name: str, *, host: str | None = None, strict: bool = True, **request: Any
+) -> RunView:
     """The run called `name`, wherever it lives (runs/ or archive/ of any target); `host`
-    picks one where the name exists on several targets."""
+    picks one where the name exists on several targets (see `choose`)."""
     check_name(name)
     found = survey(session, names=[name], archive=True, **request)
+    return choose(session, found, name, host, strict=strict)
+
+
+def choose(
+    session: Session, found: Survey, name: str, host: str | None, *, strict: bool = True
+) -> RunView:
+    """The one run called `name` in a survey. `host` picks the run on that target where the
+    name exists on several; `strict`, it must be there even where the name exists once (else
+    a run named once is taken wherever it is: `compare a b --host X` where only `a` is
+    twice)."""
     matches = [r for r in found.runs() if r.name == name]
     if host is not None:
         session.inventory.target(host)  # a name that is no target: one line, exit 4
-        matches = [r for r in matches if host in r.node_targets]
+        if strict or len(matches) > 1:
+            matches = [r for r in matches if host in r.node_targets]
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
@@ -446,19 +459,16 @@ def find(session: Session, name: str, *, host: str | None = None, **request: Any
     raise not_found(found, [name])
 
 
-def pick(found: Survey, names: list[str]) -> list[RunView]:
-    """The named runs from a survey, in the order given (a name given twice once)."""
-    by_name: dict[str, list[RunView]] = {}
-    for view in found.runs():
-        by_name.setdefault(view.name, []).append(view)
-    missing = [n for n in dict.fromkeys(names) if n not in by_name]
+def pick(
+    session: Session, found: Survey, names: list[str], *, host: str | None = None
+) -> list[RunView]:
+    """The named runs from a survey, in the order given (a name given twice once); `host`
+    picks among the places of a name that exists on several targets."""
+    known = {view.name for view in found.runs()}
+    missing = [n for n in dict.fromkeys(names) if n not in known]
     if missing:
         raise not_found(found, missing)
-    for name in names:
-        if len(by_name[name]) > 1:
-            places = ", ".join(f"{v.target}:{v.where}/{name}" for v in by_name[name])
-            raise UsageError(f"run {name!r} exists in more than one place ({places})")
-    return [by_name[n][0] for n in dict.fromkeys(names)]
+    return [choose(session, found, n, host, strict=False) for n in dict.fromkeys(names)]
 
 
 LISTED_RUNS = 12
@@ -479,12 +489,18 @@ def not_found(found: Survey, missing: list[str]) -> OpsError:
     return NotFoundError(message)
 
 
-def newest_running(session: Session, **request: Any) -> RunView:
+def newest_running(session: Session, *, host: str | None = None, **request: Any) -> RunView:
+    """The newest running run (of those on `host`, when given)."""
+    if host is not None:
+        session.inventory.target(host)
     found = survey(session, **request)
-    running = [r for r in found.runs() if r.running]
+    running = [r for r in found.runs() if r.running and host in (None, *r.node_targets)]
     if not running:
         found.warn_errors()
-        raise NotFoundError("no run is running; name one (`dflashops status --all` lists them)")
+        where = f" on {host}" if host is not None else ""
+        raise NotFoundError(
+            f"no run is running{where}; name one (`dflashops status --all` lists them)"
+        )
     newest = max(running, key=lambda r: r.started or 0)
     context.note(f"(run {newest.name} on {newest.target}: the newest running run)")
     return newest
@@ -493,10 +509,10 @@ def newest_running(session: Session, **request: Any) -> RunView:
 def resolve(
     session: Session, name: str | None, *, host: str | None = None, **request: Any
 ) -> RunView:
-    """A named run, or the newest running one when no name is given."""
+    """A named run, or the newest running one when no name is given (on `host`, if given)."""
     if name:
         return find(session, name, host=host, **request)
-    return newest_running(session, **request)
+    return newest_running(session, host=host, **request)
 
 
 def reread(machine: Machine, run: str, **request: Any) -> RunView:

@@ -40,9 +40,7 @@ def register(app: typer.Typer) -> None:
             metavar="K",
             help="Keep checkpoints whose step is a multiple of K.",
         ),
-        host: str = typer.Option(
-            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-        ),
+        host: str = context.HOST_OPTION,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Move a finished run to the target's archive/ (every node's), pruning checkpoints."""

@@ -40,9 +40,7 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Argument(
             None, metavar="RUN", help="A running run (default: the newest running one)."
         ),
-        host: str = typer.Option(
-            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-        ),
+        host: str = context.HOST_OPTION,
         node: int = typer.Option(
             0, "--node", min=0, metavar="K", help="Node K of a run over several targets."
         ),

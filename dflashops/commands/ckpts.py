@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         verify: bool = typer.Option(
             False, "--verify", help="Check every file's sha256 against the manifest (reads all)."
         ),
+        host: str = context.HOST_OPTION,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """List a run's checkpoints: step, complete or not, size (and --verify their hashes)."""
@@ -32,7 +33,7 @@ def register(app: typer.Typer) -> None:
             runs.survey(session, names=[run] if run else None, archive=True, checkpoints=True)
             runs.dry_run_done(opts, run=run)
             return
-        view = runs.resolve(session, run, records="none")
+        view = runs.resolve(session, run, records="none", host=host)
         if verify:
             context.note(f"{view.name}: hashing every checkpoint file on {view.target}")
         machine = session.machine(view.target)

@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
         ),
         plot: Path = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw the curves."),
         tau: bool = typer.Option(False, "--tau", help="Add tau rows from stored evaluations."),
+        host: str = context.HOST_OPTION,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
@@ -62,7 +63,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             runs.dry_run_done(opts, runs=names)
             return
-        views = runs.pick(found, names)
+        views = runs.pick(session, found, names, host=host)
         warn_logs(views)
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)

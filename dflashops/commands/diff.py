@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         names: list[str] = typer.Argument(..., metavar="RUN RUN...", help="Runs to compare."),
         all_: bool = typer.Option(False, "--all", "-a", help="Every key, not just differing ones."),
+        host: str = context.HOST_OPTION,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Show the runs' resolved configs side by side, with the recipe audit."""
@@ -39,13 +40,12 @@ def register(app: typer.Typer) -> None:
         as_json = opts.want_json(json_out)
         for name in names:
             runs.check_name(name)
-        found = runs.survey(
-            opts.session(), names=list(names), archive=True, records="none", files=FILES
-        )
+        session = opts.session()
+        found = runs.survey(session, names=list(names), archive=True, records="none", files=FILES)
         if opts.dry_run:
             runs.dry_run_done(opts, runs=names)
             return
-        views = runs.pick(found, names)
+        views = runs.pick(session, found, names, host=host)
         configs = {v.name: read_config(v) for v in views}
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)

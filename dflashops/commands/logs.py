@@ -33,9 +33,7 @@ def register(app: typer.Typer) -> None:
         rank: int = typer.Option(
             None, "--rank", min=0, metavar="K", help="Rank K's output (default: rank 0's)."
         ),
-        host: str = typer.Option(
-            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-        ),
+        host: str = context.HOST_OPTION,
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
         opts = context.get(ctx)

@@ -28,6 +28,7 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Option(
             None, "--run", metavar="RUN", help="The run (default: the newest running one)."
         ),
+        host: str = context.HOST_OPTION,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""
@@ -35,7 +36,7 @@ def register(app: typer.Typer) -> None:
         as_json = opts.want_json(json_out)
         dest = opts.inventory().target(to)
         with runs.sessions(opts) as (reader, writer):
-            view = runs.resolve(reader, run, records="none")
+            view = runs.resolve(reader, run, records="none", host=host)
             done = pull(reader, writer, view, step, dest)
         if opts.dry_run:
             runs.dry_run_done(opts, **done)

@@ -23,9 +23,7 @@ def register(app: typer.Typer) -> None:
     def resume(
         ctx: typer.Context,
         run: str = typer.Argument(..., metavar="RUN", help="A stopped or failed run."),
-        host: str = typer.Option(
-            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-        ),
+        host: str = context.HOST_OPTION,
         update_code: bool = typer.Option(
             False,
             "--update-code",

@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
             None, "--vs", metavar="RUN", help="Show another run beside it at the same steps."
         ),
         all_: bool = typer.Option(False, "--all", "-a", help="Include finished and archived runs."),
+        host: str = context.HOST_OPTION,
         interval: float = typer.Option(
             5.0, "--interval", metavar="SECONDS", help="Polling period of --follow."
         ),
@@ -54,30 +55,37 @@ def register(app: typer.Typer) -> None:
             runs.dry_run_done(opts, run=run)
             return
         if follow:
-            view = runs.resolve(session, run, records="recent")
-            other = runs.find(session, vs, records="all") if vs else None
+            view = runs.resolve(session, run, records="recent", host=host)
+            other = runs.find(session, vs, records="all", host=host, strict=False) if vs else None
             emit = opts.emit if as_json else None
             code = follow_run(session, view, other, interval=max(1.0, interval), emit=emit)
             raise typer.Exit(code)
         if vs:
-            view = runs.resolve(session, run, records="all")
-            other = runs.find(session, vs, records="all")
+            view = runs.resolve(session, run, records="all", host=host)
+            other = runs.find(session, vs, records="all", host=host, strict=False)
             show_vs(view, other, as_json, opts)
             return
         if run:
-            view = runs.find(session, run, records="recent", checkpoints=True, console=8192)
+            view = runs.find(session, run, host=host, records="recent", checkpoints=True,
+                             console=8192)  # fmt: skip
             show_one(view, as_json, opts)
             return
+        if host is not None:
+            opts.inventory().target(host)  # a name that is no target: one line, exit 4
         found = runs.survey(session, archive=all_, records="recent")
-        show_all(found, all_, as_json, opts)
+        show_all(found, all_, as_json, opts, host=host)
         raise typer.Exit(found.exit_code())
 
 
 # ---------------------------------------------------------------- one-shot views
 
 
-def show_all(found: runs.Survey, all_: bool, as_json: bool, opts: context.Context) -> None:
-    views = sorted(found.runs(), key=lambda r: (-(r.started or 0), r.target, r.name))
+def show_all(
+    found: runs.Survey, all_: bool, as_json: bool, opts: context.Context, host: str | None = None
+) -> None:
+    """Every run (on `host`, when given) but finished and archived ones, unless `all_`."""
+    views = [v for v in found.runs() if host is None or host in v.node_targets]
+    views.sort(key=lambda r: (-(r.started or 0), r.target, r.name))
     shown = [v for v in views if all_ or v.state not in ("finished", "archived")]
     hidden = len(views) - len(shown)
     warn_logs(shown)

@@ -29,9 +29,7 @@ def register(app: typer.Typer) -> None:
         kill: bool = typer.Option(
             False, "--kill", help="Kill it now (SIGKILL, every node): no checkpoint is saved."
         ),
-        host: str = typer.Option(
-            None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-        ),
+        host: str = context.HOST_OPTION,
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Ask a run's trainer to save a checkpoint and stop; wait until it has."""
