@@ -32,7 +32,8 @@ def tmux_dir(tmp_path):
     path.mkdir()
     yield path
     env = {**os.environ, "TMUX_TMPDIR": str(path)}
-    subprocess.run(["tmux", "kill-server"], env=env, capture_output=True)
+    for server in (["-L", "dflashops"], []):  # runs live on our own socket, -L dflashops
+        subprocess.run(["tmux", *server, "kill-server"], env=env, capture_output=True)
 
 
 PLAN_STAND_IN = """\
