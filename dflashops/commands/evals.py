@@ -98,6 +98,10 @@ def register(app: typer.Typer) -> None:
         if run is not None:
             runs.check_name(run)
         found = stored(opts.session(), [run] if run else None)
+        if run is not None and not opts.dry_run and not found.results + found.jobs:
+            there = runs.survey(opts.session(), names=[run], archive=True, records="none")
+            if not there.where(run):  # no such run: the one wording (a run with none: below)
+                raise runs.not_found(there, [run])
         found.warn_errors()
         if opts.dry_run:
             runs.dry_run_done(opts, run=run)
