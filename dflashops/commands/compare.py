@@ -119,17 +119,20 @@ def show_tau(doc: dict[str, Any]) -> None:
               "-: not evaluated")  # fmt: skip
 
 
-def parse_steps(text: str | None) -> list[int]:
+def parse_steps(
+    text: str | None, option: str = "--steps", *, least: int = 0, example: str = "100,500"
+) -> list[int]:
+    """Comma-separated integers >= least, sorted, each once (--steps; eval's --budgets)."""
     if not text:
         return []
     try:
         steps = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise UsageError(
-            f"--steps {text}: expected comma-separated integers, e.g. 100,500"
+            f"{option} {text}: expected comma-separated integers, e.g. {example}"
         ) from None
-    if any(s < 0 for s in steps):
-        raise UsageError(f"--steps {text}: steps are >= 0")
+    if any(s < least for s in steps):
+        raise UsageError(f"{option} {text}: {option.removeprefix('--')} are >= {least}")
     return steps
 
 
