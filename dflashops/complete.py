@@ -72,7 +72,7 @@ def _runs_given(ctx: typer.Context) -> set[str]:
     given: set[str] = set()
     for param in ctx.command.params:
         value = ctx.params.get(param.name or "")
-        if (param.metavar or "").startswith("RUN") and value:
+        if _names_runs(param.metavar) and value:
             given.update([value] if isinstance(value, str) else value)
     return given
 
@@ -87,7 +87,7 @@ def _read_names(ctx: typer.Context, out: list[str]) -> None:
 
 def attach(app: typer.Typer) -> None:
     """Give each command's RUN parameters run completion, its TARGET ones target completion
-    (found by metavar: RUN, RUN RUN..., TARGET, TARGET[,TARGET...]; or named `target`)."""
+    (found by metavar: RUN, [RUN], RUN RUN..., TARGET, TARGET[,TARGET...]; or named `target`)."""
     for info in app.registered_commands:
         command = info.name or ""
         for name, param in inspect.signature(info.callback).parameters.items():
@@ -99,10 +99,14 @@ def attach(app: typer.Typer) -> None:
                 declared.autocompletion = completer
 
 
+def _names_runs(metavar: str | None) -> bool:
+    """A RUN parameter's metavar: RUN, RUN RUN..., or [RUN] (an optional one)."""
+    return (metavar or "").lstrip("[").startswith("RUN")
+
+
 def _completer_for(command: str, name: str, declared: ParameterInfo) -> Any:
-    metavar = declared.metavar or ""
-    if metavar.startswith("RUN") and command not in NEW_RUN_COMMANDS:
+    if _names_runs(declared.metavar) and command not in NEW_RUN_COMMANDS:
         return run_names
-    if metavar.startswith("TARGET") or name == "target":
+    if (declared.metavar or "").startswith("TARGET") or name == "target":
         return target_names
     return None

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import typer
 
-from dflashops.errors import ExitCode, OpsError
+from dflashops.errors import ExitCode, OpsError, UsageError
 from dflashops.inventory import Inventory, find_inventory, load_inventory
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -35,6 +35,23 @@ COMMAND_TIMEOUT_S = {
 HOST_OPTION = typer.Option(
     None, "--host", metavar="TARGET", help="Where the name exists on several targets."
 )
+
+
+def parse_steps(
+    text: str | None, option: str = "--steps", *, least: int = 0, example: str = "100,500"
+) -> list[int]:
+    """Comma-separated integers >= least, sorted, each once (--steps; eval's --budgets)."""
+    if not text:
+        return []
+    try:
+        steps = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(
+            f"{option} {text}: expected comma-separated integers, e.g. {example}"
+        ) from None
+    if any(s < least for s in steps):
+        raise UsageError(f"{option} {text}: {option.removeprefix('--')} are >= {least}")
+    return steps
 
 
 @dataclass

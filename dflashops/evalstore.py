@@ -83,3 +83,10 @@ def gap(ours: float | None, ref: float | None) -> str:
     if ref is None:
         return "-"
     return metric(ref, "streak") + ("" if ours is None else f" ({ours - ref:+.2f})")
+
+
+def real_rounds(check: dict[str, Any] | None) -> str:
+    """'38/40': of the rounds the real loop ran (--check-real), those as simulated."""
+    if not check:
+        return "-"
+    return f"{check.get('rounds_equal', '?')}/{check.get('rounds_checked', '?')}"

@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         as_json = opts.want_json(json_out)
         if plot is not None:
             plotting.check(plot)
-        wanted = parse_steps(steps)
+        wanted = context.parse_steps(steps)
         keys = [k.strip() for k in metrics.split(",") if k.strip()]
         if not keys:
             raise UsageError("--metrics: name at least one key, e.g. acc,dds8,loss,streak")
@@ -118,20 +118,6 @@ def show_tau(doc: dict[str, Any]) -> None:
             out.print()
     out.print("tau: from stored evaluations of each step's checkpoint (dflashops evals); "
               "-: not evaluated")  # fmt: skip
-
-
-def parse_steps(text: str | None) -> list[int]:
-    if not text:
-        return []
-    try:
-        steps = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UsageError(
-            f"--steps {text}: expected comma-separated integers, e.g. 100,500"
-        ) from None
-    if any(s < 0 for s in steps):
-        raise UsageError(f"--steps {text}: steps are >= 0")
-    return steps
 
 
 def default_steps(views: list[RunView]) -> list[int]:

@@ -1,10 +1,12 @@
-"""`eval RUN (--step N | --steps A,B,C) --on TARGET [--reference PATH] [--follow | --detach]`
+"""`eval RUN (--step N | --steps A,B,C) --on TARGET [--reference PATH] [--check-real N]
+[--budgets B,B] [--follow | --detach]`
 
 An eval job: pulls each checkpoint TARGET lacks (pull-ckpt), then evaluates them one after the
 other in a detached tmux session on TARGET (remote/launcher.py running remote/evaljob.py, as
 `launch` runs a trainer: it survives a closed laptop). Each step runs `python -m workload.eval`
 with the run's run.yaml and keeps its result in <ws>/evals/RUN/step_N.json there (with the
-reference drafter's under "reference" when --reference is given). The job lives in
+reference drafter's under "reference" when --reference is given; --check-real N adds the real
+draft-and-verify loop's check on N prompts, --budgets more DDTree budgets). The job lives in
 <ws>/evals/RUN/jobs/ID/ (launch.json, job.json, state.json, console.log, exit_code).
 
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
@@ -30,7 +32,7 @@ import yaml
 
 from dflashops import context, lifecycle, runs, transfer
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UsageError
-from dflashops.evalstore import gap, stored
+from dflashops.evalstore import gap, real_rounds, stored
 from dflashops.inventory import Target
 from dflashops.logstream import stream_log
 from dflashops.pulls import pull
@@ -55,6 +57,7 @@ def register(app: typer.Typer) -> None:
             None, "--steps", metavar="A,B,C", help="Several steps, evaluated one after another."
         ),
         on: str = typer.Option(..., "--on", metavar="TARGET", help="The target to evaluate on."),
+        host: str = context.HOST_OPTION,
         prompts: str = typer.Option(
             None,
             "--prompts",
@@ -71,6 +74,19 @@ def register(app: typer.Typer) -> None:
         ),
         max_new_tokens: int = typer.Option(None, "--max-new-tokens", metavar="N"),
         max_prompts: int = typer.Option(None, "--max-prompts", metavar="N"),
+        check_real: int = typer.Option(
+            None,
+            "--check-real",
+            metavar="N",
+            help="Also run the real draft-and-verify loop on the first N prompts: real tau "
+            "against simulated, rounds equal, tokens/s against autoregressive.",
+        ),
+        budgets: str = typer.Option(
+            None,
+            "--budgets",
+            metavar="B,B",
+            help="DDTree budgets to add to the evaluator's (8, 16, 32, 64), e.g. 128,256.",
+        ),
         sets: list[str] = typer.Option(
             None,
             "--set",
@@ -91,11 +107,15 @@ def register(app: typer.Typer) -> None:
         if follow and detach:
             raise UsageError("--follow and --detach: choose one")
         chosen = chosen_steps(step, steps, follow)
+        if check_real is not None and check_real < 0:
+            raise UsageError(f"--check-real {check_real}: a number of prompts, >= 0")
         dest = opts.inventory().target(on)
         if not chosen:  # --follow alone: the newest job of RUN there
             job = newest_job(opts.session(), run, dest)
             return finish(opts, as_json, dest, job)
-        extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [])
+        more = context.parse_steps(budgets, "--budgets", least=1, example="128,256")
+        extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
+                      host)  # fmt: skip
         with runs.sessions(opts) as (reader, writer):
             job = start_job(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:
@@ -115,6 +135,9 @@ class Extra:
     max_new_tokens: int | None
     max_prompts: int | None
     sets: list[str]
+    check_real: int | None = None  # prompts checked against the real loop
+    budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
+    host: str | None = None  # --host: the run's target where its name is on several
 
 
 def chosen_steps(step: int | None, steps: str | None, follow: bool) -> list[int]:
@@ -125,13 +148,7 @@ def chosen_steps(step: int | None, steps: str | None, follow: bool) -> list[int]
             raise UsageError(f"--step {step}: steps are >= 0")
         return [step]
     if steps:
-        try:
-            found = sorted({int(x) for x in steps.split(",") if x.strip()})
-        except ValueError:
-            raise UsageError(f"--steps {steps}: expected comma-separated integers") from None
-        if not found or found[0] < 0:
-            raise UsageError(f"--steps {steps}: expected steps >= 0, e.g. 1000,2000,4000")
-        return found
+        return context.parse_steps(steps, "--steps", example="1000,2000,4000")
     if not follow:
         raise UsageError("give --step N or --steps A,B,C (or --follow to attach to a job)")
     return []
@@ -141,7 +158,7 @@ def start_job(
     reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
 ) -> dict[str, Any]:
     """Check what the evaluation needs, pull the missing checkpoints, start the job."""
-    view = runs.find(reader, run, records="none", files=["run.yaml"])
+    view = runs.find(reader, run, host=extra.host, records="none", files=["run.yaml"])
     config = parse_config(view, extra.sets)
     machine = writer.machine(dest)
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
@@ -289,6 +306,10 @@ def eval_argv(
         argv += ["--max-new-tokens", str(extra.max_new_tokens)]
     if extra.max_prompts is not None:
         argv += ["--max-prompts", str(extra.max_prompts)]
+    if extra.check_real:
+        argv += ["--check-real", str(extra.check_real)]
+    if extra.budgets:
+        argv += ["--budgets", ",".join(map(str, extra.budgets))]
     found = runs.probe(reader, paths=list(checks)).paths
     missing = [f"{what} {path}" for path, what in checks.items() if found.get(path) == "missing"]
     if missing and not reader.dry_run:
@@ -357,6 +378,37 @@ def show(run: str, step: int, dest: Target, out: str, result: dict[str, Any]) ->
         f"tokens; tau = mean accepted + 1 per round; Pk = acceptance of draft slot k; "
         f"result: {dest.name}:{out}"
     )
+    if isinstance(result.get("check_real"), dict):
+        show_real(result["check_real"])
+
+
+def show_real(check: dict[str, Any]) -> None:
+    """The real draft-and-verify loop against the simulation (--check-real): per loop, its
+    rounds as simulated and both taus; the chain loop's tokens/s against autoregressive."""
+    grid = table("REAL LOOP", "ROUNDS EQUAL", "REAL TAU", "SIMULATED TAU", "TOKENS/S",
+                 "AR TOKENS/S", "SPEEDUP")  # fmt: skip
+    trees = check.get("ddtree") or {}
+    chain = {
+        k: check.get(k, 0) - sum(t.get(k, 0) for t in trees.values())
+        for k in ("rounds_equal", "rounds_checked")
+    }  # the totals count every loop's
+    speedup = check.get("speedup")
+    grid.add_row("chain", real_rounds(chain), metric(check.get("real_tau"), "streak"),
+                 metric(check.get("simulated_tau"), "streak"),
+                 metric(check.get("real_tokens_per_s"), "tok_s"),
+                 metric(check.get("ar_tokens_per_s"), "tok_s"),
+                 "-" if speedup is None else f"{speedup:.2f}x")  # fmt: skip
+    for b in sorted(trees, key=int):
+        t = trees[b]
+        grid.add_row(f"DDTree {b}", real_rounds(t), metric(t.get("real_tau"), "streak"),
+                     metric(t.get("simulated_tau"), "streak"), "-", "-", "-")  # fmt: skip
+    n = check.get("prompts", "?")
+    c = console()
+    c.print()
+    c.print(grid)
+    c.print(f"real loop on {n} prompt{'' if n == 1 else 's'} (--check-real): ROUNDS EQUAL = "
+            f"rounds as simulated / rounds run ({real_rounds(check)} in all); TOKENS/S: the "
+            "chain loop's generated tokens per second, AR: plain greedy decoding's")  # fmt: skip
 
 
 def _diff(ours: float | None, ref: float | None) -> str:
@@ -366,12 +418,15 @@ def _diff(ours: float | None, ref: float | None) -> str:
 def show_steps(run: str, dest: Target, done: list[dict[str, Any]]) -> None:
     """A sweep: one row per step (and the reference's tau beside it)."""
     budgets = sorted({b for r in done for b in (r.get("ddtree") or {})}, key=int)
-    grid = table("STEP", "PROMPTS", "TAU", *(f"DDTREE {b}" for b in budgets), "REF TAU")
+    checked = any("check_real" in r for r in done)
+    grid = table("STEP", "PROMPTS", "TAU", *(f"DDTREE {b}" for b in budgets), "REF TAU",
+                 *(["REAL ROUNDS"] if checked else []))  # fmt: skip
     for r in done:
         ref = r.get("reference") or {}
         cells = [str(r["step"]), metric(r.get("n_prompts")), metric(r.get("tau"), "streak")]
         cells += [metric((r.get("ddtree") or {}).get(b), "streak") for b in budgets]
-        grid.add_row(*cells, gap(r.get("tau"), ref.get("tau")))
+        cells += [gap(r.get("tau"), ref.get("tau"))]
+        grid.add_row(*cells, *([real_rounds(r.get("check_real"))] if checked else []))
     c = console()
     c.print(f"{run} on {dest.name}:")
     c.print(grid)

@@ -2,7 +2,8 @@
 
 Every target's <ws>/evals/RUN/step_N.json (written by `eval`), one row each: run, step, target,
 prompts, tau (chain), tau per DDTree budget, the reference drafter's tau (and the gap) when the
-job had one, and the date; eval jobs still running are listed below.
+job had one, the real loop's rounds as simulated / checked (eval --check-real) when any result
+has them, and the date; eval jobs still running are listed below.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import typer
 
 from dflashops import context, runs
-from dflashops.evalstore import Stored, gap, stored
+from dflashops.evalstore import Stored, gap, real_rounds, stored
 from dflashops.render import console, metric, table
 from dflashops.tables import Col
 
@@ -32,6 +33,10 @@ def register(app: typer.Typer) -> None:
         if run is not None:
             runs.check_name(run)
         found = stored(opts.session(), [run] if run else None)
+        if run is not None and not opts.dry_run and not found.results + found.jobs:
+            there = runs.survey(opts.session(), names=[run], archive=True, records="none")
+            if not there.where(run):  # no such run: the one wording (a run with none: below)
+                raise runs.not_found(there, [run])
         found.warn_errors()
         if opts.dry_run:
             runs.dry_run_done(opts, run=run)
@@ -56,21 +61,25 @@ def show(found: Stored, run: str | None) -> None:
         out.print(f"no stored eval results{f' of {run}' if run else ''}")
     else:
         budgets = found.budgets()
+        checked = any("check_real" in r for r in found.results)
         grid = table(
             Col("RUN", keep=True), Col("STEP", keep=True), Col("TARGET", keep=True), "PROMPTS",
             Col("TAU", keep=True), *(Col(f"DDTREE {b}", priority=1) for b in budgets),
-            Col("REF TAU", priority=2), Col("DATE", priority=0),
+            Col("REF TAU", priority=2), *([Col("REAL ROUNDS", priority=1)] if checked else []),
+            Col("DATE", priority=0),
         )  # fmt: skip
         for r in found.results:
             ref = r.get("reference") or {}
             cells = [r["run"], str(r["step"]), r["target"], metric(r.get("n_prompts")),
                      metric(r.get("tau"), "streak")]  # fmt: skip
             cells += [metric((r.get("ddtree") or {}).get(b), "streak") for b in budgets]
-            cells += [gap(r.get("tau"), ref.get("tau")), date(r.get("mtime"))]
-            grid.add_row(*cells)
+            cells += [gap(r.get("tau"), ref.get("tau"))]
+            cells += [real_rounds(r.get("check_real"))] if checked else []
+            grid.add_row(*cells, date(r.get("mtime")))
         out.print(grid)
         out.print("tau = mean accepted + 1 per round; REF TAU: the reference drafter's, "
-                  "(ours - reference)")  # fmt: skip
+                  "(ours - reference)" + ("; REAL ROUNDS: the real loop's rounds as simulated / "
+                  "rounds run (eval --check-real)" if checked else ""))  # fmt: skip
     for job in newest_jobs(found.jobs):
         steps = ",".join(str(s) for s in job.get("steps") or [])
         what = f"eval job {job['job']} of {job['run']} (steps {steps}) on {job['target']}"

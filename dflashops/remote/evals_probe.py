@@ -3,7 +3,7 @@
 stdin: {"ws": workspace, "runs": [run, ...] or null for all}.
 stdout: {"now": time, "results": [...], "jobs": [...]}: a result is the summary of
 <ws>/evals/RUN/step_N.json (its keys without the per-prompt records, with run, step, file and
-mtime); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
+mtime; the real loop's check, check_real, without its per-prompt details); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
 (its tmux session on our server, or its launcher by pid and start time).
 """
 
@@ -18,7 +18,7 @@ from dflashops.remote.shared import proc_start, read_json
 
 STEP_FILE = re.compile(r"^step_(\d+)\.json$")
 SUMMARY = ("tau", "ddtree", "per_position", "n_prompts", "max_new_tokens", "checkpoint",
-           "budgets", "prompts_file", "timing")  # fmt: skip
+           "budgets", "prompts_file", "timing", "check_real", "real_loop_rounds_checked")  # fmt: skip
 
 
 def listdir(path):
@@ -30,6 +30,8 @@ def listdir(path):
 
 def summary(doc):
     out = {k: doc[k] for k in SUMMARY if k in doc}
+    if isinstance(out.get("check_real"), dict):
+        out["check_real"] = {k: v for k, v in out["check_real"].items() if k != "details"}
     ref = doc.get("reference")
     if isinstance(ref, dict):
         out["reference"] = {k: ref[k] for k in SUMMARY if k in ref}

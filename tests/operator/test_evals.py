@@ -229,16 +229,47 @@ def test_a_reference_is_evaluated_beside_and_the_gap_shown(cli, trained, bed):
     assert f"({ours['tau'] - ref['tau']:+.2f})" in row
 
 
+def test_a_real_loop_check_and_an_extra_budget_are_kept_and_shown(cli, trained, bed):
+    ran = cli("eval", RUN, "--step", "4", "--on", "evalbox", "--check-real", "1",
+              "--budgets", "3", *SMALL)  # fmt: skip
+    assert ran.code == 0, ran.err
+    kept = json.loads(bed["evalbox"].host_path(f"/workspace/evals/{RUN}/step_4.json").read_text())
+    check = kept["check_real"]
+    assert check["prompts"] == 1 and 3 in kept["budgets"] and "3" in check["ddtree"]
+    assert kept["real_loop_rounds_checked"] == check["rounds_checked"] > 0
+    assert "DDTREE 3" in ran.out.splitlines()[0]  # the extra budget's column
+    rows = {line.split()[0]: line.split() for line in ran.out.splitlines() if line.strip()}
+    chain, tree = rows["chain"], ran.out.split("DDTree 3", 1)[1].split()
+    trees = check["ddtree"].values()
+    chain_rounds = [check[k] - sum(t[k] for t in trees) for k in ("rounds_equal", "rounds_checked")]
+    assert chain[1] == "{}/{}".format(*chain_rounds)
+    assert chain[2:4] == [f"{check['real_tau']:.2f}", f"{check['simulated_tau']:.2f}"]
+    assert chain[6] == ("-" if check["speedup"] is None else f"{check['speedup']:.2f}x")
+    three = check["ddtree"]["3"]
+    assert tree[0] == f"{three['rounds_equal']}/{three['rounds_checked']}"
+    assert f"({check['rounds_equal']}/{check['rounds_checked']} in all)" in ran.out
+
+    listed = {r["step"]: r for r in stored(cli)["evals"]}[4]
+    assert listed["check_real"]["rounds_checked"] == listed["real_loop_rounds_checked"]
+    assert "3" in listed["ddtree"] and "details" not in listed["check_real"]
+    text = cli("evals", RUN).out
+    assert "REAL ROUNDS" in text.splitlines()[0] and "DDTREE 3" in text.splitlines()[0]
+    row = next(line for line in text.splitlines() if line.split()[:2] == [RUN, "4"])
+    assert f"{check['rounds_equal']}/{check['rounds_checked']}" in row.split()
+
+
 def test_bad_eval_requests_are_one_line(cli, trained):
     bad = cli("eval", RUN, "--steps", "2,x", "--on", "evalbox")
-    assert bad.code == 2 and bad.err.strip().endswith("expected comma-separated integers")
+    assert bad.code == 2 and "--steps 2,x: expected comma-separated integers" in bad.err
     both = cli("eval", RUN, "--step", "2", "--steps", "4", "--on", "evalbox")
     assert both.code == 2 and len(both.err.strip().splitlines()) == 1
     missing = cli("eval", RUN, "--steps", "2,5", "--on", "evalbox", *SMALL)
     assert missing.code == 4 and "complete steps: 2, 4, 6" in missing.err
+    budgets = cli("eval", RUN, "--step", "2", "--on", "evalbox", "--budgets", "0,8")
+    assert budgets.code == 2 and budgets.err.strip().endswith("--budgets 0,8: budgets are >= 1")
     nojob = cli("eval", RUN, "--follow", "--on", "train")
     assert nojob.code == 4 and f"{RUN}: no eval job on train" in nojob.err
-    assert "Traceback" not in bad.err + both.err + missing.err + nojob.err
+    assert "Traceback" not in bad.err + both.err + missing.err + budgets.err + nojob.err
 
 
 def test_a_failed_job_is_said_by_evals_and_by_follow(cli, trained):

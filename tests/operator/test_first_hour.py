@@ -171,7 +171,7 @@ def test_completion_of_run_names_for_every_command_that_takes_one(inventory, ws,
     make_run(ws, "alpha-old", where="archive")
     lines = ["status al", "status alpha-1 --vs al", "logs al", "stop al", "resume al",
              "archive al", "compare alpha-1 al", "diff al", "ckpts al", "eval al",
-             "pull-ckpt 10 --to local --run al"]  # fmt: skip
+             "pull-ckpt 10 --to local --run al", "evals al"]  # fmt: skip
     for line in lines:
         got, ran, _ = complete(inventory, f"dflashops {line}", tmp_path)
         assert (ran.code, ran.err) == (0, ""), (line, ran.err)
@@ -243,10 +243,12 @@ def test_one_wording_for_a_run_that_is_not_there(cli, ws):
     commands = [("status", "v9"), ("status", "v4", "--vs", "v9"), ("logs", "v9"), ("stop", "v9"),
                 ("resume", "v9"), ("archive", "v9"), ("compare", "v4", "v9"), ("diff", "v9", "v4"),
                 ("ckpts", "v9"), ("eval", "v9", "--step", "10", "--on", "local"),
-                ("pull-ckpt", "10", "--to", "local", "--run", "v9")]  # fmt: skip
+                ("pull-ckpt", "10", "--to", "local", "--run", "v9"), ("evals", "v9")]  # fmt: skip
     for args in commands:
         ran = cli(*args)
         assert (ran.code, ran.err) == (4, NOT_FOUND), args
+    none_yet = cli("evals", "v4")  # a run that is there, never evaluated
+    assert (none_yet.code, none_yet.out, none_yet.err) == (0, "no stored eval results of v4\n", "")
     near = cli("logs", "v44")
     assert near.code == 4
     assert near.err == ("dflashops: error: no run 'v44' on the targets read (did you mean 'v4'?) "

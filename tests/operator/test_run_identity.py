@@ -168,7 +168,7 @@ def test_a_name_on_two_targets_is_refused_until_host_picks_one(targets, config):
     for args in (["status", "dup"], ["logs", "dup"], ["stop", "dup"], ["ckpts", "dup"],
                  ["pull-ckpt", "1", "--to", "one", "--run", "dup"], ["compare", "dup", "solo"],
                  ["diff", "dup", "solo"], ["status", "solo", "--vs", "dup"], ["archive", "dup"],
-                 ["resume", "dup"]):  # fmt: skip
+                 ["resume", "dup"], ["eval", "dup", "--step", "1", "--on", "one"]):  # fmt: skip
         ran = targets.cli(*args)
         assert (ran.code, ran.err.strip().splitlines()) == (2, [ask]), (args, ran.err)
     for name in ("one", "two"):
@@ -207,6 +207,10 @@ def test_a_name_on_two_targets_is_refused_until_host_picks_one(targets, config):
     assert pulled.code == 0, pulled.err
     assert json.loads(pulled.out)["from"] == "two"
     assert (targets.ws("one") / "ckpts" / "dup" / f"step_{step}" / "MANIFEST.sha256").is_file()
+    unsaved = targets.cli("eval", "dup", "--step", str(step), "--on", "one", "--host", "one")
+    assert unsaved.code == 4 and f"dup has no checkpoint step_{step}" in unsaved.err, (
+        unsaved.err
+    )  # --host one picked the run there, which saved no checkpoint
 
     # compare and diff: --host picks among the places of the name that is twice; `solo`
     # (on `two` only) is taken where it is
