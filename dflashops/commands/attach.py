@@ -4,8 +4,8 @@ targets, or node K. Detaching (C-b d) comes back with exit 0; the run goes on.
 
 The launcher's own window shows nothing (everything goes to console.log, so a terminal can
 never hold up the trainer), so the session gets a window `console` that follows console.log
-(`tail -F`) and ends with the launcher (`--pid`, checked every 0.2 s): the session still ends
-with the run.
+(`tail -F`) and ends with the launcher (checked every 0.2 s, a zombie counting as ended): the
+session still ends with the run.
 """
 
 from __future__ import annotations
@@ -19,13 +19,22 @@ from dflashops.attached import on_terminal
 from dflashops.errors import NotFoundError
 from dflashops.runs import RunView
 
-# $1: the session, $2: its console.log. The launcher is the first window's pane.
+# $1: the session, $2: its console.log. The launcher is the first window's pane. The console
+# window ends when the launcher is gone or a zombie: tmux can miss a pane's SIGCHLD while it
+# spawns another pane (libutempter, tmux#311), and `tail --pid` waits on a zombie for ever;
+# the console window's own end makes tmux reap both.
 ATTACH = """\
 s="=$1"; log=$2
+watch='tail -n 200 -s 0.2 -F "$2" & t=$!
+while :; do
+  case $(sed -n "s/^State:[[:space:]]*//p" "/proc/$1/status" 2>/dev/null) in ""|Z*|X*) break ;; esac
+  sleep 0.2
+done
+kill $t'
 set -- tmux -L dflashops -f /dev/null
 if ! "$@" list-windows -t "$s:" -F '#{window_name}' | grep -qx console; then
   pid=$("$@" display-message -p -t "$s:0" '#{pane_pid}')
-  "$@" new-window -d -t "$s:" -n console tail -n 200 -s 0.2 --pid="$pid" -F "$log"
+  "$@" new-window -d -t "$s:" -n console sh -c "$watch" sh "$pid" "$log"
 fi
 "$@" select-window -t "$s:console" 2>/dev/null
 exec "$@" attach-session -t "$s"
