@@ -4,6 +4,7 @@ from the screen. The run is the stand-in trainer (test_runs_local), slow enough 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dflashops.commands.attach import ATTACH
 from tests.operator.cli import Ran, dflashops
 from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run
 
@@ -311,7 +313,9 @@ def test_dry_run_prints_what_would_run_on_the_host(cli, running):
     attach = cli("--dry-run", "attach", running)
     assert attach.code == 0, attach.err
     assert attach.out.startswith(f"pve1: pct exec {VMID} -- /usr/bin/env -i ")
-    assert "tmux -L dflashops -f /dev/null" in attach.out and "attach-session" in attach.out
+    program = f"sha256 {hashlib.sha256(ATTACH.encode()).hexdigest()[:12]}>"  # shown by digest
+    assert f"/bin/sh -c '<program: {len(ATTACH)} bytes, {program}'" in attach.out, attach.out
+    assert "tmux -L dflashops -f /dev/null" in ATTACH and "attach-session" in ATTACH
     assert attach.out.endswith(" sh dflash-att=v1 /workspace/runs/att.v1/console.log\n")
     shell = cli("--dry-run", "shell", "box")
     assert shell.code == 0 and shell.out.startswith(f"pve1: pct exec {VMID} -- "), shell
