@@ -207,7 +207,20 @@ def test_a_name_on_two_targets_is_refused_until_host_picks_one(targets, config):
     assert pulled.code == 0, pulled.err
     assert json.loads(pulled.out)["from"] == "two"
     assert (targets.ws("one") / "ckpts" / "dup" / f"step_{step}" / "MANIFEST.sha256").is_file()
-    unsaved = targets.cli("eval", "dup", "--step", str(step), "--on", "one", "--host", "one")
+    unsaved = targets.cli(
+        "eval",
+        "dup",
+        "--step",
+        str(step),
+        "--on",
+        "one",
+        "--host",
+        "one",
+        "--set",
+        f"target.path={targets.ws('one')}",
+        "--prompts",
+        str(targets.ws("one") / "runs" / "dup" / "run.yaml"),
+    )
     assert unsaved.code == 4 and f"dup has no checkpoint step_{step}" in unsaved.err, (
         unsaved.err
     )  # --host one picked the run there, which saved no checkpoint
