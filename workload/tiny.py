@@ -510,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # lines, not a tqdm bar's carriage returns, in logs
     build(
         a.out,
         kind=a.kind,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,9 @@ from workload.targets import (
 @pytest.fixture(params=["dense", "hybrid"])
 def build(request):
     return request.getfixturevalue(f"tiny_{request.param}"), request.param
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _jsonl(path):
@@ -160,3 +166,14 @@ def test_multimodal_qwen35_checkpoint_loads_as_its_text_model(tiny_hybrid, tmp_p
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, vlm(input_ids=ids).logits)
+
+
+def test_the_command_line_prints_lines_not_a_progress_bar(tmp_path):
+    """demo.sh and logs show the builder's output: lines, never a tqdm bar's carriage returns
+    (transformers' "Writing model shards" bar)."""
+    cmd = [sys.executable, "-m", "workload.tiny", "--out", str(tmp_path / "t"), "--steps", "2",
+           "--conversations", "40", "--prompts", "2", "--no-regenerate"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"[tiny] wrote" in done.stderr
+    assert b"\r" not in done.stdout + done.stderr, done.stderr.decode()
