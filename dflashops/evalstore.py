@@ -9,30 +9,20 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashops import context
-from dflashops.errors import ExitCode, OpsError
+from dflashops.errors import OpsError
 from dflashops.remote import argv as helper_argv
 from dflashops.render import metric
+from dflashops.runs import Unread
 from dflashops.session import Session
 
 
 @dataclass
-class Stored:
+class Stored(Unread):
     """What every target holds: results (newest file of a run and step per target), jobs."""
 
     results: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, OpsError] = field(default_factory=dict)
-
-    def warn_errors(self) -> None:
-        for target, err in self.errors.items():
-            context.note(f"{target}: not read: {err.message}")
-
-    def exit_code(self) -> int:
-        """As `status`'s: 3 when a target could not be reached, 1 for another failure."""
-        if any(e.code == ExitCode.UNREACHABLE for e in self.errors.values()):
-            return int(ExitCode.UNREACHABLE)
-        return int(ExitCode.FAILED) if self.errors else 0
 
     def budgets(self) -> list[str]:
         found = {b for r in self.results for b in (r.get("ddtree") or {})}

@@ -385,8 +385,24 @@ def end_time(view: RunView) -> float:
     return float("inf")
 
 
+class Unread:
+    """What came back from several targets, with `errors` of those that could not be read."""
+
+    errors: dict[str, OpsError]
+
+    def warn_errors(self) -> None:
+        for target, err in self.errors.items():
+            context.note(f"{target}: not read: {err.message}")
+
+    def exit_code(self) -> int:
+        """As `status`'s: 3 when a target could not be reached, 1 for another failure."""
+        if any(e.code == ExitCode.UNREACHABLE for e in self.errors.values()):
+            return int(ExitCode.UNREACHABLE)
+        return int(ExitCode.FAILED) if self.errors else 0
+
+
 @dataclass
-class Survey:
+class Survey(Unread):
     probes: dict[str, Probe]
     errors: dict[str, OpsError]
 
@@ -400,15 +416,6 @@ class Survey:
         """(target, 'runs'|'archive') for every place a run of that name lives."""
         found = [(t, p.has(run)) for t, p in self.probes.items()]
         return [(t, w) for t, w in found if w]
-
-    def warn_errors(self) -> None:
-        for target, err in self.errors.items():
-            context.note(f"{target}: not read: {err.message}")
-
-    def exit_code(self) -> int:
-        if any(e.code == ExitCode.UNREACHABLE for e in self.errors.values()):
-            return int(ExitCode.UNREACHABLE)
-        return int(ExitCode.FAILED) if self.errors else 0
 
 
 def survey(session: Session, targets: Iterable[Target] | None = None, **request: Any) -> Survey:

@@ -148,7 +148,10 @@ def chosen_steps(step: int | None, steps: str | None, follow: bool) -> list[int]
             raise UsageError(f"--step {step}: steps are >= 0")
         return [step]
     if steps:
-        return context.parse_steps(steps, "--steps", example="1000,2000,4000")
+        found = context.parse_steps(steps, "--steps", example="1000,2000,4000")
+        if not found:
+            raise UsageError(f"--steps {steps}: expected steps >= 0, e.g. 1000,2000,4000")
+        return found
     if not follow:
         raise UsageError("give --step N or --steps A,B,C (or --follow to attach to a job)")
     return []
