@@ -180,7 +180,7 @@ class OpenSshProcess:
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         self._tail = b""
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.popen.stdin.write(data)
 
     def close_stdin(self) -> None:

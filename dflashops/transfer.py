@@ -1,7 +1,7 @@
 """Files in and out of any target over `Machine.run`: a tar stream in, sha256 checked after.
 
 Nothing is trusted on an exit code alone (a failed `pct push` may exit 0): every file that
-goes in is hashed while it is read here and hashed again, from disk, inside the target.
+goes in is hashed while it is read here and hashed again inside the target as it is written.
 Every bulk byte stream (a tar in, a file out, one target's tar into another) runs through
 `stream`, the one place that says how bulk bytes travel.
 """

@@ -1,5 +1,5 @@
 """Runs inside a target with its python3 (stdlib only): unpack a tar stream nobody vouches for,
-then hash what landed, from disk.
+hashing each file's bytes as they are written.
 
 argv: BASE                     a copy (push, sync): regular files, directories and symlinks
       BASE --checkpoint FINAL  a checkpoint into its partial directory BASE, then placed at FINAL
@@ -14,8 +14,9 @@ setuid, setgid and sticky bits are dropped with a warning on stderr; owners are 
 from the stream, and nothing is written through a link already at the destination.
 
 Each file is written under a name unique to this receiver (.dfo-PID-RANDOM.part in its
-directory), hashed from disk, and only then renamed into place: two receivers into one
-directory never mix their bytes, and a failure removes the file it was writing.
+directory), hashed as it is written (on a second thread), its size on disk checked, and only
+then renamed into place: two receivers into one directory never mix their bytes, and a failure
+removes the file it was writing.
 stdout (a copy): {path: {"t": "f", "sha256": hex, "size": n, "mode": m} | {"t": "l", "to":
 target} | {"t": "d"}}.
 
@@ -229,16 +230,6 @@ def make_link(path, to):
     os.symlink(to, path)
 
 
-def hash_file(path):
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"t": "f", "sha256": digest.hexdigest(), "size": size}
-
-
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -270,8 +261,10 @@ def sweep_parts(folder, everything=False):
 
 
 class Unpacker:
-    """Unpacks a stream under `base`. Subclasses say what they accept and how a file lands:
-    each is hashed from disk and landed on a second thread, while the next one arrives."""
+    """Unpacks a stream under `base`. Subclasses say what they accept and how a file lands.
+    Each chunk of a file is hashed on a second thread while the next one is read and written
+    (hashlib lets go of the GIL), and the file is landed there once its size on disk is the
+    size sent."""
 
     durable = False  # fsync each file before it lands
 
@@ -279,7 +272,7 @@ class Unpacker:
         self.base = base
         self.seen = {}
         self.swept = set()
-        self.jobs = queue.Queue(maxsize=64)
+        self.jobs = queue.Queue(maxsize=32)
         self.error = None
         self.thread = threading.Thread(target=self.hasher, daemon=True)
 
@@ -300,14 +293,17 @@ class Unpacker:
 
     def hasher(self):
         while (job := self.jobs.get()) is not None:
-            rel, tmp, path = job
-            try:
-                if self.error is None:
-                    self.land(rel, tmp, path, hash_file(tmp))
-            except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
-                self.error = exc
-            finally:
-                unlink(tmp)
+            if isinstance(job, tuple) and self.error is None:
+                digest, chunk = job
+                digest.update(chunk)
+            elif isinstance(job, Written):
+                try:
+                    if self.error is None:
+                        self.land(job.rel, job.tmp, job.path, job.info())
+                except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
+                    self.error = exc
+                finally:
+                    unlink(job.tmp)
 
     def entry(self, stream, member):
         checked = check_name(member.name)
@@ -338,8 +334,7 @@ class Unpacker:
             make_link(path, member.link)
             self.landed_link(rel, path)
         else:
-            tmp = self.write(stream, path, member.size, mode, member.mtime_ns)
-            self.jobs.put((rel, tmp, path))
+            self.jobs.put(self.write(stream, rel, path, member, mode))
 
     def accept(self, rel, member):
         """Raise Refused for an entry this copy does not take."""
@@ -355,7 +350,8 @@ class Unpacker:
     def landed_link(self, rel, path):
         """A symlink arrived (for a subclass's report)."""
 
-    def write(self, stream, path, size, mode, mtime_ns):
+    def write(self, stream, rel, path, member, mode):
+        """Write a file's data to a .part file beside `path`, its chunks queued for hashing."""
         if os.path.isdir(path) and not os.path.islink(path):
             raise IsADirectoryError(
                 f"{path} is a directory: to copy into it, end the destination with /"
@@ -366,29 +362,43 @@ class Unpacker:
             sweep_parts(folder)
         tmp = os.path.join(folder, f".dfo-{os.getpid()}-{secrets.token_hex(6)}.part")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        digest = hashlib.sha256()
         try:
-            with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
-                left = size
+            with os.fdopen(os.open(tmp, flags, 0o600), "wb", buffering=0) as f:
+                left = member.size
                 while left:
                     chunk = stream.read(min(left, CHUNK))
                     if not chunk:
                         raise EOFError("the tar stream ended inside a file")
-                    f.write(chunk)
+                    self.jobs.put((digest, chunk))
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[f.write(view) :]
                     left -= len(chunk)
-                f.flush()
                 if self.durable:
                     os.fsync(f.fileno())
+                on_disk = os.fstat(f.fileno()).st_size
             os.chmod(tmp, mode)
-            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+            os.utime(tmp, ns=(member.mtime_ns, member.mtime_ns))
         except BaseException as exc:
             unlink(tmp)
             if isinstance(exc, OSError) and exc.filename in (None, tmp):
                 raise OSError(exc.errno, exc.strerror, path) from None
             raise
-        pad = -size % BLOCK
+        pad = -member.size % BLOCK
         if pad:
             read_exact(stream, pad)
-        return tmp
+        return Written(rel, tmp, path, digest, on_disk)
+
+
+class Written:
+    """A file written to its .part file: landed once its last chunk is hashed."""
+
+    def __init__(self, rel, tmp, path, digest, size):
+        self.rel, self.tmp, self.path, self.digest, self.size = rel, tmp, path, digest, size
+
+    def info(self):
+        return {"t": "f", "sha256": self.digest.hexdigest(), "size": self.size}
 
 
 # ---------------------------------------------------------------- a copy (push, sync)

@@ -51,7 +51,7 @@ class Result:
 class Process(Protocol):
     """A started command: bytes in, bytes out, an exit code."""
 
-    def write(self, data: bytes) -> None: ...
+    def write(self, data: bytes | memoryview) -> None: ...
     def close_stdin(self) -> None: ...
     def read_stdout(self, size: int) -> bytes: ...
     def read_stderr(self, size: int) -> bytes: ...
@@ -296,9 +296,10 @@ class _Feeder:
     def feed(self) -> None:
         try:
             for chunk in _chunks(self.stdin):
+                view = memoryview(chunk)  # slices of it are not copies
                 try:
-                    for start in range(0, len(chunk), WRITE_SLICE):
-                        self.proc.write(chunk[start : start + WRITE_SLICE])
+                    for start in range(0, len(view), WRITE_SLICE):
+                        self.proc.write(view[start : start + WRITE_SLICE])
                         self.watch.touch()
                 except (OSError, EOFError):
                     return  # the command stopped reading; its exit code tells the story

@@ -36,7 +36,7 @@ class LocalProcess:
         proc.popen, proc.failed, proc.message = None, code, (message + "\n").encode()
         return proc
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self.popen:
             self.popen.stdin.write(data)
 

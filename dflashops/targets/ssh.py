@@ -32,8 +32,8 @@ class ChannelProcess:
             self.kill()
             raise
 
-    def write(self, data: bytes) -> None:
-        self.channel.sendall(data)
+    def write(self, data: bytes | memoryview) -> None:
+        self.channel.sendall(bytes(data))  # paramiko takes bytes only
 
     def close_stdin(self) -> None:
         if not self.channel.closed:
