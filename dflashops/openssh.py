@@ -182,6 +182,7 @@ class OpenSshProcess:
 
     def write(self, data: bytes | memoryview) -> None:
         self.popen.stdin.write(data)
+        self.popen.stdin.flush()  # a short line may be waited for (a push's offer)
 
     def close_stdin(self) -> None:
         with contextlib.suppress(BrokenPipeError):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from dflashops.tables import Col, Grid
 
@@ -29,19 +30,31 @@ def human_bytes(n: float | None) -> str:
 
 
 @contextmanager
-def progress(
-    label: str, total: int | None, *, enabled: bool = True
-) -> Iterator[Callable[[int], None]]:
+def progress(label: str, total: int | None, *, enabled: bool = True) -> Iterator[Meter]:
     """Byte counting on stderr, shown once the work has taken more than two seconds: a bar on
-    a terminal, else a line every few seconds (for logs)."""
+    a terminal, else a line every few seconds (for logs). The meter is called with each
+    count of bytes done; `set_total` gives a total learnt on the way."""
     if not enabled:
-        yield lambda n: None
+        yield _NoMeter()
         return
     shown = _LazyBar(label, total) if sys.stderr.isatty() else _PlainProgress(label, total)
     try:
-        yield shown.advance
+        yield shown
     finally:
         shown.close()
+
+
+class Meter(Protocol):
+    def __call__(self, n: int) -> None: ...
+    def set_total(self, total: int) -> None: ...
+
+
+class _NoMeter:
+    def __call__(self, n: int) -> None:
+        """Nothing shown."""
+
+    def set_total(self, total: int) -> None:
+        """Nothing shown."""
 
 
 class _LazyBar:
@@ -53,7 +66,12 @@ class _LazyBar:
         self.done = 0
         self.bar = None
 
-    def advance(self, n: int) -> None:
+    def set_total(self, total: int) -> None:
+        self.total = total
+        if self.bar is not None:
+            self.bar.update(self.task, total=total)
+
+    def __call__(self, n: int) -> None:
         self.done += n
         if self.bar is None:
             if time.monotonic() - self.start < SHOW_AFTER_S:
@@ -100,7 +118,10 @@ class _PlainProgress:
         self.done = 0
         self.next = time.monotonic() + SHOW_AFTER_S
 
-    def advance(self, n: int) -> None:
+    def set_total(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
         if now >= self.next:

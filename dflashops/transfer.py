@@ -16,13 +16,18 @@ import posixpath
 import secrets
 import stat
 import tarfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflashops import remote as helpers
 from dflashops.errors import OpsError, TransferError, UsageError
 from dflashops.targets.base import CHUNK, Machine, Result, Sink, Stdin
+
+if TYPE_CHECKING:
+    from dflashops.render import Meter
 
 Progress = Callable[[int], None]
 BLOCK = tarfile.BLOCKSIZE
@@ -208,28 +213,90 @@ class Changes:
     unchanged: int
     total: int  # entries in all
 
-    @property
-    def needed(self) -> bool:
-        return bool(self.changed) or self.total == 0  # an empty tree still makes its directory
 
-
-def changes(machine: Machine, local: Path, remote: str, *, checksum: bool = False) -> Changes:
-    """Compare `local` with what `remote` holds: files by size, mtime and mode (rsync's quick
-    check), or by sha256 on both sides with `checksum`; links by target, directories by mode.
-    Under --dry-run nothing is read there: everything counts as changed."""
+def push(
+    machine: Machine,
+    local: Path,
+    remote: str,
+    *,
+    checksum: bool = False,
+    progress: Meter | None = None,
+) -> tuple[Changes, Sent]:
+    """Copy what differs of `local` into `remote` (created with its parents), then verify, in
+    one call: the receiver first says what it holds of each path, then only what differs
+    follows. Files are compared by size, mtime and mode (rsync's quick check), or by sha256 on
+    both sides with `checksum`; links by target, directories by mode. `progress` learns its
+    total once that answer has come. Under --dry-run nothing is read there: all is sent."""
     base, entries = _layout(machine, local, remote)
-    theirs = {}
-    if not machine.dry_run:
-        rels = [e.rel for e in entries]
-        theirs = describe_remote(machine, base, rels, quick=not checksum)
+    dest = remote_path(machine, remote)
     if checksum:
         for e in entries:
             if e.kind == "f":
                 e.sha256 = _sha256(e.path)
+    receive = helpers.argv("receive.py", base, "--offer")
+    if machine.dry_run:
+        stream(machine, receive)  # shown, not run
+        return _changes(dest, entries, {}, checksum), Sent(entries, sum(e.size for e in entries))
+    answer = _Answer()
+    todo: list[Changes] = []
+
+    def offer_then_tar() -> Iterator[bytes]:
+        yield json.dumps({"offer": [e.rel for e in entries], "checksum": checksum}).encode() + b"\n"
+        theirs = answer.wait()
+        if theirs is None:
+            return  # the receiver ended without answering: its exit code says why
+        todo.append(_changes(dest, entries, theirs, checksum))
+        if progress is not None:
+            progress.set_total(sum(e.size for e in todo[0].changed))
+        yield from prefetch(tar_stream(todo[0].changed, progress))
+
+    result = stream(machine, receive, stdin=offer_then_tar(), stdout=answer, watch_sink=True)
+    helpers.check(machine, result, f"copy into {base}", TransferError)
+    if not todo:
+        raise TransferError(f"{machine.name}: the receiver in {base} did not say what it holds")
+    sent = todo[0].changed
+    check_arrived(machine, base, sent, answer.rest())
+    return todo[0], Sent(sent, sum(e.size for e in sent), receiver_warnings(result))
+
+
+class _Answer:
+    """The receiver's stdout during a push: its first line (what it holds) is awaited by the
+    sending side; the rest is its report."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.held: dict | None = None
+        self.done = threading.Event()
+
+    def __call__(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        if self.held is None and b"\n" in self.buffer:
+            line, _, rest = bytes(self.buffer).partition(b"\n")
+            self.buffer = bytearray(rest)
+            try:
+                self.held = json.loads(line)
+            except ValueError:
+                self.held = {}
+            self.done.set()
+
+    def ended(self) -> None:
+        self.done.set()
+
+    def wait(self) -> dict | None:
+        self.done.wait()
+        return self.held
+
+    def rest(self) -> dict:
+        try:
+            return json.loads(self.buffer) if self.buffer.strip() else {}
+        except ValueError:
+            return {}
+
+
+def _changes(dest: str, entries: list[Entry], theirs: dict, checksum: bool) -> Changes:
     changed = [e for e in entries if not _same(e, theirs.get(e.rel, {"t": "-"}), checksum)]
     files = sum(1 for e in entries if e.kind == "f")
     unchanged = files - sum(1 for e in changed if e.kind == "f")
-    dest = remote_path(machine, remote)
     return Changes(dest, changed, unchanged, len(entries))
 
 
@@ -242,10 +309,15 @@ def _sha256(path: Path) -> str:
 
 
 def stream(
-    machine: Machine, argv: list[str], *, stdin: Stdin = None, stdout: Sink | None = None
+    machine: Machine,
+    argv: list[str],
+    *,
+    stdin: Stdin = None,
+    stdout: Sink | None = None,
+    watch_sink: bool = False,
 ) -> Result:
     """Run `argv` in `machine` with bulk bytes in or out: the one place they travel."""
-    return machine.run(argv, stdin=stdin, stdout=stdout, bulk=True)
+    return machine.run(argv, stdin=stdin, stdout=stdout, bulk=True, watch_sink=watch_sink)
 
 
 def receiver_warnings(result: Result) -> list[str]:

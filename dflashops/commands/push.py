@@ -40,15 +40,11 @@ def register(app: typer.Typer) -> None:
         opts.want_json(json_out)
         machine = opts.session().machine(target)
         clock = Stopwatch()
-        todo = transfer.changes(machine, local, remote, checksum=checksum)
-        files = bytes_ = 0
-        if todo.needed:
-            total = sum(e.size for e in todo.changed)
-            with progress(f"push {local.name}", total) as advance:
-                sent = transfer.put(machine, local, remote, progress=advance, entries=todo.changed)
-            files, bytes_ = sent.files, sent.bytes
-            for warning in sent.warnings:
-                context.note(f"warning: {target}: {warning}")
+        with progress(f"push {local.name}", None) as meter:
+            todo, sent = transfer.push(machine, local, remote, checksum=checksum, progress=meter)
+        files, bytes_ = sent.files, sent.bytes
+        for warning in sent.warnings:
+            context.note(f"warning: {target}: {warning}")
         if opts.dry_run:
             return
         seconds = clock.seconds

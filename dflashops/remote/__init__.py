@@ -50,21 +50,21 @@ del _dflashops_preamble
 """
 
 
-SHARED = "shared.py"  # what several helpers need, put in front of each
-
-
-SHARED_IMPORT = re.compile(r"^from dflashops\.remote\.shared import .*\n", re.M)
+# A helper's import of another file of this folder (shared.py, describe.py: what several need)
+SHARED_IMPORT = re.compile(r"^from dflashops\.remote\.(\w+) import .*\n", re.M)
 
 
 @cache
 def source(name: str) -> str:
-    """The text of the helper program `name` (e.g. "receive.py"). A helper's import from
-    shared.py (for readers and linters) becomes shared.py's text in front of it: in a target,
-    a helper is one program, never a package."""
+    """The text of the helper program `name` (e.g. "receive.py"). A helper's imports from the
+    files beside it (for readers and linters) become those files' texts in front of it: in a
+    target, a helper is one program, never a package."""
     text = (Path(__file__).parent / name).read_text()
-    if name == SHARED or not SHARED_IMPORT.search(text):
+    libraries = dict.fromkeys(SHARED_IMPORT.findall(text))
+    if not libraries:
         return text
-    return f"{source(SHARED)}\n\n# ---- {name}\n{SHARED_IMPORT.sub('', text)}"
+    front = "\n\n".join(source(f"{lib}.py") for lib in libraries)
+    return f"{front}\n\n# ---- {name}\n{SHARED_IMPORT.sub('', text)}"
 
 
 def python_argv(code: str, *args: str, name: str = "<helper>") -> list[str]:

@@ -9,50 +9,11 @@ stdout: one JSON object {path: {"t": "f", "sha256": hex, "size": n, "mode": m} |
 a device: never opened), "-" for a path that does not exist.
 """
 
-import hashlib
 import json
 import os
-import stat
 import sys
 
-
-def under_link(base, rel):
-    """True when a directory on the way from BASE to rel is a link."""
-    path = base
-    for part in rel.split("/")[:-1]:
-        path = os.path.join(path, part)
-        if os.path.islink(path):
-            return True
-    return False
-
-
-def describe(base, rel, follow=False, quick=False):
-    path = os.path.join(base, rel)
-    if follow:
-        path = os.path.realpath(path)
-    elif under_link(base, rel):
-        return {"t": "-"}
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return {"t": "-"}
-    mode = stat.S_IMODE(st.st_mode)
-    if stat.S_ISLNK(st.st_mode):
-        return {"t": "l", "to": os.readlink(path)}
-    if stat.S_ISDIR(st.st_mode):
-        return {"t": "d", "mode": mode}
-    if not stat.S_ISREG(st.st_mode):
-        return {"t": "s"}  # a fifo or a device: never opened (it could block)
-    if quick:
-        return {"t": "f", "size": st.st_size, "mtime": int(st.st_mtime), "mode": mode}
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            digest.update(chunk)
-    return {"t": "f", "sha256": digest.hexdigest(), "size": st.st_size, "mode": mode}
+from dflashops.remote.describe import describe
 
 
 def walk(base):

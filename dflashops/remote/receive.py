@@ -2,6 +2,7 @@
 hashing each file's bytes as they are written.
 
 argv: BASE                     a copy (push, sync): regular files, directories and symlinks
+      BASE --offer             the same, after saying what BASE holds of the sender's paths
       BASE --checkpoint FINAL  a checkpoint into its partial directory BASE, then placed at FINAL
       BASE --plan FINAL        which files of the partial directory BASE verify already
 
@@ -19,6 +20,11 @@ then renamed into place: two receivers into one directory never mix their bytes,
 removes the file it was writing.
 stdout (a copy): {path: {"t": "f", "sha256": hex, "size": n, "mode": m} | {"t": "l", "to":
 target} | {"t": "d"}}.
+
+An offer (push: what differs, in one call): stdin starts with one JSON line {"offer": [path,
+...], "checksum": bool}; the receiver answers with one line on stdout, {path: what BASE holds
+there} as describe.py says it (sha256 only with checksum, else size and mtime), and then takes
+the tar of what the sender found different, as a copy does.
 
 A checkpoint: stdin starts with one JSON line {"manifest": TEXT} (its MANIFEST.sha256), then
 the tar. BASE is the one partial directory of FINAL: a receiver holds a lock (flock) on it
@@ -45,6 +51,8 @@ import stat
 import sys
 import threading
 import time
+
+from dflashops.remote.describe import describe
 
 BLOCK = 512
 CHUNK = 1 << 20
@@ -437,16 +445,37 @@ def receive_copy(base, stream):
 # ---------------------------------------------------------------- a checkpoint
 
 
+def header_line(stream):
+    """The stream's first line (a JSON document in front of the tar)."""
+    line = stream.readline(16 * PAX_LIMIT + 1)
+    if len(line) > 16 * PAX_LIMIT:
+        raise Refused("a header line longer than 16 MiB")
+    if not line.endswith(b"\n"):
+        raise EOFError("the stream ended before its header line")
+    return line
+
+
+def answer_offer(base, stream):
+    """Say on stdout what BASE holds of the paths the header line offers."""
+    try:
+        doc = json.loads(header_line(stream))
+        rels, checksum = doc["offer"], doc.get("checksum") is True
+        if not all(isinstance(rel, str) for rel in rels):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise Refused(
+            'the stream does not start with a header line {"offer": [PATH, ...]}'
+        ) from None
+    for rel in rels:
+        check_name(rel)  # a path under BASE, or refused
+    held = {rel: describe(base, rel, quick=not checksum) for rel in rels}
+    sys.stdout.write(json.dumps(held) + "\n")
+    sys.stdout.flush()
+
+
 def read_manifest(stream):
     """The manifest from the stream's first line: {name: sha256} and its text."""
-    line = b""
-    while not line.endswith(b"\n"):
-        byte = stream.read(1)
-        if not byte:
-            raise EOFError("the stream ended before its header line")
-        line += byte
-        if len(line) > 16 * PAX_LIMIT:
-            raise Refused("a header line longer than 16 MiB")
+    line = header_line(stream)
     try:
         text = json.loads(line)["manifest"]
     except (ValueError, KeyError, TypeError):
@@ -775,7 +804,7 @@ def plan(base, final, stream):
 # ---------------------------------------------------------------- main
 
 
-def describe(exc):
+def error_text(exc):
     if isinstance(exc, OSError) and exc.filename is not None:
         if exc.errno in NO_SPACE:
             return f"no space left on the device of {exc.filename}"
@@ -798,12 +827,14 @@ def main():
         elif mode == "--plan":
             doc = plan(base, sys.argv[3], stream)
         else:
+            if mode == "--offer":
+                answer_offer(base, stream)
             doc = receive_copy(base, stream)
     except Refused as exc:
         sys.stderr.write(f"receive: refused: {exc}\n")
         sys.exit(1)
     except (OSError, EOFError, Failed) as exc:
-        sys.stderr.write(f"receive: {describe(exc)}\n")
+        sys.stderr.write(f"receive: {error_text(exc)}\n")
         sys.exit(1)
     json.dump(doc, sys.stdout)
 

@@ -118,6 +118,7 @@ class Machine:
         stderr: Sink | None = None,
         timeout: float | None = None,
         bulk: bool = False,
+        watch_sink: bool = False,
     ) -> Result:
         """Run `argv` exactly as given. Output is captured unless a sink is given for it;
         a streamed stderr still leaves its last few KiB in `Result.stderr` for diagnostics.
@@ -128,7 +129,8 @@ class Machine:
         long: a hung command fails, a copy that keeps moving bytes never does. When stdout
         streams to a sink (a long job, a followed log), the command may stay quiet for hours;
         then only the connection's keepalive, which needs an answer within the same deadline,
-        bounds the call. `bulk`: a copy of many bytes (the OpenSSH client where installed).
+        bounds the call, unless `watch_sink` says the deadline holds there too (a copy that
+        answers as it goes). `bulk`: a copy of many bytes (the OpenSSH client where installed).
         """
         if not argv:
             raise ValueError("empty argv")
@@ -136,7 +138,7 @@ class Machine:
             self.announce(f"{self.via}: {self.describe_argv(argv, env, cwd)}")
             return Result(list(argv), 0)
         limit = self.timeout if timeout is None else timeout
-        watch = _Watch(limit if stdout is None else None)
+        watch = _Watch(limit if stdout is None or watch_sink else None)
         proc = self.spawn(list(argv), dict(env or {}), cwd, bulk=bulk)
         out: list[bytes] = []
         err = _Tail(limit=None if stderr is None else TAIL)
@@ -255,7 +257,8 @@ class _Watch:
 class _Pump:
     """Drains one output stream into a sink on its own thread. If the sink fails (our stdout
     closed, a full disk), the command is stopped, the stream is still drained so the command
-    can exit, and the sink's error is raised by `join`."""
+    can exit, and the sink's error is raised by `join`. A sink with an `ended` method is told
+    when the stream has ended."""
 
     def __init__(self, read: Callable[[int], bytes], sink: Sink, proc: Process, watch: _Watch):
         self.read, self.sink, self.proc, self.watch = read, sink, proc, watch
@@ -273,6 +276,8 @@ class _Pump:
             except BaseException as exc:  # noqa: BLE001 (raised again by join)
                 self.error = exc
                 self.proc.kill()
+        if ended := getattr(self.sink, "ended", None):
+            ended()
 
     def join(self, watch: _Watch) -> None:
         while self.thread.is_alive():

@@ -39,6 +39,7 @@ class LocalProcess:
     def write(self, data: bytes | memoryview) -> None:
         if self.popen:
             self.popen.stdin.write(data)
+            self.popen.stdin.flush()  # a short line may be waited for (a push's offer)
 
     def close_stdin(self) -> None:
         if self.popen:

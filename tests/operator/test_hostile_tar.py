@@ -133,6 +133,35 @@ def test_the_receiver_refuses_a_hostile_stream_and_nothing_lands_outside(ct, cas
     assert not [p for p in ct.host_path(DST).rglob("*") if p.name.endswith(".part")]
 
 
+def test_an_offer_is_answered_with_what_is_there_then_the_tar_lands(ct):
+    """push's one call: the receiver says what it holds of each offered path, then unpacks."""
+    (ct.host_path(DST)).mkdir(parents=True)
+    (ct.host_path(DST) / "kept").write_bytes(b"12345")
+    offer = json.dumps({"offer": ["kept", "new"], "checksum": False}).encode() + b"\n"
+    ran = receive(ct, offer + tar_of(member("new", data=b"fresh")), "--offer")
+    assert ran.returncode == 0, ran.stderr
+    held, report = ran.stdout.decode().splitlines()
+    held = json.loads(held)
+    assert held["kept"]["t"] == "f" and held["kept"]["size"] == 5 and "sha256" not in held["kept"]
+    assert held["new"] == {"t": "-"}
+    assert set(json.loads(report)) == {"new"}
+    assert (ct.host_path(DST) / "new").read_bytes() == b"fresh"
+    with_sums = json.dumps({"offer": ["kept"], "checksum": True}).encode() + b"\n"
+    ran = receive(ct, with_sums + tar_of(), "--offer")
+    assert json.loads(ran.stdout.decode().splitlines()[0])["kept"]["sha256"] == (
+        "5994471abb01112afcc18159f6cc74b4f511b99806da59b3caf5a9c173cacfc5"
+    )  # sha256 of b"12345"
+
+
+@pytest.mark.parametrize("name", ["../../root/pwned", "/etc/hostname"])
+def test_an_offer_naming_a_path_outside_is_refused_before_anything_is_read(ct, name):
+    offer = json.dumps({"offer": [name], "checksum": True}).encode() + b"\n"
+    ran = receive(ct, offer + tar_of(member("pwned", data=b"x")), "--offer")
+    assert ran.returncode == 1 and ran.stdout == b""
+    assert "receive: refused: " in ran.stderr.decode()
+    assert pwned_anywhere(ct) == []
+
+
 def test_setuid_setgid_and_sticky_bits_are_dropped_with_a_warning(ct):
     stream = tar_of(
         member("suid", data=b"#!/bin/sh\n", mode=0o4755),
