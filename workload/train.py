@@ -270,6 +270,13 @@ def setup(
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
+    given = target is not None and getattr(text_config(target.config), "_attn_implementation", None)
+    if (given or cfg.target.attn_implementation) == "flex_attention" and d.device.type == "cpu":
+        raise UsageError(
+            "target.attn_implementation: flex_attention is not supported on CPU (transformers' "
+            "flex path there fails in inductor's C++ compile or returns NaN with torch 2.13); "
+            "use sdpa or eager, or run on a GPU"
+        )
     if target is None:
         target, tokenizer = _load_target(cfg, d)
     facts = target_facts(target, tokenizer)

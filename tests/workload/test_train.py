@@ -270,6 +270,12 @@ def _packed_run(build: Path | None, impl: str, group) -> T.Run:
 def test_packed_rows_give_each_document_its_own_forward(target, impl, group, request):
     """Features and teacher tokens of a packed row equal those of each document run alone."""
     build = request.getfixturevalue("tiny_dense") if target == "tiny_dense" else None
+    if impl == "flex_attention" and group.device.type == "cpu":
+        # transformers' flex path on CPU (torch 2.13): inductor C++ compile errors, and NaN for
+        # some unpacked lengths (8, 24, 40 seen); a run says so before it loads anything more
+        with pytest.raises(T.UsageError, match="flex_attention is not supported on CPU"):
+            _packed_run(build, impl, group)
+        return
     run = _packed_run(build, impl, group)
     batch = S.trim_padding(run.stream.next_batch())
     view = S.target_forward(run, batch)
