@@ -211,7 +211,6 @@ class Changes:
     dest: str
     changed: list[Entry]
     unchanged: int
-    total: int  # entries in all
 
 
 def push(
@@ -297,7 +296,7 @@ def _changes(dest: str, entries: list[Entry], theirs: dict, checksum: bool) -> C
     changed = [e for e in entries if not _same(e, theirs.get(e.rel, {"t": "-"}), checksum)]
     files = sum(1 for e in entries if e.kind == "f")
     unchanged = files - sum(1 for e in changed if e.kind == "f")
-    return Changes(dest, changed, unchanged, len(entries))
+    return Changes(dest, changed, unchanged)
 
 
 def _sha256(path: Path) -> str:
@@ -463,7 +462,8 @@ def sync(
     # rsync's quick check: a file of the same size and mtime is taken as unchanged; what is
     # sent is verified by sha256 as always
     theirs = describe_remote(machine, dest, None, quick=True)
-    changed = [e for e in entries if not _same(e, theirs.get(e.rel, {"t": "-"}))]
+    todo = _changes(dest, entries, theirs, checksum=False)
+    changed = todo.changed
     kinds = {e.rel: e.kind for e in entries}
 
     def stale_there(rel: str, found: dict) -> bool:
@@ -478,5 +478,4 @@ def sync(
             raise OpsError(f"{machine.name}: could not remove stale files: {result.error_text}")
     if changed or not theirs:
         put(machine, local, remote, progress=progress, entries=changed)
-    unchanged = sum(1 for e in entries if e.kind == "f") - sum(1 for e in changed if e.kind == "f")
-    return Synced(sent=changed, unchanged=unchanged, deleted=stale)
+    return Synced(sent=changed, unchanged=todo.unchanged, deleted=stale)

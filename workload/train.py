@@ -256,6 +256,11 @@ def rank_seeds(seed: int, rank: int) -> tuple[int, int]:
     return int(noise), int(anchors)
 
 
+def attention_of(target: nn.Module) -> str | None:
+    """The attention implementation the target's (text) layers run."""
+    return getattr(text_config(target.config), "_attn_implementation", None)
+
+
 def setup(
     cfg: RunConfig,
     d: Dist,
@@ -270,8 +275,8 @@ def setup(
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    given = target is not None and getattr(text_config(target.config), "_attn_implementation", None)
-    if (given or cfg.target.attn_implementation) == "flex_attention" and d.device.type == "cpu":
+    wanted = cfg.target.attn_implementation if target is None else attention_of(target)
+    if wanted == "flex_attention" and d.device.type == "cpu":
         raise UsageError(
             "target.attn_implementation: flex_attention is not supported on CPU (transformers' "
             "flex path there fails in inductor's C++ compile or returns NaN with torch 2.13); "
@@ -286,7 +291,7 @@ def setup(
     if errors:
         raise UsageError("; ".join(f"{e.key}: {e.note}" for e in errors))
     hybrid = is_hybrid(target)
-    attn = getattr(text_config(target.config), "_attn_implementation", None)
+    attn = attention_of(target)
     if cfg.data.pack and attn not in PACKED_ATTENTION:
         raise UsageError(
             f"data.pack: true with the target's attention {attn!r} is not supported (documents "
