@@ -236,7 +236,7 @@ def taken_error(run: str, views: Iterable[runs.RunView]) -> UsageError:
     )
 
 
-def claim(reader: Session, writer: Session, placement: Placement, *, skip: Iterable[str]) -> None:
+def claim(reader: Session, writer: Session, placement: Placement) -> None:
     """Make the run directory on every node, atomically per target (mkdir), then settle with
     any launch of the same name elsewhere: two launches of one name cannot both win.
 
@@ -258,7 +258,7 @@ def claim(reader: Session, writer: Session, placement: Placement, *, skip: Itera
                 )
             made.append(node)
         if not writer.dry_run:
-            settle(reader, placement, (mine["t"], mine["nonce"]), skip=set(skip))
+            settle(reader, placement, (mine["t"], mine["nonce"]))
         for node in placement.nodes:
             runs.control(
                 writer.machine(node.target),
@@ -271,20 +271,28 @@ def claim(reader: Session, writer: Session, placement: Placement, *, skip: Itera
         raise
 
 
-def settle(
-    reader: Session, placement: Placement, mine: tuple[float, str], *, skip: set[str]
-) -> None:
+def refuse_unread(run: str, unread: dict[str, OpsError]) -> None:
+    """A run's own targets must be read: its name is checked there, and it runs there."""
+    if unread:
+        shown = ", ".join(f"{t} ({e.message})" for t, e in unread.items())
+        raise UnreachableError(f"run {run!r}: its own target could not be read: {shown}")
+
+
+def warn_unread(run: str, unread: dict[str, OpsError]) -> None:
+    """Targets outside the run that could not be read (a stopped container, a host down): the
+    name needs to be free only where it could be checked (CONTRACTS §2), so one line says so."""
+    if unread:
+        shown = ", ".join(f"{t} ({e.message})" for t, e in unread.items())
+        context.note(f"warning: {run}: not read, so the name was not checked there: {shown}")
+
+
+def settle(reader: Session, placement: Placement, mine: tuple[float, str]) -> None:
     run = placement.run
     waited = time.monotonic()
     while True:
         found = runs.survey(reader, names=[run], archive=True, records="none")
-        unread = {t: e for t, e in found.errors.items() if t not in skip}
-        if unread:
-            shown = ", ".join(f"{t} ({e.message})" for t, e in unread.items())
-            raise UnreachableError(
-                f"run name {run!r} could not be checked on every target (not read: {shown}); "
-                "make them reachable, or pass --skip-unreadable TARGET,... to launch without"
-            )
+        own = {n.target.name for n in placement.nodes}
+        refuse_unread(run, {t: e for t, e in found.errors.items() if t in own})
         rivals = [v for v in found.runs() if v.name == run and v.run_id != placement.run_id]
         if not rivals:
             return

@@ -19,7 +19,7 @@ import typer
 import yaml
 
 from dflashops import bundle, context, lifecycle, runs
-from dflashops.errors import OpsError, UnreachableError, UsageError
+from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.lifecycle import Placement
 from dflashops.render import human_bytes
@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
             None,
             "--skip-unreadable",
             metavar="TARGET[,TARGET...]",
-            help="Launch although these targets cannot be read to check the name is free.",
+            help="Targets not to warn about when they cannot be read (the name is checked "
+            "where it can be).",
+            hidden=True,
         ),
         follow: bool = lifecycle.FOLLOW_OPTION,
         wait: float = lifecycle.WAIT_OPTION,
@@ -99,7 +101,7 @@ def register(app: typer.Typer) -> None:
             if opts.dry_run:
                 show_plan(reader, placement, seen, text, code, force=True)
             else:
-                lifecycle.claim(reader, writer, placement, skip=skip)
+                lifecycle.claim(reader, writer, placement)
             made = lifecycle.Started(placement)
             try:
                 lifecycle.prepare(writer, placement, code, seen.have_code, text, values, made)
@@ -180,12 +182,7 @@ def preflight(
         if isinstance(answers[name], OpsError):
             raise answers[name]
     unread = {n: e for n, e in answers.items() if isinstance(e, OpsError) and n not in skip}
-    if unread:
-        shown = ", ".join(f"{n} ({e.message})" for n, e in unread.items())
-        raise UnreachableError(
-            f"run name {run!r} could not be checked on every target (not read: {shown}); make "
-            "them reachable, or pass --skip-unreadable TARGET,... to launch without"
-        )
+    lifecycle.warn_unread(run, unread)
     probes = {n: a for n, a in answers.items() if isinstance(a, runs.Probe)}
     places = [v for p in probes.values() for v in runs.group(p.runs) if v.name == run]
     if places:
