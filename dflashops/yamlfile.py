@@ -39,12 +39,24 @@ class LocatedYaml:
         return YamlFileError(f"{self.where(key)}: {key}: {problem}")
 
 
+_MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+MAX_VALUES = 100_000  # values built from one file: past this, aliases are multiplying it
+
+
 def load_located(path: Path, text: str | None = None) -> LocatedYaml:
-    """Parse `path` (or `text`, named as `path`); syntax errors name the line."""
+    """Parse `path` (or `text`, named as `path`). Every problem is one line that names the
+    line: a syntax error, a character YAML refuses (NUL), a tag we do not build (`!!python/...`),
+    a value its tag refuses (`!!int abc`, `2023-13-45`), an alias inside itself, or aliases
+    that multiply a small file into millions of values."""
     if text is None:
         text = path.read_text(encoding="utf-8")
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as exc:
+        line = text[: exc.position].count("\n") + 1
+        code = ord(exc.character) if isinstance(exc.character, str) else exc.character
+        char = f"character #x{code:04x}" if isinstance(code, int) else "a character"
+        raise YamlFileError(f"{path}:{line}: YAML syntax error: {char}: {exc.reason}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -52,28 +64,74 @@ def load_located(path: Path, text: str | None = None) -> LocatedYaml:
         raise YamlFileError(f"{path}{line}: YAML syntax error: {problem}") from None
     located = LocatedYaml(path=path, data=None)
     if node is not None:
-        located.data = _construct(node, "", located.lines, path)
+        located.data = _Builder(path, located.lines).build(node, "")
     return located
 
 
-def _construct(node: yaml.Node, prefix: str, lines: dict[str, int], path: Path) -> Any:
-    if isinstance(node, yaml.MappingNode):
+def load_value(text: str, name: str) -> Any:
+    """One YAML value given on a command line (`--set KEY=VALUE`), built as a file's are."""
+    return load_located(Path(name), text).data
+
+
+class _Builder:
+    """Plain data from a composed node graph, recording each key's line."""
+
+    def __init__(self, path: Path, lines: dict[str, int]) -> None:
+        self.path, self.lines = path, lines
+        self.values = 0
+        self.open: set[int] = set()  # nodes being built: meeting one again is a cycle
+
+    def error(self, node: yaml.Node, where: str, problem: str) -> YamlFileError:
+        key = f"{where}: " if where else ""
+        return YamlFileError(f"{self.path}:{node.start_mark.line + 1}: {key}{problem}")
+
+    def build(self, node: yaml.Node, prefix: str) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise self.error(node, prefix, f"more than {MAX_VALUES} values (aliases repeating "
+                             "aliases?); write the values out")  # fmt: skip
+        if id(node) in self.open:
+            raise self.error(node, prefix, "an alias inside its own anchor (a value that "
+                             "contains itself)")  # fmt: skip
+        if isinstance(node, yaml.ScalarNode):
+            return self.scalar(node, prefix)
+        if node.tag not in (_MAP, _SEQ):
+            raise self.error(node, prefix, f"YAML tag {_shown(node.tag)} is not supported here")
+        self.open.add(id(node))
+        try:
+            if isinstance(node, yaml.MappingNode):
+                return self.mapping(node, prefix)
+            return [self.build(item, f"{prefix}[{i}]") for i, item in enumerate(node.value)]
+        finally:
+            self.open.discard(id(node))
+
+    def mapping(self, node: yaml.MappingNode, prefix: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
-            key = str(_SCALARS.construct_object(key_node))
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise self.error(key_node, prefix, "a key must be a plain value")
+            key = str(self.scalar(key_node, prefix))
             dotted = f"{prefix}.{key}" if prefix else key
             if key in out:
-                raise YamlFileError(
-                    f"{path}:{key_node.start_mark.line + 1}: {dotted}: duplicate key"
-                )
-            lines[dotted] = key_node.start_mark.line + 1
-            out[key] = _construct(value_node, dotted, lines, path)
+                raise self.error(key_node, dotted, "duplicate key")
+            self.lines[dotted] = key_node.start_mark.line + 1
+            out[key] = self.build(value_node, dotted)
         return out
-    if isinstance(node, yaml.SequenceNode):
-        return [
-            _construct(item, f"{prefix}[{i}]", lines, path) for i, item in enumerate(node.value)
-        ]
-    return _SCALARS.construct_object(node)
+
+    def scalar(self, node: yaml.ScalarNode, where: str) -> Any:
+        try:
+            return _SCALARS.construct_object(node)
+        except yaml.constructor.ConstructorError:
+            raise self.error(node, where, f"YAML tag {_shown(node.tag)} is not supported here; "
+                             "write a plain value") from None  # fmt: skip
+        except (ValueError, OverflowError):
+            tag = node.tag.rpartition(":")[2]
+            raise self.error(node, where, f"{node.value!r} is not a valid {tag}; quote it to "
+                             "keep it as text") from None  # fmt: skip
+
+
+def _shown(tag: str) -> str:
+    return tag.replace("tag:yaml.org,2002:", "!!")
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:

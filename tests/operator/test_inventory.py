@@ -115,7 +115,20 @@ BAD = [
         3,
         "defaults.workspace: 'workspace' must be an absolute path",
     ),
+    # odd YAML: never a traceback or a hang, always file:line, exit 2 (issue 16 item 9)
+    ("  workspace: /workspace\n", "  workspace: 2023-13-45\n", 3, "not a valid timestamp"),
+    ("  env: {HF_HOME: /workspace/hf}\n", "  env: &a [*a]\n", 4, "contains itself"),
+    ("connect_timeout: 2", "connect_timeout: !!int abc", 9, "'abc' is not a valid int"),
+    ("role: eval, gpus: 1", "role: ev\0al, gpus: 1", 12, "#x0000"),
+    (
+        "  workspace: /workspace\n",
+        "  workspace: !!python/name:os.system\n",
+        3,
+        "!!python/name:os.system is not supported",
+    ),
+    ("version: 1\n", "version: 1\nbomb: BOMB\n", 2, "more than 100000 values"),
 ]
+BOMB = "[&a [x,x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d], [*e,*e,*e,*e,*e,*e,*e,*e,*e,*e]]"
 
 
 @pytest.mark.parametrize(("old", "new", "line", "fragment"), BAD)
@@ -125,8 +138,8 @@ def test_bad_inventory_is_one_line_exit_2_and_no_connection(
     port = listener.getsockname()[1]
     assert old in GOOD
     text = GOOD.replace(old, new).replace("ADDRESS", "127.0.0.1").replace("PORT", str(port))
-    path = write(tmp_path, text)
-    ran = dflashops("hosts", inventory=path, home=tmp_path)
+    path = write(tmp_path, text.replace("BOMB", BOMB))
+    ran = dflashops("hosts", inventory=path, home=tmp_path, timeout=30)  # a bomb must not hang
     assert ran.code == 2, ran
     lines = ran.err.strip().splitlines()
     assert len(lines) == 1, ran.err
