@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dflashops.errors import NoAnswerError
 from dflashops.targets.base import Machine, Result
 from dflashops.transfer import Progress, stream
 
@@ -34,8 +35,8 @@ def relay(
     produced: dict = {}
 
     def produce() -> None:
-        try:
-            produced["result"] = stream(src, src_argv, stdout=pipe.put)
+        try:  # its deadline holds too: a source that goes silent (frozen, its disk hung) fails
+            produced["result"] = stream(src, src_argv, stdout=pipe.put, watch_sink=True)
         except _Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 (handed to the caller)
@@ -47,6 +48,13 @@ def relay(
     thread.start()
     try:
         received = stream(dst, dst_argv, stdin=pipe.chunks(head))
+    except NoAnswerError:
+        pipe.abandon()
+        thread.join()
+        silent = produced.get("error")
+        if isinstance(silent, NoAnswerError):  # the destination waited on a silent source
+            raise silent from None
+        raise
     finally:
         pipe.abandon()
         thread.join()

@@ -200,6 +200,31 @@ def test_pull_ckpt_cut_short_resumes_without_sending_verified_files_again(pair, 
     assert sorted(p.name for p in ckpts.iterdir()) == ["run.yaml", "step_4"]
 
 
+def test_pull_ckpt_from_a_source_that_freezes_fails_within_its_deadline(pair, home):
+    """The source container frozen mid-copy (its tar stops; its host's sshd still answers
+    keepalives): every side of the relay has the deadline, so the pull ends in about --timeout
+    seconds, naming the source, and leaves nothing complete-looking (issue 16 item 2)."""
+    src, dst, inv = pair
+    big_checkpoint(src)
+    ckpts = dst.host_path("/workspace/ckpts/big")
+    partial = ckpts / ".partial-step_4"
+    dst.host.set_faults(slow_exec_stdin_after=12 << 20)  # the big file takes 12 s or more
+    proc = start("--timeout", "5", "pull-ckpt", "4", "--to", "dst", "--run", "big",
+                 inventory=inv, home=home)  # fmt: skip
+    try:
+        code, err, seconds = stop_mid_transfer(proc, partial, src.freeze)
+    finally:
+        proc.kill()
+        src.thaw()
+        dst.host.set_faults()
+    print(f"\nfrozen source: exit {code} after {seconds:.2f}s; said: {err.strip()}")
+    assert code == 3, err
+    assert err.strip().splitlines()[-1] == "dflashops: error: src: no answer in 5 s", err
+    assert seconds < 30, seconds
+    assert not (ckpts / "step_4").exists()
+    assert BIG not in verified_names(partial)
+
+
 def test_two_pulls_of_one_step_at_once_end_with_one_copy_not_nested(pair, home):
     src, dst, inv = pair
     source = checkpoint(src, "twice", 2, {"config.json": 200, "model.safetensors": 1 << 20})

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -77,6 +80,32 @@ class Container:
 
     def stop(self) -> None:
         self._helper("ct-stop")
+
+    def processes(self) -> list[int]:
+        """Every process in the container's pid namespace (its init first)."""
+        init = self.pid
+        if init is None:
+            return []
+        ns = os.readlink(f"/proc/{init}/ns/pid")
+        found = [init]
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != init:
+                with contextlib.suppress(OSError):
+                    if os.readlink(entry / "ns" / "pid") == ns:
+                        found.append(int(entry.name))
+        return found
+
+    def freeze(self) -> None:
+        """Every process inside stops where it is (as `pct suspend` or a cgroup freeze does):
+        the host and its sshd go on answering, nothing inside moves."""
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def _helper(self, command: str) -> None:
         argv = [*self.host.bed.helper_argv(command, self.host), str(self.vmid)]
