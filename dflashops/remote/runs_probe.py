@@ -315,6 +315,28 @@ def tree_size(path):
     return total, files
 
 
+class Heartbeat:
+    """Hashing a big checkpoint takes minutes and prints nothing on stdout until the end: a
+    line on stderr every half second is the life that the caller's deadline counts."""
+
+    EVERY_S = 0.5
+
+    def __init__(self):
+        self.done = 0
+        self.said = time.monotonic()
+
+    def beat(self, size):
+        self.done += size
+        now = time.monotonic()
+        if now - self.said >= self.EVERY_S:
+            self.said = now
+            sys.stderr.write(f"hashed {self.done >> 20} MiB\n")
+            sys.stderr.flush()
+
+
+HEARTBEAT = Heartbeat()
+
+
 def sha256(path):
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -323,6 +345,7 @@ def sha256(path):
             if not chunk:
                 return digest.hexdigest()
             digest.update(chunk)
+            HEARTBEAT.beat(len(chunk))
 
 
 def manifest_entries(text):

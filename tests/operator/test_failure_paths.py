@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import STAND_IN_TRAINER
+from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run
 
 pytestmark = pytest.mark.testbed
 
@@ -46,3 +46,26 @@ def test_a_stopped_container_elsewhere_does_not_block_a_launch(testbed, make_con
     refused = cli("launch", "parked-no", "--host", "parked", "--config", str(cfg))
     assert refused.code == 3, refused.err
     assert "parked" in refused.err and len(refused.err.strip().splitlines()) == 1, refused.err
+
+
+# `head -c $((6<<30)) /dev/zero | sha256sum`
+ZEROS_6GIB_SHA256 = "5c32c2b28999325bc5ad39d6530bcb46fbdf1f86375a991b7269764c50b0d109"
+
+
+def test_ckpts_verify_of_a_checkpoint_bigger_than_the_deadline_passes(tmp_path):
+    """Hashing 6 GiB takes longer than --timeout 2: the probe's progress is the life the
+    deadline counts (issue 16 item 6). The file is sparse: no disk, only hashing."""
+    ws = tmp_path / "ws"
+    run = make_run(ws, "big")
+    step = run / "checkpoints" / "step_8"
+    step.mkdir()
+    with open(step / "model.safetensors", "wb") as f:
+        f.truncate(6 << 30)
+    (step / "MANIFEST.sha256").write_text(f"{ZEROS_6GIB_SHA256}  model.safetensors\n")
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(f"version: 1\ntargets:\n  here: {{kind: local, workspace: {ws}}}\n")
+    ran = dflashops("--json", "--timeout", "2", "ckpts", "big", "--verify", inventory=inv,
+                    home=tmp_path)  # fmt: skip
+    assert ran.code == 0, ran.err
+    [point] = json.loads(ran.out)["checkpoints"]
+    assert point["step"] == 8 and point["verified"] is True, point
