@@ -22,7 +22,9 @@ DEFAULTS: dict[str, Any] = {
     "python": "/root/venv/bin/python",
     "env": {},
     "path": DEFAULT_PATH,
+    "engines": {},
 }
+ENGINES = ("vllm",)  # generation engines a target may have an environment of its own for
 CONNECTION_KEYS = (
     "address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout", "max_sessions",
 )  # fmt: skip
@@ -87,6 +89,7 @@ class Target:
     endpoint: Endpoint | None = None
     vmid: int | None = None
     address: str | None = None  # where other targets reach it (a run over several targets)
+    engines: dict[str, str] = field(default_factory=dict)  # engine -> its environment's python
 
     @property
     def host(self) -> str | None:
@@ -265,6 +268,7 @@ class _Parser:
             path=self.text(src("path"), merged["path"]),
             role=self.roles(f"{key}.role", spec.get("role", list(ROLES))),
             gpus=self.optional_int(f"{key}.gpus", spec.get("gpus"), 0, 1024),
+            engines=self.engines(src("engines"), merged["engines"], kind),
         )
         if kind == "pct":
             return Target(**common, **self.pct_placement(key, spec, hosts))
@@ -326,6 +330,26 @@ class _Parser:
         if not text.startswith("/"):
             raise self.fail(key, f"'{text}' must be an absolute path inside the target")
         return text.rstrip("/") or "/"
+
+    def engines(self, key: str, value: Any, kind: str) -> dict[str, str]:
+        if not isinstance(value, dict):
+            raise self.fail(
+                key, "expected a mapping of engine: python, e.g. {vllm: /opt/vllm/bin/python}"
+            )
+        out = {}
+        for name, python in value.items():
+            if name not in ENGINES:
+                raise self.fail(f"{key}.{name}", f"not an engine we run (engines: "
+                                f"{', '.join(ENGINES)}){did_you_mean(str(name), list(ENGINES))}")  # fmt: skip
+            text = self.text(f"{key}.{name}", python)
+            if kind == "local":  # a venv's python is a symlink: never resolved
+                text = os.path.abspath(self.base / Path(text).expanduser())
+            elif not text.startswith("/"):
+                raise self.fail(
+                    f"{key}.{name}", f"'{text}' must be an absolute path inside the target"
+                )
+            out[name] = text
+        return out
 
     def roles(self, key: str, value: Any) -> tuple[str, ...]:
         items = [value] if isinstance(value, str) else value

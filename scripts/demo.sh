@@ -25,7 +25,7 @@ say() {
 say "1/9 setting up: Debian packages (tmux, python3-venv), then .venv (./scripts/setup-dev.sh)"
 if [ "${DEMO_SKIP_SETUP:-0}" != 1 ]; then
   ./scripts/install-system.sh demo
-  ./scripts/setup-dev.sh
+  DFLASHOPS_SKIP_VLLM=1 ./scripts/setup-dev.sh  # the demo runs no vLLM engine
 fi
 # The local target runs `python3`: the venv's, once its bin/ leads PATH.
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1

