@@ -122,6 +122,7 @@ def run_engine(request: dict, drafter: dict | None, gpu: bool) -> dict:
     t0 = time.perf_counter()
     llm = LLM(**engine_args(request, drafter, gpu))
     started = time.perf_counter() - t0
+    dtype = str(llm.model_config.dtype).removeprefix("torch.")  # what it runs in, not what we asked
     params = SamplingParams(
         temperature=0.0,
         max_tokens=request["max_new_tokens"],
@@ -160,6 +161,7 @@ def run_engine(request: dict, drafter: dict | None, gpu: bool) -> dict:
         "start_s": started,
         "generate_s": seconds,
         "tokens": generated,
+        "dtype": dtype,
         "pooled": pooled if drafter is not None else None,
         "outputs": records,
     }
@@ -170,7 +172,8 @@ def run(request: dict) -> dict:
     "stop_ids": [ids], "block_size": B, "drafters": [{"name", "path", "block_size"}],
     "kv_bytes_per_token": n, "enforce_eager": bool (optional), "engine_args": {...} (optional)}.
     result: {"version", "device", "dtype", "engines": {"plain": ENGINE, NAME: ENGINE, ...}}; an
-    ENGINE is {"start_s", "generate_s", "tokens", "pooled" (the spec counters, or None),
+    ENGINE is {"start_s", "generate_s", "tokens", "dtype" (the one the engine ran in),
+    "pooled" (the spec counters, or None),
     "outputs": [{"tokens", "finish_reason", "per_step_accepted", "per_step_drafted"}]}."""
     import vllm
 
@@ -181,10 +184,11 @@ def run(request: dict) -> dict:
     for drafter in [None, *request["drafters"]]:
         result = run_engine(request, drafter, gpu)
         engines[result.pop("name")] = result
+    dtypes = sorted({e["dtype"] for e in engines.values()})
     return {
         "version": vllm.__version__,
         "device": "gpu" if gpu else "cpu",
-        "dtype": resolve_dtype(request["dtype"], gpu),
+        "dtype": dtypes[0] if len(dtypes) == 1 else ",".join(dtypes),
         "engines": engines,
     }
 
