@@ -242,10 +242,16 @@ def stop_ids_of(generation_config: Any, tokenizer: Any) -> list[int]:
 
 
 def _generation_config(path: Path) -> Any:
-    from transformers import GenerationConfig
+    """The target's generation config as transformers gives a loaded model one: its
+    generation_config.json, else one made from its config.json."""
+    from transformers import AutoConfig, GenerationConfig
 
     try:
         return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
     except (OSError, ValueError):
         return None
 
@@ -448,7 +454,6 @@ class Evaluation:
     def load_models(self) -> None:
         t0 = time.perf_counter()
         self.target, _ = _load_target(self.settings, self.device)
-        self.stops = stop_token_ids(self.target, self.tokenizer)
         dtype = self.target.get_input_embeddings().weight.dtype
         for s in self.subjects:
             s.drafter = load_drafter(s.path, dtype=dtype, device=self.device)
