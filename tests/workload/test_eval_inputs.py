@@ -267,3 +267,76 @@ def test_a_python_without_vllm_fails_in_one_line_with_its_log(run_dir, tmp_path)
         missing.stderr.strip()
         == f"eval: error: --vllm-python {tmp_path / 'nope'}: no such executable"
     )
+
+
+# ----------------------------------------------------------------------------- vLLM's report
+
+
+def test_the_vllm_result_names_the_first_departure_and_the_greedy_misses(
+    run_dir,  # noqa: F811
+    capsys,
+    monkeypatch,
+):
+    """`eval --engine vllm` with the engines' process replaced by a stand-in that returns what
+    vLLM would (Hugging Face's greedy output, the simulation's accepted counts) except for one
+    pair of rounds of prompt 1, merged into one, and one token of prompt 2's speculative output: the result
+    says where the rounds part (and the draft there) and which output is not greedy."""
+    import torch
+
+    from workload import eval_vllm
+    from workload.decode import greedy_continuation
+    from workload.targets import load_target
+
+    rc, _, err, sim = _eval(capsys, run_dir, "--budgets", "8")
+    assert rc == 0, err
+    accepted = [p["checkpoint"]["accepted"] for p in sim["prompts"]]
+    a = accepted[1]
+    split = next(r for r in range(len(a) - 2) if a[r] + a[r + 1] + 1 < 8)  # not the last round
+    merged = a[split] + a[split + 1] + 1
+    tampered = [*a[:split], merged, *a[split + 2 :]]
+
+    def engines(python, request, timeout, log):
+        target, _ = load_target(run_dir / "target")
+        with torch.inference_mode():
+            plain = [greedy_continuation(target, p, request["max_new_tokens"], request["stop_ids"])
+                     for p in request["prompts"]]  # fmt: skip
+        spec = [list(t) for t in plain]
+        spec[2][-1] = (spec[2][-1] + 1) % 100
+
+        def engine(outputs, steps):  # fmt: skip
+            return {"start_s": 1.0, "generate_s": 2.0, "tokens": sum(map(len, outputs)),
+                    "dtype": "float32", "pooled": {"drafts": 10, "draft_tokens": 70,
+                    "accepted_tokens": 25, "accepted_per_position": [9, 7, 5, 2, 1, 1, 0]},
+                    "outputs": [{"tokens": t, "per_step_accepted": s, "per_step_drafted": []}
+                                for t, s in zip(outputs, steps, strict=True)]}  # fmt: skip
+
+        steps = [accepted[0], tampered, accepted[2]]
+        return {"version": "0.0-test", "device": "cpu", "dtype": "float32",
+                "engines": {"plain": engine(plain, [[]] * 3), "checkpoint": engine(spec, steps)}}  # fmt: skip
+
+    monkeypatch.setattr(eval_vllm, "run_engines", engines)
+    rc, out, err, r = _eval(capsys, run_dir, "--budgets", "8", "--engine", "vllm",
+                            "--vllm-python", sys.executable)  # fmt: skip
+    assert rc == 0 and out == "", err
+    assert r["engine"] == {"name": "vllm", "version": "0.0-test"}
+    s = r["simulation"]
+    assert (s["prompts"], s["prompts_identical"]) == (3, 2)
+    first = s["first_difference"]
+    assert first == s["differences"][0] and first["prompt"] == 1 and first["round"] == split
+    assert first["where"] == r["prompts"][1]["where"]
+    assert first["vllm"] == {"accepted": merged, "produced": merged + 1}
+    assert first["simulation"] == {"accepted": a[split], "produced": a[split] + 1}
+    draft = first["draft"]
+    assert draft["slot"] == a[split] + 1  # the slot the simulation did not accept
+    assert draft["label"] != draft["top_tokens"][0]  # its best token was not the target's
+    assert draft["gap"] >= 0 and len(draft["top_logits"]) == 2
+    assert r["prompts"][1]["checkpoint"]["rounds_identical"] is False
+    assert sum(r["prompts"][1]["checkpoint"]["rounds"]) == r["prompts"][1]["new_tokens"] - 1
+    g = r["greedy"]
+    assert (g["prompts"], g["equal"]) == (3, 2) and [d["prompt"] for d in g["differ"]] == [2]
+    assert g["differ"][0]["where"] == r["prompts"][2]["where"]
+    assert r["speedup"] == pytest.approx(1.0)  # equal token counts in equal times
+    assert r["engine_mean_acceptance_length"] == pytest.approx(3.5)
+    assert r["simulation"]["tau"] == pytest.approx(sim["tau"])
+    assert r["ddtree"] == sim["ddtree"]  # the simulation on the same continuation
+    assert "rounds as simulated on 2/3 prompts" in err and "output equals greedy on 2/3" in err
