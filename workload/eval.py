@@ -1,10 +1,40 @@
-"""Acceptance length (τ) of a DFlash drafter, by simulation from one target forward.
+"""Acceptance length (τ) of a DFlash drafter: simulated from one target forward, or in vLLM.
 
     python -m workload.eval --config RUN.yaml --checkpoint DIR [--prompts FILE]
-        [--max-new-tokens N] [--reference DIR] [--budgets 8,16,32] --out FILE.json
+        [--max-new-tokens N] [--max-prompts N] [--reference DIR] [--budgets 8,16,32]
+        [--chat-template-kwargs JSON] [--engine sim|vllm] [--vllm-python PATH]
+        [--vllm-arg KEY=VALUE]... [--engine-timeout S] [--check-real N] --out FILE.json
 
-The command line and the result format; the simulation and the real draft-and-verify loop are
-in workload/decode.py. `--check-real N` also runs the real loop on the first N prompts.
+`--engine sim` (the default): each prompt's greedy continuation is decoded by the target
+(Hugging Face, one token a forward), the target runs once over prompt + continuation, and the
+drafter's rounds are replayed on it (workload/decode.py: the simulation equals z-lab's
+dflash_generate round for round). `--check-real N` also runs the real draft-and-verify loops on
+the first N prompts against the simulated rounds.
+
+`--engine vllm` (workload/eval_vllm.py): the checkpoint is served by vLLM as the target's DFlash
+speculator, all prompts in one batch, greedy; the same prompts go through the target alone too.
+`tau`, `per_position` and `histogram` come from vLLM's per-step accepted counts (cut at the stop
+token and the length limit); `ddtree` from the simulation, run on vLLM's plain greedy output.
+The engines run in a child process of `--vllm-python` (else $DFLASHOPS_VLLM_PYTHON, else this
+python if it has vllm), `python -m workload.vllm_engine`, which has exited before the
+simulation loads the target: one accelerator holds one of them at a time, and the simulation
+runs on the workload's own stack (its transformers, fla), as `--engine sim` does.
+`--vllm-arg KEY=VALUE` passes an engine argument (VALUE as JSON where it parses), e.g.
+gpu_memory_utilization=0.85, tensor_parallel_size=2, enforce_eager=false (eager is the default
+on CPU only); `--engine-timeout` bounds the engines' process (default 10800 s).
+
+Prompts (workload/prompts.py): our JSONL ({"messages": [...]} or {"prompt": text}), or GSM8K,
+MATH-500, HumanEval, MBPP and MT-Bench (first turn) files as JSONL or parquet. They are rendered
+with the chat template and `--chat-template-kwargs JSON` (else the run's
+data.chat_template_kwargs, else {}), each record's own kwargs over those.
+
+The result (CONTRACTS §6): tau, ddtree, per_position, histogram, n_prompts, max_new_tokens,
+checkpoint, reference; engine {name, version}; fingerprint (workload/fingerprint.py) and
+checkpoint_sha256; prompt_set {name, kind, format, path, n_prompts}. With vLLM also
+engine_mean_acceptance_length, tokens_per_s {spec, plain}, speedup, greedy (the speculative
+output against the plain engine's, per prompt) and simulation (the simulated chain's figures,
+on how many prompts vLLM's rounds equal the simulated ones, and the first difference).
+Exit status: 0 done, 1 the engine failed, 2 bad input, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -33,6 +63,8 @@ from workload.decode import (
     sync_device,
     target_hidden_states,
 )
+from workload.fingerprint import checkpoint_sha256, fingerprint, target_identity, template_sha256
+from workload.prompts import PromptsError, PromptSet, prompts_sha256, read_prompt_set, render
 
 OFFICIAL_BUDGETS = (16, 32, 64)  # the smallest of the official DDTree benchmark's budgets
 TRAINING_BUDGET = 8  # training's dds8, for a side-by-side
@@ -41,6 +73,10 @@ DEFAULT_BUDGETS = (TRAINING_BUDGET, *OFFICIAL_BUDGETS)
 
 class EvalError(Exception):
     """A refusal the user can fix; printed as one line, exit status 2."""
+
+
+class EngineError(Exception):
+    """The serving engine failed (not the input); printed as one line, exit status 1."""
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -100,6 +136,7 @@ class RunSettings:
     attn_implementation: str
     chat_template: str | None
     data_path: Path | None
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 def _resolve(path: str | None, base: Path) -> Path | None:
@@ -130,70 +167,93 @@ def load_run_settings(config_path: Path, overrides: Sequence[str] = ()) -> RunSe
         attn_implementation=cfg.target.attn_implementation,
         chat_template=template,
         data_path=_resolve(cfg.data.path, base),
+        chat_template_kwargs=_config_kwargs(cfg, config_path),
     )
 
 
-def read_prompts(path: Path) -> list[dict]:
-    """JSONL lines {"messages": [...]} or {"prompt": "text"} (optional chat_template_kwargs)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise EvalError(f"{path}: cannot read prompts: {exc.strerror}") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{where}: not valid JSON ({exc.msg})") from None
-        prompts.append(_check_prompt(item, where))
-    if not prompts:
-        raise EvalError(f"{path}: no prompts in the file")
-    return prompts
-
-
-def _check_prompt(item: Any, where: str) -> dict:
-    expected = "expected an object with 'messages' (a list of {role, content}) or 'prompt' (text)"
-    if not isinstance(item, dict):
-        raise EvalError(f"{where}: {expected}")
-    messages, text = item.get("messages"), item.get("prompt")
-    if isinstance(messages, list) and messages:
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise EvalError(f"{where}: every message needs 'role' and 'content'")
-    elif not (isinstance(text, str) and text):
-        raise EvalError(f"{where}: {expected}")
-    kwargs = item.get("chat_template_kwargs", {})
-    if not isinstance(kwargs, dict):
-        raise EvalError(f"{where}: chat_template_kwargs must be an object")
-    return {**item, "where": where}
-
-
-def render_prompt(tokenizer: Any, item: dict, chat_template: str | None) -> list[int]:
-    if "messages" in item and item["messages"]:
-        text = tokenizer.apply_chat_template(
-            item["messages"],
-            tokenize=False,
-            add_generation_prompt=True,
-            chat_template=chat_template,
-            **item.get("chat_template_kwargs", {}),
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+def _config_kwargs(cfg: Any, config_path: Path) -> dict:
+    """data.chat_template_kwargs of the run config (read from the YAML where the config object
+    has no such field), {} when unset."""
+    if hasattr(cfg.data, "chat_template_kwargs"):
+        kwargs = cfg.data.chat_template_kwargs
     else:
-        ids = tokenizer(item["prompt"])["input_ids"]
+        import yaml
+
+        try:
+            raw = yaml.safe_load(config_path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            raw = {}
+        data = raw.get("data") if isinstance(raw, dict) else None
+        kwargs = data.get("chat_template_kwargs") if isinstance(data, dict) else None
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise EvalError(f"{config_path}: data.chat_template_kwargs: expected a mapping")
+    return dict(kwargs)
+
+
+def chat_template_kwargs(text: str | None, settings: RunSettings) -> dict:
+    """--chat-template-kwargs JSON, else the run's data.chat_template_kwargs, else {}."""
+    if text is None:
+        return settings.chat_template_kwargs
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EvalError(f"--chat-template-kwargs {text}: not valid JSON ({exc.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise EvalError(
+            f"--chat-template-kwargs {text}: expected a JSON object, e.g. "
+            "'{\"enable_thinking\": false}'"
+        )
+    return kwargs
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """The prompts of `path` (workload/prompts.py: ours or a benchmark's, JSONL or parquet)."""
+    return read_prompt_set(path).items
+
+
+def _read_prompt_set(path: Path) -> PromptSet:
+    try:
+        return read_prompt_set(path)
+    except PromptsError as exc:
+        raise EvalError(str(exc)) from None
+
+
+def render_prompt(
+    tokenizer: Any, item: dict, chat_template: str | None, kwargs: dict | None = None
+) -> list[int]:
+    ids = render(tokenizer, item, chat_template, kwargs or {})
     if not ids:
         raise EvalError(f"{item['where']}: the prompt renders to no tokens")
-    return list(ids)
+    return ids
 
 
 def stop_token_ids(target: torch.nn.Module, tokenizer: Any) -> list[int]:
     """The generation config's eos ids, else the tokenizer's eos (z-lab's benchmark rule)."""
-    gen = getattr(target, "generation_config", None)
-    ids = getattr(gen, "eos_token_id", None) or tokenizer.eos_token_id
+    return stop_ids_of(getattr(target, "generation_config", None), tokenizer)
+
+
+def stop_ids_of(generation_config: Any, tokenizer: Any) -> list[int]:
+    ids = getattr(generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     if ids is None:
         return []
     return [ids] if isinstance(ids, int) else list(ids)
+
+
+def _generation_config(path: Path) -> Any:
+    """The target's generation config as transformers gives a loaded model one: its
+    generation_config.json, else one made from its config.json."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    try:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError):
+        return None
 
 
 def check_manifest(directory: Path, *, required: bool) -> None:
@@ -238,7 +298,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", required=True, type=Path, help="the run config (YAML)")
     p.add_argument("--checkpoint", required=True, type=Path, help="a drafter checkpoint directory")
     p.add_argument(
-        "--prompts", type=Path, help="JSONL prompts (default: prompts.jsonl beside data)"
+        "--prompts",
+        type=Path,
+        help="prompts: ours (JSONL) or GSM8K, MATH-500, HumanEval, MBPP, MT-Bench files, JSONL "
+        "or parquet (default: prompts.jsonl beside data)",
     )
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N")
@@ -258,6 +321,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="also run the real draft-and-verify loop on the first N prompts",
     )
+    p.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="chat template kwargs, e.g. '{\"enable_thinking\": false}' "
+        "(default: the run's data.chat_template_kwargs)",
+    )
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="the python of a vLLM environment (default: $DFLASHOPS_VLLM_PYTHON, else this one)",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument, e.g. gpu_memory_utilization=0.85",
+    )
+    p.add_argument("--engine-timeout", type=float, default=10800.0, metavar="S")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument(
@@ -297,8 +383,24 @@ def say(message: str) -> None:
 class Subject:
     name: str  # "checkpoint" or "reference"
     path: Path
-    drafter: torch.nn.Module
+    drafter: torch.nn.Module | None = None
     results: list[PromptResult] = field(default_factory=list)
+
+    @property
+    def block_size(self) -> int:
+        if self.drafter is not None:
+            return int(self.drafter.block_size)
+        return drafter_block_size(self.path)
+
+
+def drafter_block_size(directory: Path) -> int:
+    """dflash_config.block_size of a drafter directory (read before any model loads)."""
+    where = directory / "config.json"
+    try:
+        config = json.loads(where.read_text())
+        return int((config.get("dflash_config") or {}).get("block_size") or config["block_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise EvalError(f"{where}: no dflash_config.block_size (not a drafter directory)") from None
 
 
 def _prompts_path(args: argparse.Namespace, settings: RunSettings) -> Path:
@@ -310,45 +412,81 @@ def _prompts_path(args: argparse.Namespace, settings: RunSettings) -> Path:
 
 
 class Evaluation:
-    """One command's state: the target, its tokenizer, the drafters, the running timings."""
+    """One command's state: the prompts (rendered), the target and drafters once loaded, the
+    running timings. The tokenizer comes first: an engine may need the accelerator before the
+    simulation loads the target (`load_models`)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoTokenizer
+
         self.t_start = time.perf_counter()
         self.args = args
         self.budgets = _budgets(args.budgets)
         if args.max_new_tokens < 1:
             raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-        settings = load_run_settings(args.config, args.overrides)
-        self.prompts_path = _prompts_path(args, settings)
-        self.prompts = read_prompts(self.prompts_path)[: args.max_prompts]
+        self.settings = load_run_settings(args.config, args.overrides)
+        self.kwargs = chat_template_kwargs(args.chat_template_kwargs, self.settings)
+        self.prompts_path = _prompts_path(args, self.settings)
+        self.prompt_set = _read_prompt_set(self.prompts_path).head(args.max_prompts)
+        self.prompts = self.prompt_set.items
         check_manifest(args.checkpoint, required=not args.allow_incomplete)
         if args.reference is not None:
             check_manifest(args.reference, required=False)  # z-lab's drafters have none
-        self.device = _device(args.device)
-        self.target, self.tokenizer = _load_target(settings, self.device)
-        self.template = _chat_template(settings.chat_template)
-        self.stops = stop_token_ids(self.target, self.tokenizer)
         named = [("checkpoint", args.checkpoint), ("reference", args.reference)]
-        dtype = self.target.get_input_embeddings().weight.dtype
-        self.subjects = [
-            Subject(name, path, load_drafter(path, dtype=dtype, device=self.device))
-            for name, path in named
-            if path is not None
+        self.subjects = [Subject(name, path) for name, path in named if path is not None]
+        self.device = _device(args.device)
+        self.target = None
+        target_path = self.settings.target_path
+        if not (target_path / "config.json").is_file():
+            raise EvalError(f"target.path {target_path}: no config.json (not a model directory)")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise EvalError(f"target.path {target_path}: {str(exc).splitlines()[0]}") from None
+        self.template = _chat_template(self.settings.chat_template)
+        self.stops = stop_ids_of(_generation_config(target_path), self.tokenizer)
+        self.ids = [
+            render_prompt(self.tokenizer, item, self.template, self.kwargs) for item in self.prompts
         ]
         self.timing = {"load_s": time.perf_counter() - self.t_start}
         self.timing.update(generate_s=0.0, forward_s=0.0, draft_s=0.0)
 
+    def load_models(self) -> None:
+        t0 = time.perf_counter()
+        self.target, _ = _load_target(self.settings, self.device)
+        dtype = self.target.get_input_embeddings().weight.dtype
+        for s in self.subjects:
+            s.drafter = load_drafter(s.path, dtype=dtype, device=self.device)
+        self.timing["load_s"] += time.perf_counter() - t0
+
+    @property
+    def dtype(self) -> str:
+        return str(self.target.get_input_embeddings().weight.dtype).removeprefix("torch.")
+
     def run(self) -> dict:
+        self.load_models()
         say(
             f"eval: {len(self.prompts)} prompts from {self.prompts_path}, max "
             f"{self.args.max_new_tokens} new tokens, budgets {self.budgets}, on {self.device} "
             f"({self.timing['load_s']:.1f}s to load)"
         )
+        records = self.simulate_all()
+        result = self.assemble(records)
+        result["engine"] = sim_engine()
+        result["fingerprint"] = self.fingerprint(result["engine"], self.dtype)
+        return self.finish(result)
+
+    def simulate_all(self, continuations: list[list[int]] | None = None) -> list[dict]:
+        """Every prompt's record: its continuation (given, else decoded by the target), one
+        target forward, every drafter simulated on it."""
         records = []
         for i, item in enumerate(self.prompts):
-            records.append({"index": i, **self.prompt(item)})
+            new = continuations[i] if continuations is not None else None
+            records.append({"index": i, **self.prompt(item, self.ids[i], new)})
             self.progress(i, records[-1])
-        result = self.assemble(records)
+        return records
+
+    def finish(self, result: dict) -> dict:
         if self.args.check_real:
             result["check_real"] = self.check_real(self.prompts[: self.args.check_real])
         result["real_loop_rounds_checked"] = result.get("check_real", {}).get("rounds_checked", 0)
@@ -356,11 +494,11 @@ class Evaluation:
         result["timing"] = {k: round(v, 3) for k, v in self.timing.items()}
         return result
 
-    def prompt(self, item: dict) -> dict:
-        """Decode the continuation, one forward, then simulate every drafter on it."""
-        prompt = render_prompt(self.tokenizer, item, self.template)
+    def prompt(self, item: dict, prompt: list[int], new: list[int] | None = None) -> dict:
+        """Decode the continuation (unless given), one forward, then simulate every drafter."""
         t0 = time.perf_counter()
-        new = greedy_continuation(self.target, prompt, self.args.max_new_tokens, self.stops)
+        if new is None:
+            new = greedy_continuation(self.target, prompt, self.args.max_new_tokens, self.stops)
         sync_device(self.device)
         t1 = time.perf_counter()
         hidden_states = target_hidden_states(self.target, prompt + new)
@@ -371,7 +509,7 @@ class Evaluation:
             "where": item["where"],
             "prompt_tokens": len(prompt),
             "new_tokens": len(new),
-            "stopped": new[-1] in set(self.stops),
+            "stopped": bool(new) and new[-1] in set(self.stops),
         }
         for s in self.subjects:
             res = evaluate_drafter(
@@ -401,20 +539,34 @@ class Evaluation:
 
     def summary(self, s: Subject) -> dict:
         return {
-            **summarize(s.results, int(s.drafter.block_size), self.budgets),
+            **summarize(s.results, s.block_size, self.budgets),
             "n_prompts": len(s.results),
             "max_new_tokens": self.args.max_new_tokens,
             "checkpoint": str(s.path.resolve()),
+            "checkpoint_sha256": checkpoint_sha256(s.path),
         }
 
     def assemble(self, records: list[dict]) -> dict:
         result = self.summary(self.subjects[0])
         result["budgets"] = self.budgets
         result["prompts_file"] = str(self.prompts_path.resolve())
+        result["prompt_set"] = self.prompt_set.describe()
         result["prompts"] = records
         if len(self.subjects) > 1:
             result["reference"] = self.summary(self.subjects[1])
         return result
+
+    def fingerprint(self, engine: dict, dtype: str) -> dict:
+        return fingerprint(
+            prompts_sha256=prompts_sha256(self.prompts),
+            chat_template_sha256=template_sha256(self.template, self.tokenizer),
+            chat_template_kwargs=self.kwargs,
+            max_new_tokens=self.args.max_new_tokens,
+            block_size=self.subjects[0].block_size,
+            target=target_identity(self.settings.target_path),
+            engine=engine,
+            dtype=dtype,
+        )
 
     def check_real(self, items: list[dict]) -> dict:
         """The real loops on a few prompts (chain, and DDTree per budget) against the simulated
@@ -422,8 +574,8 @@ class Evaluation:
         subject, details = self.subjects[0], []
         clock = {"real_s": 0.0, "real_tokens": 0, "ar_s": 0.0, "ar_tokens": 0}
         trees: dict[int, list[dict]] = {b: [] for b in self.budgets}
-        for i, item in enumerate(items):
-            ids = render_prompt(self.tokenizer, item, self.template)
+        for i in range(len(items)):
+            ids = self.ids[i]
             real, tokens = self._timed_real(subject.drafter, ids, clock)
             details.append(
                 {"index": i, **_compare(real, subject.results[i].chain), "new_tokens": len(tokens)}
@@ -486,7 +638,21 @@ class Evaluation:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.engine == "vllm":
+        from workload.eval_vllm import run_vllm
+
+        return run_vllm(Evaluation(args))
     return Evaluation(args).run()
+
+
+def sim_engine() -> dict:
+    """The simulation's engine: its numbers come from torch and transformers."""
+    import transformers
+
+    return {
+        "name": "sim",
+        "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
+    }
 
 
 def _load_target(settings: RunSettings, device: torch.device):
@@ -565,6 +731,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EvalError as exc:
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
+    except EngineError as exc:
+        print(f"eval: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("eval: interrupted", file=sys.stderr)
         return 130
@@ -573,9 +742,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ", ".join(f"{b}: {_fmt(t)}" for b, t in result["ddtree"].items())
         + (f"; reference tau {_fmt(result['reference']['tau'])}" if "reference" in result else "")
         + _real_summary(result.get("check_real"))
+        + _engine_summary(result)
         + f" -> {args.out}"
     )
     return 0
+
+
+def _engine_summary(result: dict) -> str:
+    if result["engine"]["name"] != "vllm":
+        return ""
+    sim, greedy = result["simulation"], result["greedy"]
+    return (
+        f"; vllm {result['engine']['version']}: simulated tau {_fmt(sim['tau'])}, rounds as "
+        f"simulated on {sim['prompts_identical']}/{sim['prompts']} prompts, output equals "
+        f"greedy on {greedy['equal']}/{greedy['prompts']}, {_fmt(result['tokens_per_s']['spec'])} "
+        f"tokens/s vs {_fmt(result['tokens_per_s']['plain'])} plain"
+    )
 
 
 def _real_summary(check: dict | None) -> str:
@@ -589,4 +771,6 @@ def _real_summary(check: dict | None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from workload.eval import main as _main  # one copy of the module (its exception classes)
+
+    sys.exit(_main())

@@ -1,0 +1,167 @@
+"""`eval --engine vllm` for real: a trained tiny drafter served by vLLM (CPU build) as the tiny
+target's DFlash speculator, against `--engine sim` of the same checkpoint and prompts.
+
+Needs a vLLM environment: $DFLASHOPS_VLLM_PYTHON, else /opt/vllm-venv/bin/python; skipped
+without one. An engine takes 20-100 s to start on two shared cores, so one evaluation (the plain
+engine and the speculative one) serves every assertion here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.workload.conftest import WORKLOAD, cache_root
+
+pytestmark = pytest.mark.slow
+
+VLLM_PYTHON = os.environ.get("DFLASHOPS_VLLM_PYTHON") or "/opt/vllm-venv/bin/python"
+STEPS = 200  # enough for a tau well above 1 on the tiny target (about 3.5)
+PROMPTS, NEW_TOKENS = 8, 96
+# the eval side: a change here does not retrain the drafter
+NOT_TRAINING = {"eval.py", "eval_vllm.py", "vllm_engine.py", "prompts.py", "fingerprint.py",
+                "decode.py", "ddtree.py", "inspect_data.py"}  # fmt: skip
+
+
+def _has_vllm() -> str | None:
+    if not os.access(VLLM_PYTHON, os.X_OK):
+        return f"no vLLM environment ({VLLM_PYTHON} missing; set DFLASHOPS_VLLM_PYTHON)"
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, timeout=300)
+    if probe.returncode != 0:
+        return f"{VLLM_PYTHON} cannot import vllm"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    reason = _has_vllm()
+    if reason:
+        pytest.skip(reason)
+    return VLLM_PYTHON
+
+
+def trained_drafter(build: Path) -> Path:
+    """checkpoints/step_STEPS of a drafter trained on the tiny build, cached beside it (keyed by
+    the build and the trainer's code), trained once under a lock."""
+    h = hashlib.sha256(f"{build.name} {STEPS}".encode())
+    for path in sorted(WORKLOAD.glob("*.py")):
+        if path.name not in NOT_TRAINING:
+            h.update(path.read_bytes())
+    final = cache_root() / f"drafter-{h.hexdigest()[:16]}"
+    ckpt = final / "checkpoints" / f"step_{STEPS}"
+    with open(f"{final}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (ckpt / "MANIFEST.sha256").is_file():
+            return ckpt
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        argv = [sys.executable, "-m", "workload.train", "--config", str(build / "run.yaml"),
+                "--run-dir", str(tmp), "--set", f"optim.max_steps={STEPS}",
+                "--set", f"checkpoint.every={STEPS}"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=3600,
+                              cwd=WORKLOAD.parent)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    return ckpt
+
+
+def _eval(build: Path, ckpt: Path, out: Path, *extra: str) -> tuple[dict, str, str]:
+    argv = [sys.executable, "-m", "workload.eval", "--config", str(build / "run.yaml"),
+            "--checkpoint", str(ckpt), "--max-prompts", str(PROMPTS),
+            "--max-new-tokens", str(NEW_TOKENS), "--budgets", "8", "--out", str(out), *extra]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env,
+                          cwd=WORKLOAD.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def evals(vllm_python, tiny_dense, tmp_path_factory) -> dict:
+    ckpt = trained_drafter(tiny_dense)
+    where = tmp_path_factory.mktemp("vllm-eval")
+    sim, _, _ = _eval(tiny_dense, ckpt, where / "sim.json")
+    vllm, out, err = _eval(tiny_dense, ckpt, where / "vllm.json", "--engine", "vllm",
+                           "--vllm-python", vllm_python)  # fmt: skip
+    return {"sim": sim, "vllm": vllm, "stdout": out, "stderr": err, "ckpt": ckpt}
+
+
+def test_vllm_tau_agrees_with_the_simulation(evals):
+    sim, vllm = evals["sim"], evals["vllm"]
+    assert sim["tau"] > 2  # a drafter that drafts: the comparison is not trivial
+    assert vllm["tau"] == pytest.approx(sim["tau"], rel=0.05)
+    print(f"tau: vllm {vllm['tau']:.3f}, sim {sim['tau']:.3f}, "
+          f"engine pooled {vllm['engine_mean_acceptance_length']:.3f}")  # fmt: skip
+    # the simulation inside the vLLM eval runs on vLLM's greedy output
+    assert vllm["simulation"]["tau"] == pytest.approx(sim["tau"], rel=0.05)
+    assert set(vllm["ddtree"]) == set(sim["ddtree"]) == {"8", "16", "32", "64"}
+    for p in vllm["prompts"]:  # vLLM's rounds cover its output: the first token, then rounds
+        assert sum(p["checkpoint"]["rounds"]) == p["new_tokens"] - 1
+        assert p["checkpoint"]["unaccounted_tokens"] == 0
+
+
+def test_the_result_says_where_vllm_and_the_simulation_part(evals):
+    s, prompts = evals["vllm"]["simulation"], evals["vllm"]["prompts"]
+    identical = [p["index"] for p in prompts if p["checkpoint"]["rounds_identical"]]
+    assert s["prompts"] == PROMPTS and s["prompts_identical"] == len(identical)
+    assert len(s["differences"]) == PROMPTS - len(identical)
+    for p in prompts:
+        engine, simulated = p["checkpoint"]["rounds"], p["checkpoint"]["simulated"]["rounds"]
+        assert (engine == simulated) == p["checkpoint"]["rounds_identical"]
+    if not s["differences"]:
+        assert s["first_difference"] is None
+        return
+    first = s["first_difference"]
+    assert first == s["differences"][0]
+    p = prompts[first["prompt"]]
+    assert first["where"] == p["where"]
+    r = first["round"]
+    got = p["checkpoint"]
+    assert got["rounds"][:r] == got["simulated"]["rounds"][:r]
+    assert first["vllm"]["produced"] == got["rounds"][r]
+    assert first["simulation"]["produced"] == got["simulated"]["rounds"][r]
+    print("first difference:", first)
+
+
+def test_the_engine_output_equals_greedy_or_the_result_names_the_prompts(evals):
+    greedy, prompts = evals["vllm"]["greedy"], evals["vllm"]["prompts"]
+    differ = [p["where"] for p in prompts if not p["checkpoint"]["equals_greedy"]]
+    assert greedy["prompts"] == PROMPTS and greedy["equal"] == PROMPTS - len(differ)
+    assert [d["where"] for d in greedy["differ"]] == differ
+    assert greedy["equal"] == PROMPTS  # measured: lossless on the tiny float32 target
+    # vLLM's plain greedy output is Hugging Face's, token for token here
+    assert [p["new_tokens"] for p in prompts] == [p["new_tokens"] for p in evals["sim"]["prompts"]]
+
+
+def test_the_vllm_result_keeps_the_contract_and_its_fingerprint(evals):
+    sim, vllm = evals["sim"], evals["vllm"]
+    for key in ("tau", "ddtree", "per_position", "histogram", "n_prompts", "max_new_tokens",
+                "checkpoint", "engine", "fingerprint", "checkpoint_sha256", "prompt_set",
+                "engine_mean_acceptance_length", "tokens_per_s", "speedup"):  # fmt: skip
+        assert key in vllm, key
+    version = subprocess.run([VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"],
+                             capture_output=True, text=True, timeout=300).stdout.strip()  # fmt: skip
+    assert vllm["engine"] == {"name": "vllm", "version": version}
+    assert sim["engine"]["name"] == "sim"
+    assert vllm["fingerprint"]["engine"] == vllm["engine"]
+    assert vllm["fingerprint"]["dtype"] == sim["fingerprint"]["dtype"] == "float32"
+    same = {k: v for k, v in vllm["fingerprint"].items() if k != "engine"}
+    assert same == {k: v for k, v in sim["fingerprint"].items() if k != "engine"}
+    assert vllm["checkpoint_sha256"] == sim["checkpoint_sha256"]
+    assert vllm["n_prompts"] == PROMPTS and vllm["max_new_tokens"] == NEW_TOKENS
+    assert len(vllm["per_position"]) == 7 and sum(vllm["histogram"]) == vllm["rounds"]
+    tps = vllm["tokens_per_s"]
+    assert tps["spec"] > 0 and tps["plain"] > 0
+    assert vllm["speedup"] == pytest.approx(tps["spec"] / tps["plain"])
+    assert vllm["engine_mean_acceptance_length"] >= 1
+    assert evals["stdout"] == "" and "Traceback" not in evals["stderr"]
+    assert "vllm: plain:" in evals["stderr"] and "vllm: checkpoint:" in evals["stderr"]
