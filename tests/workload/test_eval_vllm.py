@@ -1,7 +1,7 @@
 """`eval --engine vllm` for real: a trained tiny drafter served by vLLM (CPU build) as the tiny
 target's DFlash speculator, against `--engine sim` of the same checkpoint and prompts.
 
-Needs a vLLM environment: $DFLASHOPS_VLLM_PYTHON, else /opt/vllm-venv/bin/python; skipped
+Needs a vLLM environment (tests/engines.py finds it; the `vllm_python` fixture); skipped
 without one. An engine takes 20-100 s to start on two shared cores, so one evaluation (the plain
 engine and the speculative one) serves every assertion here.
 """
@@ -23,29 +23,11 @@ from tests.workload.conftest import WORKLOAD, cache_root
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = os.environ.get("DFLASHOPS_VLLM_PYTHON") or "/opt/vllm-venv/bin/python"
 STEPS = 200  # enough for a tau well above 1 on the tiny target (about 3.5)
 PROMPTS, NEW_TOKENS = 8, 96
 # the eval side: a change here does not retrain the drafter
 NOT_TRAINING = {"eval.py", "eval_vllm.py", "vllm_engine.py", "prompts.py", "fingerprint.py",
                 "decode.py", "ddtree.py", "inspect_data.py"}  # fmt: skip
-
-
-def _has_vllm() -> str | None:
-    if not os.access(VLLM_PYTHON, os.X_OK):
-        return f"no vLLM environment ({VLLM_PYTHON} missing; set DFLASHOPS_VLLM_PYTHON)"
-    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, timeout=300)
-    if probe.returncode != 0:
-        return f"{VLLM_PYTHON} cannot import vllm"
-    return None
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    reason = _has_vllm()
-    if reason:
-        pytest.skip(reason)
-    return VLLM_PYTHON
 
 
 def trained_drafter(build: Path) -> Path:
@@ -142,13 +124,13 @@ def test_the_engine_output_equals_greedy_or_the_result_names_the_prompts(evals):
     assert [p["new_tokens"] for p in prompts] == [p["new_tokens"] for p in evals["sim"]["prompts"]]
 
 
-def test_the_vllm_result_keeps_the_contract_and_its_fingerprint(evals):
+def test_the_vllm_result_keeps_the_contract_and_its_fingerprint(evals, vllm_python):
     sim, vllm = evals["sim"], evals["vllm"]
     for key in ("tau", "ddtree", "per_position", "histogram", "n_prompts", "max_new_tokens",
                 "checkpoint", "engine", "fingerprint", "checkpoint_sha256", "prompt_set",
                 "engine_mean_acceptance_length", "tokens_per_s", "speedup"):  # fmt: skip
         assert key in vllm, key
-    version = subprocess.run([VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"],
+    version = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                              capture_output=True, text=True, timeout=300).stdout.strip()  # fmt: skip
     assert vllm["engine"] == {"name": "vllm", "version": version}
     assert sim["engine"]["name"] == "sim"
