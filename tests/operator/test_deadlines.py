@@ -20,7 +20,7 @@ import pytest
 from dflashops import remote
 from dflashops.errors import NoAnswerError
 from dflashops.inventory import load_inventory
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from tests.operator.cli import dflashops
 
 pytestmark = pytest.mark.testbed

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dflashops.errors import UsageError
 from dflashops.inventory import Endpoint
+from dflashops.ssh.paramiko_lib import load_paramiko
 
 DEFAULT_IDENTITIES = tuple(
     f"~/.ssh/{name}"
@@ -182,8 +183,6 @@ class _Tokens:
 
 
 def _by_paramiko(endpoint: Endpoint) -> dict[str, list[str]]:
-    from dflashops.ssh import load_paramiko
-
     paramiko = load_paramiko()
     path = user_config()
     if not path.is_file():
