@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from dflashops.errors import NoAnswerError, UnreachableError
+from dflashops.errors import UnreachableError
 
 if TYPE_CHECKING:
     from dflashops.ssh.connection import Connection
@@ -52,7 +52,7 @@ class ChannelProcess:
             time.sleep(0.002)
         self.kill()
         if code < 0 and self.heartbeat is not None and self.heartbeat.dead:
-            raise NoAnswerError(self.who, self.heartbeat.deadline)
+            raise self.heartbeat.error(self.who)
         if code < 0:
             raise UnreachableError(
                 f"{self.name}: the connection dropped before the command's exit status came"

@@ -40,8 +40,8 @@ class Connection:
     `lookup_jump(spec, origin)` gives the Connection of a ProxyJump spec's last hop. At most
     `endpoint.max_sessions` commands run on it at once: sshd refuses sessions past its
     MaxSessions (10 by default, as on Proxmox), so more wait for a free one. `deadline` (s):
-    how long the server may leave a keepalive or a channel open unanswered before the
-    connection counts as dead (NoAnswerError for every call on it).
+    the command's; a channel open unanswered that long fails, and a server silent for that
+    long (at most keepalive.LOST_AFTER_S) counts as dead (NoAnswerError for every call on it).
     """
 
     def __init__(
@@ -131,7 +131,9 @@ class Connection:
         return channel, release
 
     def _refused_session(self, exc: Exception) -> OpsError:
-        if self.dead() or "Timeout opening channel" in str(exc):
+        if self.dead():
+            return self.heartbeat.error(self.endpoint.name)
+        if "Timeout opening channel" in str(exc):
             return NoAnswerError(self.endpoint.name, self.deadline)
         return UnreachableError(
             f"{self.resolved.label}: sshd refused a new session ({exc}); lower 'max_sessions' "

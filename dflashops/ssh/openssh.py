@@ -4,7 +4,7 @@ The client gets nothing from the user's ssh configuration: a private ssh_config 
 a private temporary directory, removed at the end of the command) says exactly what the
 paramiko connection resolved, hop by hop: address, port, user, identity files, our known_hosts
 files with StrictHostKeyChecking=yes (nothing is ever accepted or written), the jump chain or
-ProxyCommand, BatchMode, no ControlMaster, and a ServerAlive keepalive with the same deadline.
+ProxyCommand, BatchMode, no ControlMaster, and a ServerAlive keepalive with the same limit.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dflashops.errors import HostKeyError, NoAnswerError, UnreachableError
 from dflashops.ssh.config import client
+from dflashops.ssh.keepalive import lost, openssh_alive
 from dflashops.ssh.known_hosts import host_key_files
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ def block(conn: Hop) -> str:
         str(p) for p in (Path.home() / ".ssh" / n for n in DEFAULT_KEYS) if p.is_file()
     ]
     known = " ".join(_quoted(str(p)) for p in host_key_files(target)) or "/dev/null"
-    interval = max(1, round(conn.deadline / 4))
+    interval, count = openssh_alive(conn.deadline)
     lines = [
         f"HostName {target.hostname}",
         f"Port {target.port}",
@@ -167,7 +168,7 @@ def block(conn: Hop) -> str:
         "LogLevel INFO",  # the default: errors and "Timeout, server ... not responding"
         f"ConnectTimeout {max(1, round(conn.connect_timeout))}",
         f"ServerAliveInterval {interval}",
-        f"ServerAliveCountMax {max(1, round(conn.deadline / interval))}",
+        f"ServerAliveCountMax {count}",
         f"Ciphers {CIPHERS}",
     ]
     return "".join(f"  {line}\n" for line in lines)
@@ -225,7 +226,9 @@ class OpenSshProcess:
         own = [x for x in lines if OWN_ERROR.match(x)]
         if not own:
             return
-        if any(x.startswith("Timeout, server") or "timed out" in x for x in own):
+        if any(x.startswith("Timeout, server") for x in own):
+            raise lost(self.who, self.deadline)
+        if any("timed out" in x for x in own):
             raise NoAnswerError(self.who, self.deadline)
         if any("Host key verification failed" in x for x in own):
             raise HostKeyError(f"{self.who}: the OpenSSH client refused the host key: {own[0]}")
