@@ -234,10 +234,34 @@ class Connection:
 
     def _handshake(self, transport: paramiko.Transport) -> None:
         """Key exchange within the connect timeout (paramiko's start_client just returns when
-        its timeout passes)."""
-        transport.start_client(timeout=self.connect_timeout)
+        its timeout passes). A server that took the connection and sent no banner is said to."""
+        paramiko = load_paramiko()
+        try:
+            transport.start_client(timeout=self.connect_timeout)
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            if not transport.remote_version:
+                raise self._no_banner(exc) from None
+            raise
         if not transport.initial_kex_done:
+            if not transport.remote_version:
+                raise self._no_banner(TimeoutError())
             raise TimeoutError
+
+    def _no_banner(self, exc: BaseException) -> UnreachableError:
+        """The connection was taken, then closed or left silent before the server's first
+        line (paramiko wraps what happened in an SSHException: its __context__)."""
+        target = self.resolved
+        where = f"{target.hostname}:{target.port}"
+        cause = exc.__context__ if exc.__context__ is not None else exc
+        if isinstance(cause, (EOFError, ConnectionResetError, BrokenPipeError)):
+            return UnreachableError(
+                f"{target.label}: the connection was closed before an SSH banner from {where} "
+                "(sshd turning us away: MaxStartups, a TCP wrapper, a ban; or no sshd there)"
+            )
+        return UnreachableError(
+            f"{target.label}: no answer in {self.connect_timeout:g} s: no SSH banner from "
+            f"{where} (the port takes connections but says nothing: sshd stuck, or no sshd)"
+        )
 
     def _explain(self, exc: BaseException) -> str:
         seconds = self.connect_timeout
