@@ -31,7 +31,7 @@ def on_terminal(machine: Machine, argv: list[str], *, what: str, hint: str) -> i
         Path(machine.target.workspace).mkdir(parents=True, exist_ok=True)
         return _wait(wrapped, _local_env())
     conn = machine.connection  # type: ignore[attr-defined]
-    from dflashops.openssh import terminal_argv
+    from dflashops.ssh.openssh import terminal_argv
 
     client = terminal_argv(conn, shlex.join(wrapped))
     if client is None:
@@ -52,7 +52,7 @@ def _local_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
 
 
-def _close_chain(conn) -> None:  # noqa: ANN001 (dflashops.ssh.Connection)
+def _close_chain(conn) -> None:  # noqa: ANN001 (dflashops.ssh.connection.Connection)
     """Our own connections (and their jump hops) are not needed while the client runs."""
     hop = conn
     while hop is not None:

@@ -18,7 +18,7 @@ from typer.models import ParameterInfo
 
 from dflashops import runs
 from dflashops.inventory import Inventory, find_inventory, load_inventory
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 
 DEADLINE_S = 3.0  # the longest a completion may take
 CALL_S = 2.0  # the deadline of each remote read inside it

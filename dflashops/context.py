@@ -72,7 +72,7 @@ class Context:
 
     def session(self):  # noqa: ANN201 (Session, imported lazily)
         if self._session is None:
-            from dflashops.session import Session
+            from dflashops.ssh.session import Session
 
             self._session = Session(
                 self.inventory(),

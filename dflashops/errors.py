@@ -53,6 +53,15 @@ class NoAnswerError(UnreachableError):
         self.seconds = seconds
 
 
+class ConnectionLostError(NoAnswerError):
+    """The server sent nothing, not even an answer to a keepalive, for `seconds` (less than
+    the command's deadline): the link is down, or the host off or frozen."""
+
+    def __init__(self, who: str, seconds: float) -> None:
+        UnreachableError.__init__(self, f"{who}: connection lost (no answer for {seconds:g} s)")
+        self.seconds = seconds
+
+
 class NotFoundError(OpsError):
     code = ExitCode.NOT_FOUND
 

@@ -13,7 +13,7 @@ from dflashops.errors import OpsError
 from dflashops.remote import argv as helper_argv
 from dflashops.render import metric
 from dflashops.runs import Unread
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 
 
 @dataclass

@@ -28,7 +28,12 @@ ENGINES = ("vllm",)  # generation engines a target may have an environment of it
 CONNECTION_KEYS = (
     "address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout", "max_sessions",
 )  # fmt: skip
-ADDRESS_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.:-]*$")  # an IP address or a plain host name
+# What may name a host and a login: these reach ssh's command line, a ProxyCommand's %h and
+# %r and `Match exec` (run by /bin/sh), so no whitespace, `%`, leading `-` or shell syntax.
+ADDRESS_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._:-]{0,252}$")  # an IP address, a host name
+USER_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._-]{0,63}$")
+NOT_AN_ADDRESS = "is not an IP address or host name (letters, digits, '.', '_', '-', ':')"
+NOT_A_USER = "is not a user name (letters, digits, '.', '_', '-')"
 TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *DEFAULTS, *CONNECTION_KEYS)
 
 
@@ -69,7 +74,11 @@ def parse_jump(spec: str) -> list[Hop]:
         user, _, rest = part.rpartition("@")
         host, _, port = rest.partition(":")
         if not host or (port and not (port.isdigit() and 0 < int(port) < 65536)):
-            raise ValueError(f"'{part}' is not [user@]host[:port]")
+            raise ValueError(f"{part!r} is not [user@]host[:port]")
+        if not ADDRESS_RE.match(host):
+            raise ValueError(f"{host!r} {NOT_AN_ADDRESS}")
+        if user and not USER_RE.match(user):
+            raise ValueError(f"{user!r} {NOT_A_USER}")
         hops.append(Hop(host=host, user=user or None, port=int(port) if port else None))
     return hops
 
@@ -220,8 +229,8 @@ class _Parser:
             raise self.fail(key, "missing 'address' (an IP address or an ~/.ssh/config alias)")
         return Endpoint(
             name=name,
-            address=self.text(f"{key}.address", merged["address"]),
-            user=self.optional_text(f"{key}.user", merged.get("user")),
+            address=self.matching(f"{key}.address", merged["address"], ADDRESS_RE, NOT_AN_ADDRESS),
+            user=self.user(f"{key}.user", merged.get("user")),
             port=self.optional_int(f"{key}.port", merged.get("port"), 1, 65535),
             identity=self.file_path(f"{key}.identity", merged.get("identity")),
             known_hosts=self.file_path(f"{key}.known_hosts", merged.get("known_hosts")),
@@ -233,6 +242,15 @@ class _Parser:
                 f"{key}.max_sessions", merged.get("max_sessions", 8), 1, 1000
             ),
         )
+
+    def matching(self, key: str, value: Any, pattern: re.Pattern, problem: str) -> str:
+        text = self.text(key, value)
+        if not pattern.match(text):
+            raise self.fail(key, f"{text!r} {problem}")
+        return text
+
+    def user(self, key: str, value: Any) -> str | None:
+        return None if value is None else self.matching(key, value, USER_RE, NOT_A_USER)
 
     def jump(self, key: str, value: Any) -> str | None:
         text = self.optional_text(key, value)

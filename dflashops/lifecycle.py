@@ -37,7 +37,7 @@ from dflashops.inventory import Target
 from dflashops.remote import source as helper_source
 from dflashops.render import Stopwatch, duration
 from dflashops.runs import RunView
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 from dflashops.watch import follow_run
 

@@ -24,7 +24,7 @@ from dflashops.inventory import Target
 from dflashops.relay import Relayed, relay
 from dflashops.render import Stopwatch, human_bytes, progress
 from dflashops.runs import Checkpoint, RunView
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 from dflashops.transfer import Progress
 

@@ -19,7 +19,7 @@ from dflashops import context
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UnreachableError, UsageError
 from dflashops.inventory import NAME_RE, Target
 from dflashops.remote import argv as helper_argv
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 from dflashops.yamlfile import did_you_mean
 

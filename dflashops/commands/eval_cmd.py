@@ -38,7 +38,7 @@ from dflashops.logstream import stream_log
 from dflashops.pulls import pull
 from dflashops.remote import source as helper_source
 from dflashops.render import console, metric, table
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
 JOB = "evaljob.py"

@@ -285,8 +285,15 @@ def _dash(value: object) -> str:
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001
-    from dflashops.knownhosts import CHANGED, REVOKED, TRUSTED, KnownHosts, fingerprint
-    from dflashops.ssh import host_key_files, pinned_keys_file
+    from dflashops.ssh.known_hosts import (
+        CHANGED,
+        REVOKED,
+        TRUSTED,
+        KnownHosts,
+        fingerprint,
+        host_key_files,
+        pinned_keys_file,
+    )
 
     conn = session.connection(endpoint)
     resolved = conn.resolved

@@ -23,7 +23,7 @@ from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.lifecycle import Placement
 from dflashops.render import human_bytes
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.yamlfile import YamlFileError, load_located
 
 FORCE_OPTION = typer.Option(

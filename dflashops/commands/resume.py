@@ -14,7 +14,7 @@ from dflashops import context, lifecycle, runs
 from dflashops.errors import NotFoundError, UsageError
 from dflashops.lifecycle import Node, Placement
 from dflashops.runs import RunView
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 
 
 def register(app: typer.Typer) -> None:

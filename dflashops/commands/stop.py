@@ -13,7 +13,7 @@ from dflashops import context, runs
 from dflashops.errors import OpsError
 from dflashops.render import Stopwatch, duration
 from dflashops.runs import RunView
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
 

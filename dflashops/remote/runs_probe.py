@@ -40,6 +40,14 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 TEMP_DIR = re.compile(r"^\.tmp-step_(\d+)-")
 PROGRESS = re.compile(rb"^step (\d+)/(\d+) ", re.M)
 PLANNED = re.compile(rb"^drafter: .*?, (\d+) steps,", re.M)
+# Console lines that are no news, left out of the tail we report: torch's c10d warns at every
+# connection when a peer's address has no name and no DNS server answers (getnameinfo's
+# EAI_AGAIN: nodes on a LAN without DNS, as Proxmox containers often are).
+QUIET = re.compile(
+    rb"^\[W[^\]\n]*\] \[c10d\] The hostname of the client socket cannot be retrieved\. "
+    rb"err=-?\d+\r?\n",
+    re.M,
+)
 RECENT = 20
 TMUX = ["tmux", "-L", "dflashops"]
 RANK_FILE = re.compile(r"rank_(\d+)\.json$")
@@ -299,7 +307,7 @@ def console_info(run_dir, tail):
         last = found[-1]
         info["total_steps"] = int(last[1] if isinstance(last, tuple) else last)
     if tail:
-        info["tail"] = end[-tail:].decode("utf-8", "replace")
+        info["tail"] = QUIET.sub(b"", end[-tail:]).decode("utf-8", "replace")
     return info
 
 

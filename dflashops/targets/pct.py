@@ -8,41 +8,21 @@ The argv is joined with exactly one quoting layer, for the host's login shell.
 from __future__ import annotations
 
 import re
-import shlex
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from dflashops.errors import NotFoundError, OpsError, UnreachableError
-from dflashops.targets.base import Machine, Process, Result
-from dflashops.targets.ssh import ChannelProcess
-
-if TYPE_CHECKING:
-    from dflashops.inventory import Target
-    from dflashops.ssh import Connection
+from dflashops.targets.base import Result
+from dflashops.targets.ssh import OverSsh
 
 PCT_ERROR = 255
 NO_PCT = re.compile(r"pct: (command )?not found")
 
 
-class PctMachine(Machine):
-    def __init__(self, target: Target, connection: Connection) -> None:
-        super().__init__(target)
-        self.connection = connection
-
+class PctMachine(OverSsh):
     def wrap(self, argv: list[str], env: dict[str, str], cwd: str | None) -> list[str]:
         vmid = str(self.target.vmid)
         base = (f"PATH={self.target.path}", "HOME=/root", "LANG=C.UTF-8", "USER=root")
         return ["pct", "exec", vmid, "--", *self.env_argv(env, cwd, base=base, clear=True), *argv]
-
-    def spawn(
-        self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
-    ) -> Process:
-        command = shlex.join(self.wrap(argv, env, cwd))
-        if bulk:
-            process = self.connection.bulk_process(command, self.name)
-            if process is not None:
-                return process
-        return ChannelProcess(self.connection, command, self.name)
 
     @cached_property
     def _not_running(self) -> re.Pattern:

@@ -19,7 +19,7 @@ import pytest
 from dflashops import transfer
 from dflashops.errors import HostKeyError, NoAnswerError
 from dflashops.inventory import load_inventory
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from tests.operator.cli import dflashops
 from tests.operator.test_deadlines import RELAY, freeze, thaw
 

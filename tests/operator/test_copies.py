@@ -423,7 +423,7 @@ def test_two_copies_out_into_one_local_path_at_once(
     import threading
 
     from dflashops.inventory import load_inventory
-    from dflashops.session import Session
+    from dflashops.ssh.session import Session
     from dflashops.transfer import get_file
 
     data = os.urandom(8 << 20)

@@ -20,7 +20,7 @@ import pytest
 from dflashops import remote
 from dflashops.errors import NoAnswerError
 from dflashops.inventory import load_inventory
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from tests.operator.cli import dflashops
 
 pytestmark = pytest.mark.testbed
@@ -280,3 +280,94 @@ def test_a_copy_that_keeps_moving_outlives_the_deadline_and_one_that_stalls_does
         with pytest.raises(NoAnswerError):
             machine.run(count, stdin=dribble(2, 6), timeout=2)
         assert time.monotonic() - began < 2 + SLACK
+
+
+LOST_WITHIN = 30  # a host cut off is noticed this soon at default settings (issue 16, item 11)
+
+
+@contextmanager
+def cut_off(host):
+    """Nothing gets through to or from `host` any more: its cable pulled (the veth that joins
+    it to the bed's bridge down); in loopback mode, its sshd frozen instead."""
+    if host.netns is None:
+        with frozen_sshd(host):
+            yield
+        return
+    link = ["ip", "link", "set", f"{host.bed.slot.prefix}v{host.index}"]
+    subprocess.run([*link, "down"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*link, "up"], check=True)
+
+
+def ended_after_cut(proc: subprocess.Popen, host) -> tuple[int | None, str, float]:
+    """Cut `host` off while `proc` runs: (exit code, None if it was still running after
+    LOST_WITHIN + SLACK s; stderr; seconds from the cut to the end)."""
+    with cut_off(host):
+        began = time.monotonic()
+        try:
+            code = proc.wait(timeout=LOST_WITHIN + SLACK)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            proc.kill()
+            proc.wait()
+        took = time.monotonic() - began
+    return code, proc.stderr.read().decode(), took
+
+
+def test_the_default_keepalive_gives_up_on_a_silent_server_within_30_s():
+    """What the two ways of carrying bytes are told, at every default deadline: the paramiko
+    keepalive's limit and OpenSSH's ServerAliveInterval x (ServerAliveCountMax + 1)."""
+    from dflashops.ssh.keepalive import KEEPALIVE_INTERVAL_S, KEEPALIVE_MISSED_MAX, openssh_alive
+    from dflashops.ssh.keepalive import limit as alive_limit
+
+    assert (KEEPALIVE_INTERVAL_S, KEEPALIVE_MISSED_MAX) == (5, 3)
+    for deadline in (15, 30, 120, 3600):
+        interval, count = openssh_alive(deadline)
+        assert interval * (count + 1) <= LOST_WITHIN and alive_limit(deadline) <= LOST_WITHIN
+    assert openssh_alive(120) == (5, 3) and alive_limit(120) == 20
+    assert alive_limit(DEADLINE) == DEADLINE  # a shorter deadline still holds
+
+
+def test_a_host_cut_off_mid_command_is_lost_within_30_s_whatever_the_deadline(
+    testbed, tmp_path, home
+):
+    """paramiko's channel: a long quiet exec under a 300 s deadline, then the link goes."""
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    proc = start(inv, home, "--timeout", "300", "exec", "ct201", "--",
+                 "sh", "-c", "echo started; sleep 300")  # fmt: skip
+    assert proc.stdout.readline() == b"started\n"
+    code, err, took = ended_after_cut(proc, testbed["pve1"])
+    print(f"\nexec, link cut: exit {code} after {took:.1f} s: {err.strip()}")
+    assert code == 3, (code, err)
+    assert err == "dflashops: error: ct201: connection lost (no answer for 20 s)\n"
+    assert took <= LOST_WITHIN, took
+
+
+def test_a_host_cut_off_mid_copy_through_openssh_is_lost_within_30_s(testbed, tmp_path, home):
+    """The OpenSSH client's copy (push at its default deadline, 120 s), then the link goes."""
+    pve1 = testbed["pve1"]
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(64 << 20))
+    log = pve1.dir / "sshd.log"
+    before = log.read_text().count("Accepted publickey")
+    pve1.set_faults(slow_exec_stdin_after=1 << 20)  # 8 MiB/s: the copy takes 8 s or more
+    try:
+        proc = start(inv, home, "push", "ct201", str(blob), "cut/blob.bin")
+        deadline = time.monotonic() + 30
+        while log.read_text().count("Accepted publickey") < before + 2:  # paramiko, then ssh
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        time.sleep(1)
+        code, err, took = ended_after_cut(proc, pve1)
+    finally:
+        pve1.set_faults()
+    print(f"\npush, link cut: exit {code} after {took:.1f} s: {err.strip()}")
+    assert code == 3, (code, err)
+    assert err.strip().splitlines()[-1] == (
+        "dflashops: error: ct201: connection lost (no answer for 20 s)"
+    )
+    assert took <= LOST_WITHIN, took

@@ -267,3 +267,79 @@ def test_no_such_run_when_a_target_could_not_be_read(tmp_path, ws, hung_inventor
         assert ran.err.startswith(
             "dflashops: error: no run 'v9' on the targets read (runs: v4); not read: hung ("
         ), ran.err
+
+
+# ---------------------------------------------------------------- a port that is no sshd
+
+
+@pytest.fixture
+def closing_port():
+    """A TCP port that accepts connections and closes each at once (sshd past MaxStartups,
+    a TCP wrapper refusing us)."""
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+@pytest.mark.parametrize("port", ["silent_port", "closing_port"])
+def test_a_port_that_sends_no_ssh_banner_is_said_to(tmp_path, ws, port, request):
+    """What happened, not a guess: the connection was taken and then either nothing came
+    within the connect timeout, or it was closed before the server's first line."""
+    number = request.getfixturevalue(port)
+    hung = {"kind": "ssh", "address": "127.0.0.1", "port": number, "connect_timeout": 2}
+    inv = write_inventory(tmp_path / "hosts.yaml", {"hung": hung})
+    began = time.monotonic()
+    ran = dflashops("exec", "hung", "--", "true", inventory=inv, home=tmp_path)
+    took = time.monotonic() - began
+    assert ran.code == 3 and len(ran.err.strip().splitlines()) == 1, ran
+    said = ran.err.removeprefix(f"dflashops: error: hung (root@127.0.0.1:{number}): ")
+    if port == "silent_port":
+        assert said.startswith(f"no answer in 2 s: no SSH banner from 127.0.0.1:{number}"), said
+        assert took >= 2, took
+    else:
+        assert said.startswith(
+            f"the connection was closed before an SSH banner from 127.0.0.1:{number}"
+        ), said
+        assert "no answer" not in said
+
+
+# ---------------------------------------------------------------- noise in the start-up lines
+
+C10D_NOISE = (
+    "[W1202 09:39:19.215350417 socket.cpp:207] [c10d] The hostname of the client socket "
+    "cannot be retrieved. err=-3\n"
+)
+
+
+def test_c10d_saying_a_peer_has_no_name_is_not_shown_as_what_the_run_said_last(ws):
+    """Nodes on a LAN without DNS: c10d warns at every connection (seen in every multi-node
+    launch's start-up lines). The console the operator reads for what a run said leaves that
+    exact line out, and nothing else."""
+    import subprocess
+
+    from dflashops.remote import source as remote_source
+
+    run = make_run(ws, "quiet")
+    said = ["rank 0/4: pid 191 on ct971, device cpu", "target: /workspace/tiny/target"]
+    text = C10D_NOISE + f"{said[0]}\n" + C10D_NOISE + C10D_NOISE.replace("err=-3", "err=-2")
+    text += f"{said[1]}\n" + C10D_NOISE + "W: the hostname of the client socket is fine\n"
+    (run / "console.log").write_text(text)
+    request = {"ws": str(ws), "names": ["quiet"], "records": "none", "console": 8192}
+    argv = ["python3", "-c", remote_source("runs_probe.py")]
+    out = subprocess.run(argv, input=json.dumps(request).encode(), capture_output=True, check=True)
+    tail = json.loads(out.stdout)["runs"][0]["console"]["tail"]
+    assert tail.splitlines() == [*said, "W: the hostname of the client socket is fine"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import textwrap
 from pathlib import Path
@@ -194,3 +195,51 @@ def test_unknown_target_is_not_found_exit_4(tmp_path):
 def test_shipped_inventory_has_only_local():
     inv = load_inventory(Path(__file__).resolve().parents[2] / "hosts.yaml")
     assert list(inv.targets) == ["local"] and inv.hosts == {}
+
+
+HOSTILE = ["pve1 -oProxyCommand=x", "-oProxyCommand=touch x", "fe80::1%eth0", "a;touch x",
+           "$(touch x)", "`touch x`", "a|b", "a&b", "a>b", "'a'", "a\nb", "a\tb"]  # fmt: skip
+WHERE = [  # (what to change in GOOD, with VALUE for the hostile text; its line; its key)
+    ("    address: ADDRESS\n", "    address: VALUE\n", 7, "hosts.pve1.address"),
+    ("address: 10.1.2.9,", "address: VALUE,", 13, "targets.gpubox.address"),
+    ("user: ubuntu,", "user: VALUE,", 13, "targets.gpubox.user"),
+    (
+        "    connect_timeout: 2\n",
+        "    connect_timeout: 2\n    jump: VALUE\n",
+        10,
+        "hosts.pve1.jump",
+    ),
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+@pytest.mark.parametrize(("old", "new", "line", "key"), WHERE, ids=[w[3] for w in WHERE])
+def test_an_address_a_user_or_a_jump_that_is_not_a_plain_name_is_refused(
+    tmp_path, listener, old, new, line, key, value
+):
+    """Only an IP address or a host name (no whitespace, `%`, leading `-` or anything a shell
+    reads): these reach ssh's command line, a ProxyCommand's %h and %r, `Match exec`."""
+    port = listener.getsockname()[1]
+    quoted = json.dumps(value)  # a YAML double-quoted string
+    text = GOOD.replace("ADDRESS", "127.0.0.1").replace("PORT", str(port))
+    path = write(
+        tmp_path, text.replace(old.replace("ADDRESS", "127.0.0.1"), new.replace("VALUE", quoted))
+    )
+    ran = dflashops("hosts", inventory=path, home=tmp_path)
+    assert ran.code == 2, ran
+    lines = ran.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in ran.err, ran.err
+    assert f"hosts.yaml:{line}: {key}: " in lines[0], lines[0]
+    said = ("not an IP address or host name", "not a user name", "not [user@]host[:port]")
+    assert any(words in lines[0] for words in said), lines[0]
+    assert not connected(listener)
+
+
+def test_plain_addresses_users_and_aliases_are_taken(tmp_path):
+    text = GOOD.replace("ADDRESS", "pve-1.lab_site.example").replace("PORT", "22")
+    text = text.replace("address: 10.1.2.9, user: ubuntu", "address: 'fd00::9', user: deploy_1")
+    inv = load_inventory(write(tmp_path, text.replace("    connect_timeout: 2\n",
+                                                      "    connect_timeout: 2\n    jump: 'op@bastion_2:2222,10.0.0.1'\n")))  # fmt: skip
+    assert inv.hosts["pve1"].address == "pve-1.lab_site.example"
+    assert inv.target("gpubox").endpoint.address == "fd00::9"
+    assert inv.target("gpubox").endpoint.user == "deploy_1"

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflashops.inventory import load_inventory
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from tests.operator.cli import dflashops
 from tests.operator.trees import fingerprint, make_tree
 

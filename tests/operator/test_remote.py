@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dflashops.errors import NotFoundError, TransferError, UnreachableError
 from dflashops.inventory import load_inventory
-from dflashops.session import Session
+from dflashops.ssh.session import Session
 from dflashops.transfer import put
 from tests.operator.cli import dflashops
 from tests.operator.trees import fingerprint, make_tree

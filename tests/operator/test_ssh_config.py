@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import os
 import pty
 import select
@@ -134,6 +135,37 @@ def test_match_exec_is_run_by_the_shell_and_decides(testbed, tmp_path, home, env
     flag.touch()
     here = hostname(inv, home, env=env)
     assert here.code == 0 and here.out == "ct201\n", here.err
+
+
+@pytest.mark.parametrize("env", [None, NO_OPENSSH], ids=["ssh -G", "no OpenSSH"])
+def test_no_shell_ever_sees_a_host_or_user_that_is_not_a_plain_name(
+    testbed, tmp_path, home, inv, env
+):
+    """`Match exec` and a ProxyCommand's %h and %r go through /bin/sh (with paramiko's parser
+    as with OpenSSH's): a host of hosts.yaml or of the command line, or a user, that carries
+    shell syntax is refused (exit 2, one line) before any ssh configuration is read."""
+    pwned, seen = tmp_path / "pwned", tmp_path / "seen"
+    (home / ".ssh" / "config").write_text(f'Match exec "echo %h >> {seen}"\n  User root\n')
+    bad = f"x;/usr/bin/touch {pwned}"  # an absolute path: PATH has no touch without OpenSSH
+    address = f"address: {testbed['pve1'].address}"
+    hostile = tmp_path / "hostile.yaml"
+    hostile.write_text(inv.read_text().replace(address, f"address: {json.dumps(bad)}"))
+    as_user = tmp_path / "user.yaml"
+    as_user.write_text(
+        inv.read_text().replace("    user: root\n", f"    user: {json.dumps(bad)}\n")
+    )
+    runs = [
+        dflashops("hosts", inventory=hostile, home=home, env=env),
+        dflashops("hosts", inventory=as_user, home=home, env=env),
+        dflashops("hosts", "trust", "--yes", bad, inventory=inv, home=home, env=env),
+        dflashops("hosts", "trust", "--yes", f"{bad},pve1", inventory=inv, home=home, env=env),
+        dflashops("hosts", "trust", "--yes", f"root@pve1,{bad}", inventory=inv, home=home, env=env),
+    ]
+    for ran in runs:
+        assert ran.code == 2 and len(ran.err.strip().splitlines()) == 1, ran
+        assert "Traceback" not in ran.err and f"'{bad}'" in ran.err, ran.err
+    assert not pwned.exists()
+    assert not seen.exists() or "touch" not in seen.read_text()
 
 
 # ------------------------------------------------------------------ keys with a passphrase

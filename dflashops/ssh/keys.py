@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflashops.errors import UnreachableError
+from dflashops.ssh.paramiko_lib import load_paramiko
 
 if TYPE_CHECKING:
     import paramiko
 
-    from dflashops.sshconfig import Resolved
+    from dflashops.ssh.config import Resolved
 
 DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa", "id_dsa")
 OPENSSH_MAGIC = b"openssh-key-v1\0"
@@ -40,8 +41,6 @@ class Login:
 
 def log_in(transport: paramiko.Transport, target: Resolved) -> Login:
     """Authenticate `transport` as `target.user`, or raise UnreachableError saying why not."""
-    from dflashops.ssh import load_paramiko
-
     paramiko = load_paramiko()
     login = Login()
     agent = _agent_keys(paramiko)

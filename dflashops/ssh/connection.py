@@ -1,5 +1,5 @@
 """One lazily opened SSH connection per host: strict host keys, the ssh configuration as
-OpenSSH reads it (dflashops.sshconfig), ProxyJump, and a keepalive that needs an answer."""
+OpenSSH reads it (dflashops.ssh.config), ProxyJump, and a keepalive that needs an answer."""
 
 from __future__ import annotations
 
@@ -8,61 +8,30 @@ import shlex
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflashops.errors import HostKeyError, NoAnswerError, OpsError, UnreachableError
 from dflashops.inventory import Endpoint
-from dflashops.knownhosts import CHANGED, REVOKED, TRUSTED, KnownHosts, preferred_key_types
-from dflashops.sshconfig import Resolved, client, resolve
+from dflashops.ssh.config import Resolved, client, resolve
+from dflashops.ssh.keepalive import Heartbeat, detect_dead_peer
+from dflashops.ssh.keys import log_in
+from dflashops.ssh.known_hosts import (
+    CHANGED,
+    REVOKED,
+    TRUSTED,
+    KnownHosts,
+    host_key_files,
+    preferred_key_types,
+)
+from dflashops.ssh.openssh import Configs, OpenSshProcess
+from dflashops.ssh.paramiko_lib import load_paramiko, quiet_paramiko
 
 if TYPE_CHECKING:
     import paramiko
 
-    from dflashops.openssh import Configs, OpenSshProcess
-
-__all__ = ["Connection", "Resolved", "host_key_files", "load_paramiko", "pinned_keys_file"]
-
-KEEPALIVE_MAX_S = 15.0
 WINDOW = 16 << 20
 PACKET = 1 << 15
-
-
-def load_paramiko():  # noqa: ANN201
-    """Import paramiko without the `invoke` package it pulls in (a third of its import time,
-    used only for `Match exec`, which dflashops.sshconfig runs by the shell instead)."""
-    import sys
-
-    with _IMPORT_LOCK:
-        blocked = "invoke" not in sys.modules
-        if blocked:
-            sys.modules["invoke"] = None  # type: ignore[assignment]
-        try:
-            import paramiko
-        finally:
-            if blocked and sys.modules.get("invoke", 0) is None:
-                del sys.modules["invoke"]
-    return paramiko
-
-
-_IMPORT_LOCK = threading.Lock()
-
-
-def pinned_keys_file() -> Path:
-    """Where `hosts trust` pins keys when a host names no known_hosts file of its own."""
-    return Path.home() / ".config" / "dflashops" / "known_hosts"
-
-
-def host_key_files(target: Resolved) -> list[Path]:
-    """Every file whose keys we trust for `target`: the config's UserKnownHostsFile (by
-    default ~/.ssh/known_hosts) and GlobalKnownHostsFile, ours, and the host's own."""
-    files = [Path(p) for p in target.known_hosts] or [Path.home() / ".ssh" / "known_hosts"]
-    files.append(pinned_keys_file())
-    if target.endpoint.known_hosts:
-        files.append(Path(target.endpoint.known_hosts))
-    return [f for f in dict.fromkeys(files) if f.is_file()]
 
 
 class Connection:
@@ -71,8 +40,8 @@ class Connection:
     `lookup_jump(spec, origin)` gives the Connection of a ProxyJump spec's last hop. At most
     `endpoint.max_sessions` commands run on it at once: sshd refuses sessions past its
     MaxSessions (10 by default, as on Proxmox), so more wait for a free one. `deadline` (s):
-    how long the server may leave a keepalive or a channel open unanswered before the
-    connection counts as dead (NoAnswerError for every call on it).
+    the command's; a channel open unanswered that long fails, and a server silent for that
+    long (at most keepalive.LOST_AFTER_S) counts as dead (NoAnswerError for every call on it).
     """
 
     def __init__(
@@ -91,6 +60,11 @@ class Connection:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(endpoint.max_sessions)
         self.typed_passphrase = False  # a key unlocked by a typed passphrase was used
+
+    @property
+    def openssh(self) -> Configs | None:
+        """The private config of the OpenSSH client for this command (None: not to be used)."""
+        return self._openssh
 
     @property
     def resolved(self) -> Resolved:
@@ -125,8 +99,6 @@ class Connection:
             if hop.typed_passphrase:
                 return None
             hop = hop.jump_connection() if hop.resolved.jump else None
-        from dflashops.openssh import OpenSshProcess
-
         return OpenSshProcess(self._openssh.argv(self, command), who, self.deadline)
 
     def dead(self) -> bool:
@@ -159,7 +131,9 @@ class Connection:
         return channel, release
 
     def _refused_session(self, exc: Exception) -> OpsError:
-        if self.dead() or "Timeout opening channel" in str(exc):
+        if self.dead():
+            return self.heartbeat.error(self.endpoint.name)
+        if "Timeout opening channel" in str(exc):
             return NoAnswerError(self.endpoint.name, self.deadline)
         return UnreachableError(
             f"{self.resolved.label}: sshd refused a new session ({exc}); lower 'max_sessions' "
@@ -167,10 +141,8 @@ class Connection:
         )
 
     def _open(self) -> paramiko.Transport:
-        from dflashops.sshkeys import log_in
-
         paramiko = load_paramiko()
-        _quiet_paramiko()
+        quiet_paramiko()
         target = self.resolved
         known = KnownHosts.load(host_key_files(target))
         transport = _transport(self._socket(target), known.key_types(target.key_name))
@@ -237,7 +209,7 @@ class Connection:
         # SSH is request/response at start (key exchange, auth, each channel open): without
         # this, Nagle plus delayed ACKs add about 40 ms to many of those round trips.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _detect_dead_peer(sock)
+        detect_dead_peer(sock)
         return sock
 
     def server_key(self) -> paramiko.PKey:
@@ -262,10 +234,34 @@ class Connection:
 
     def _handshake(self, transport: paramiko.Transport) -> None:
         """Key exchange within the connect timeout (paramiko's start_client just returns when
-        its timeout passes)."""
-        transport.start_client(timeout=self.connect_timeout)
+        its timeout passes). A server that took the connection and sent no banner is said to."""
+        paramiko = load_paramiko()
+        try:
+            transport.start_client(timeout=self.connect_timeout)
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            if not transport.remote_version:
+                raise self._no_banner(exc) from None
+            raise
         if not transport.initial_kex_done:
+            if not transport.remote_version:
+                raise self._no_banner(TimeoutError())
             raise TimeoutError
+
+    def _no_banner(self, exc: BaseException) -> UnreachableError:
+        """The connection was taken, then closed or left silent before the server's first
+        line (paramiko wraps what happened in an SSHException: its __context__)."""
+        target = self.resolved
+        where = f"{target.hostname}:{target.port}"
+        cause = exc.__context__ if exc.__context__ is not None else exc
+        if isinstance(cause, (EOFError, ConnectionResetError, BrokenPipeError)):
+            return UnreachableError(
+                f"{target.label}: the connection was closed before an SSH banner from {where} "
+                "(sshd turning us away: MaxStartups, a TCP wrapper, a ban; or no sshd there)"
+            )
+        return UnreachableError(
+            f"{target.label}: no answer in {self.connect_timeout:g} s: no SSH banner from "
+            f"{where} (the port takes connections but says nothing: sshd stuck, or no sshd)"
+        )
 
     def _explain(self, exc: BaseException) -> str:
         seconds = self.connect_timeout
@@ -294,61 +290,6 @@ class Connection:
                 self._transport = None
 
 
-class Heartbeat:
-    """Asks the server for an answer every deadline/4 seconds (keepalive@openssh.com with
-    want_reply, which sshd answers even when it does not know the request); when none has come
-    for `deadline` seconds the connection is closed, which ends every call on it. It runs end
-    to end, so it sees a dead server behind a jump host or a ProxyCommand too (TCP keepalive
-    sees only the first hop, and paramiko's own keepalive asks for no answer)."""
-
-    def __init__(self, transport: paramiko.Transport, deadline: float) -> None:
-        paramiko = load_paramiko()
-
-        self.transport = transport
-        self.deadline = deadline
-        self.interval = min(max(deadline / 4, 0.25), KEEPALIVE_MAX_S)
-        self.answered = time.monotonic()
-        self.dead = False
-        self._stopped = threading.Event()
-        self._message = paramiko.Message()
-        self._message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
-        self._message.add_string("keepalive@openssh.com")
-        self._message.add_boolean(True)
-        table = transport._handler_table
-        for kind in (paramiko.common.MSG_REQUEST_SUCCESS, paramiko.common.MSG_REQUEST_FAILURE):
-            table[kind] = self._hook(table[kind])
-        for loop in (self._ask, self._watch):
-            threading.Thread(target=loop, daemon=True, name="dflashops-keepalive").start()
-
-    def _hook(self, handler: Callable) -> Callable:
-        def answered(message: paramiko.Message) -> None:
-            self.answered = time.monotonic()
-            handler(message)
-
-        return answered
-
-    def _ask(self) -> None:
-        """Sends on a thread of its own: a send may block (a full socket to a stopped peer)
-        while the watcher still sees the time pass."""
-        while not self._stopped.wait(self.interval):
-            try:
-                self.transport._send_user_message(self._message)
-            except Exception:  # noqa: BLE001 (the connection is going; the watcher tells)
-                return
-
-    def _watch(self) -> None:
-        while not self._stopped.wait(min(self.interval, 0.5)):
-            if not self.transport.is_active():
-                return
-            if time.monotonic() - self.answered > self.deadline:
-                self.dead = True
-                self.transport.close()
-                return
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-
 def _shell_command(command: str) -> str:
     """A ProxyCommand as OpenSSH runs it (`exec` in the shell), in the form paramiko's
     ProxyCommand splits back into an argv."""
@@ -375,20 +316,6 @@ def _transport(sock, pinned_types: list[str]):  # noqa: ANN001, ANN202
     return transport
 
 
-def _detect_dead_peer(sock: socket.socket) -> None:
-    """TCP keepalive as well: a host that is powered off is noticed even between calls."""
-    options = (
-        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
-        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 15),
-        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 5),
-        (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
-        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", 60_000),
-    )
-    for level, name, value in options:
-        if hasattr(socket, name):
-            sock.setsockopt(level, getattr(socket, name), value)
-
-
 def _channel_request(channel: paramiko.Channel, m: paramiko.Message) -> None:
     """Channel requests as paramiko handles them, plus sshd's `exit-signal`, which paramiko
     drops (leaving the status at -1): a command killed by signal N exits 128+N, as in a shell."""
@@ -403,13 +330,3 @@ def _channel_request(channel: paramiko.Channel, m: paramiko.Message) -> None:
     name = m.get_text()
     channel.exit_status = 128 + getattr(signal.Signals, f"SIG{name}", signal.SIGTERM).value
     channel.status_event.set()
-
-
-def _quiet_paramiko() -> None:
-    """paramiko logs failures that we report ourselves, in one line; keep its logger quiet."""
-    import logging
-
-    logger = logging.getLogger("paramiko")
-    if not logger.handlers:
-        logger.addHandler(logging.NullHandler())
-        logger.propagate = False

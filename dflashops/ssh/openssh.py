@@ -4,7 +4,7 @@ The client gets nothing from the user's ssh configuration: a private ssh_config 
 a private temporary directory, removed at the end of the command) says exactly what the
 paramiko connection resolved, hop by hop: address, port, user, identity files, our known_hosts
 files with StrictHostKeyChecking=yes (nothing is ever accepted or written), the jump chain or
-ProxyCommand, BatchMode, no ControlMaster, and a ServerAlive keepalive with the same deadline.
+ProxyCommand, BatchMode, no ControlMaster, and a ServerAlive keepalive with the same limit.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dflashops.errors import HostKeyError, NoAnswerError, UnreachableError
-from dflashops.sshconfig import client
+from dflashops.ssh.config import client
+from dflashops.ssh.keepalive import lost, openssh_alive
+from dflashops.ssh.known_hosts import host_key_files
 
 if TYPE_CHECKING:
-    from dflashops.ssh import Connection
+    from dflashops.ssh.config import Resolved
 
 CIPHERS = (
     "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
@@ -44,6 +46,21 @@ PREFIX = "dflashops-ssh-"  # + pid: the private config directories in the tempor
 PIPE_SIZE = 1 << 20  # fewer, larger hand-overs between us and the client than 64 KiB pipes
 
 
+class Hop(Protocol):
+    """What the client's config is made from: one connection (dflashops.ssh.connection's)."""
+
+    deadline: float
+
+    @property
+    def resolved(self) -> Resolved: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def openssh(self) -> Configs | None: ...
+    def jump_connection(self) -> Hop: ...
+    def transport(self) -> object: ...
+
+
 class Configs:
     """The private ssh_config files of one command: one Host block per hop, written once."""
 
@@ -52,7 +69,7 @@ class Configs:
         self._aliases: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def argv(self, conn: Connection, command: str, *, terminal: bool = False) -> list[str]:
+    def argv(self, conn: Hop, command: str, *, terminal: bool = False) -> list[str]:
         """`ssh` running `command` (one shell string, as sshd takes it) on `conn`'s server;
         `terminal`: with a pty on our terminal, where the client may ask for a passphrase."""
         with self._lock:
@@ -61,7 +78,7 @@ class Configs:
         mode = ["-t", "-o", "BatchMode=no"] if terminal else ["-T", "-o", "BatchMode=yes"]
         return [client() or "ssh", "-F", path, *mode, alias, "--", command]
 
-    def _alias(self, conn: Connection) -> str:
+    def _alias(self, conn: Hop) -> str:
         if id(conn) in self._aliases:
             return self._aliases[id(conn)]
         target = conn.resolved
@@ -93,15 +110,16 @@ class Configs:
             self._aliases.clear()
 
 
-def terminal_argv(conn: Connection, command: str) -> list[str] | None:
+def terminal_argv(conn: Hop, command: str) -> list[str] | None:
     """`ssh -t` running `command` on `conn`'s server with our terminal (shell, attach), under
     the same private config as bulk copies; None where the OpenSSH client is not installed.
     The paramiko connection is opened first, so host keys and logins are checked, and
     reported, the one way."""
-    if conn._openssh is None or client() is None:
+    configs = conn.openssh
+    if configs is None or client() is None:
         return None
     conn.transport()
-    return conn._openssh.argv(conn, command, terminal=True)
+    return configs.argv(conn, command, terminal=True)
 
 
 def _sweep() -> None:
@@ -119,16 +137,14 @@ def _sweep() -> None:
             continue
 
 
-def block(conn: Connection) -> str:
+def block(conn: Hop) -> str:
     """The settings of one hop, every one of them explicit."""
-    from dflashops.ssh import host_key_files
-
     target = conn.resolved
     identities = list(target.identities) or [
         str(p) for p in (Path.home() / ".ssh" / n for n in DEFAULT_KEYS) if p.is_file()
     ]
     known = " ".join(_quoted(str(p)) for p in host_key_files(target)) or "/dev/null"
-    interval = max(1, round(conn.deadline / 4))
+    interval, count = openssh_alive(conn.deadline)
     lines = [
         f"HostName {target.hostname}",
         f"Port {target.port}",
@@ -152,7 +168,7 @@ def block(conn: Connection) -> str:
         "LogLevel INFO",  # the default: errors and "Timeout, server ... not responding"
         f"ConnectTimeout {max(1, round(conn.connect_timeout))}",
         f"ServerAliveInterval {interval}",
-        f"ServerAliveCountMax {max(1, round(conn.deadline / interval))}",
+        f"ServerAliveCountMax {count}",
         f"Ciphers {CIPHERS}",
     ]
     return "".join(f"  {line}\n" for line in lines)
@@ -210,7 +226,9 @@ class OpenSshProcess:
         own = [x for x in lines if OWN_ERROR.match(x)]
         if not own:
             return
-        if any(x.startswith("Timeout, server") or "timed out" in x for x in own):
+        if any(x.startswith("Timeout, server") for x in own):
+            raise lost(self.who, self.deadline)
+        if any("timed out" in x for x in own):
             raise NoAnswerError(self.who, self.deadline)
         if any("Host key verification failed" in x for x in own):
             raise HostKeyError(f"{self.who}: the OpenSSH client refused the host key: {own[0]}")

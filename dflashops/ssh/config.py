@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashops.errors import UsageError
-from dflashops.inventory import Endpoint
+from dflashops.inventory import ADDRESS_RE, NOT_A_USER, NOT_AN_ADDRESS, USER_RE, Endpoint
+from dflashops.ssh.paramiko_lib import load_paramiko
 
 DEFAULT_IDENTITIES = tuple(
     f"~/.ssh/{name}"
@@ -67,7 +68,13 @@ def client() -> str | None:
 
 def resolve(endpoint: Endpoint) -> Resolved:
     """Apply the ssh configuration: what the inventory sets wins, then the config, then
-    ssh's defaults (user root, port 22)."""
+    ssh's defaults (user root, port 22). The address and the user go into `ssh -G`'s command
+    line, `Match exec` and ProxyCommand tokens (run by /bin/sh): checked here, whoever made
+    the endpoint."""
+    if not ADDRESS_RE.match(endpoint.address):
+        raise UsageError(f"{endpoint.name}: address {endpoint.address!r} {NOT_AN_ADDRESS}")
+    if endpoint.user is not None and not USER_RE.match(endpoint.user):
+        raise UsageError(f"{endpoint.name}: user {endpoint.user!r} {NOT_A_USER}")
     return _resolve(endpoint, str(Path.home()), bool(client()))
 
 
@@ -182,8 +189,6 @@ class _Tokens:
 
 
 def _by_paramiko(endpoint: Endpoint) -> dict[str, list[str]]:
-    from dflashops.ssh import load_paramiko
-
     paramiko = load_paramiko()
     path = user_config()
     if not path.is_file():

@@ -9,9 +9,9 @@ from typing import TypeVar
 
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target, parse_jump
-from dflashops.openssh import Configs
-from dflashops.ssh import Connection
-from dflashops.sshconfig import resolve
+from dflashops.ssh.config import resolve
+from dflashops.ssh.connection import Connection
+from dflashops.ssh.openssh import Configs
 from dflashops.targets.base import DEFAULT_TIMEOUT_S, Machine
 
 T = TypeVar("T")

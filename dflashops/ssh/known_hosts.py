@@ -18,7 +18,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import paramiko
 
+    from dflashops.ssh.config import Resolved
+
 TRUSTED, REVOKED, CHANGED, UNKNOWN = "trusted", "revoked", "changed", "unknown"
+
+
+def pinned_keys_file() -> Path:
+    """Where `hosts trust` pins keys when a host names no known_hosts file of its own."""
+    return Path.home() / ".config" / "dflashops" / "known_hosts"
+
+
+def host_key_files(target: Resolved) -> list[Path]:
+    """Every file whose keys we trust for `target`: the config's UserKnownHostsFile (by
+    default ~/.ssh/known_hosts) and GlobalKnownHostsFile, ours, and the host's own."""
+    files = [Path(p) for p in target.known_hosts] or [Path.home() / ".ssh" / "known_hosts"]
+    files.append(pinned_keys_file())
+    if target.endpoint.known_hosts:
+        files.append(Path(target.endpoint.known_hosts))
+    return [f for f in dict.fromkeys(files) if f.is_file()]
 
 
 @dataclass(frozen=True)
