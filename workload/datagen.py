@@ -196,8 +196,9 @@ def take_place() -> Place:
 
 def claim_devices(place: Place, tp: int) -> tuple[str, int | None]:
     """("cuda", None) with CUDA_VISIBLE_DEVICES narrowed to this local rank's GPUs, or
-    ("cpu", threads): this local rank's share of the CPUs (vLLM's OpenMP threads bound to
-    them when several ranks share the machine)."""
+    ("cpu", threads): this local rank's share of the CPUs but one (vLLM's OpenMP threads bound
+    to them when several ranks share the machine; on a shared CPU a second torch thread of
+    a small model can make it many times slower, not faster)."""
     import torch
 
     count = torch.cuda.device_count()  # NVML: no CUDA context made, the env still decides
@@ -211,13 +212,14 @@ def claim_devices(place: Place, tp: int) -> tuple[str, int | None]:
         ids = visible.split(",") if visible else [str(i) for i in range(count)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first : first + tp])
         return "cuda", None
-    if place.local_world <= 1:
-        return "cpu", None
     cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > place.local_world:
+        cpus = cpus[:-1]  # one core left for the rest of the work, as vLLM's CPU engine does
     per = max(1, len(cpus) // place.local_world)
     mine = cpus[place.local_rank * per : (place.local_rank + 1) * per]
     mine = mine or [cpus[place.local_rank % len(cpus)]]
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+    if place.local_world > 1:  # alone, vLLM's own binding ("auto") does the same
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
     return "cpu", len(mine)
 
 
@@ -436,15 +438,12 @@ class Job:
         self.beat.fields.pop("step", None)
         self.state = RunState(self.out, place.rank == 0)
         self.engine: Any = None
+        self.owner = False  # True once DIR's job.json accepted this run's settings
 
     def run(self, stop: Any) -> int:
         from workload.rank_files import process_start_ticks
 
         a, place = self.a, self.place
-        self.beat.update(status="starting")
-        self.state.update(kind="datagen", pid=os.getpid(), pid_start=process_start_ticks(),
-                          started=time.time(), finished=None, exit_code=None, status="starting",
-                          world_size=place.world, total=self.source.total)  # fmt: skip
         device, threads = claim_devices(place, a.tensor_parallel_size)
         target = target_info(Path(a.target))
         tokenizer = load_tokenizer(target.path)
@@ -455,21 +454,26 @@ class Job:
         engine_name = pick_engine(a.engine)
         settings = job_settings(a, self.source, target, engine_name, self.kwargs, tokenizer,
                                 max_model_len)  # fmt: skip
-        digest = store.ensure_job(self.out, settings)
+        digest = store.ensure_job(self.out, settings)  # from here on, DIR's job is ours
+        self.owner = True
+        self.beat.update(status="starting")
+        self.state.update(kind="datagen", pid=os.getpid(), pid_start=process_start_ticks(),
+                          started=time.time(), finished=None, exit_code=None, status="starting",
+                          world_size=place.world, total=self.source.total)  # fmt: skip
         store.remove_stale_temporaries(self.out)
         mine = [k for k in range(self.source.chunks) if k % place.world == place.rank]
         finished = store.read_records(self.out)
         earlier = [finished[k] for k in mine if k in finished]
         todo = [k for k in mine if k not in finished]
         progress = Progress(sum(self.source.chunk_size(k) for k in mine), len(mine), earlier)
-        self.beat.update(status="running" if todo else "done", engine=engine_name,
-                         **progress.fields())  # fmt: skip
+        self.beat.update(engine=engine_name, **progress.fields())
         say(f"rank {place.rank}/{place.world}: {len(mine)} chunks of {self.source.chunks} "
             f"({progress.assigned} conversations), {len(earlier)} finished before; "
             f"engine {engine_name} on {device}")  # fmt: skip
         if todo and not stop.requested:
             self._start_engine(engine_name, target, device, threads, tokenizer, max_model_len)
             progress.t0 = time.time()  # rates of generation, not of the engine's start
+        self.beat.update(status="running")
         self.state.update(status="running")
         render = Renderer(tokenizer, self.kwargs)
         for k in todo:
@@ -515,7 +519,10 @@ class Job:
         return 0
 
     def fail(self, code: int) -> None:
+        """Record the failure, in DIR only when this run's settings were accepted there."""
         self.close()
+        if not self.owner:
+            return
         self.beat.update(status="failed", exit_code=code)
         self.state.update(status="failed", finished=time.time(), exit_code=code)
 
