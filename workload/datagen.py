@@ -471,7 +471,13 @@ class Job:
             f"({progress.assigned} conversations), {len(earlier)} finished before; "
             f"engine {engine_name} on {device}")  # fmt: skip
         if todo and not stop.requested:
-            self._start_engine(engine_name, target, device, threads, tokenizer, max_model_len)
+            try:
+                self._start_engine(engine_name, target, device, threads, tokenizer,
+                                   max_model_len)  # fmt: skip
+            except Exception:
+                if not stop.requested:
+                    raise
+                todo = []  # stopped while the engine started: nothing was begun
             progress.t0 = time.time()  # rates of generation, not of the engine's start
         self.beat.update(status="running")
         self.state.update(status="running")
@@ -480,8 +486,16 @@ class Job:
             if stop.requested:
                 break
             convs = read_chunk(self.source, k)
-            result = regenerate_chunk(k, convs, self.source.name, render, self.engine,
-                                      a.max_new_tokens, max_model_len)  # fmt: skip
+            try:
+                result = regenerate_chunk(k, convs, self.source.name, render, self.engine,
+                                          a.max_new_tokens, max_model_len)  # fmt: skip
+            except Exception as exc:
+                if not stop.requested:
+                    raise
+                # the signal reached the engine's processes too (sent to the process group)
+                say(f"rank {place.rank}: chunk {k} dropped: the engine ended with the stop "
+                    f"({type(exc).__name__})")  # fmt: skip
+                break
             record = store.write_chunk(self.out, result, digest, place.rank)
             progress.add(record)
             self.beat.update(**progress.fields())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,27 @@ class VllmEngine(Engine):
         if settings.device == "cpu":
             kwargs["enforce_eager"] = True  # no compilation: the start stays ~30 s
         self.llm = LLM(**kwargs)
+        self._closed = threading.Event()
+        threading.Thread(target=self._unblock_when_dead, name="datagen-vllm-watch",
+                         daemon=True).start()  # fmt: skip
+
+    def _unblock_when_dead(self) -> None:
+        """vLLM 0.32's client, when its engine core process dies (killed, out of memory, a
+        SIGTERM sent to our process group), shuts its output thread down without a word, and
+        a generate() under way waits forever on its queue: hand that wait the error instead."""
+        client = getattr(self.llm.llm_engine, "engine_core", None)
+        resources, queue = (
+            getattr(client, "resources", None),
+            getattr(client, "outputs_queue", None),
+        )
+        if resources is None or queue is None or not hasattr(resources, "engine_dead"):
+            return  # another vLLM: nothing known to fix
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while not self._closed.wait(1.0):
+            if resources.engine_dead:
+                queue.put_nowait(EngineDeadError())
+                return
 
     def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[Reply]:
         params = [
@@ -166,6 +188,7 @@ class VllmEngine(Engine):
             engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     def close(self) -> None:
+        self._closed.set()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

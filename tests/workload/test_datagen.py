@@ -283,7 +283,8 @@ def test_two_processes_make_the_same_set_once(tf_run, corpus, tiny_dense, tmp_pa
 # ---------------------------------------------------------------- stopped and killed
 
 
-def _start_and_interrupt(argv: list[str], out: Path, sig: int, after_chunks: int) -> int:
+def _start_and_interrupt(argv: list[str], out: Path, sig: int, after_chunks: int,
+                         group: bool = False) -> int:  # fmt: skip
     log = open(out.parent / "interrupted.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
@@ -295,7 +296,7 @@ def _start_and_interrupt(argv: list[str], out: Path, sig: int, after_chunks: int
             time.sleep(0.02)
         assert proc.poll() is None, "finished before it could be interrupted:\n" + (
             out.parent / "interrupted.log").read_text()[-3000:]  # fmt: skip
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL or group:
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
@@ -336,6 +337,22 @@ def test_interrupted_then_run_again_repeats_nothing_and_loses_nothing(
     m = json.loads((out / "manifest.json").read_text())
     assert m["complete"] and (m["done"], m["failed"], m["skipped"]) == (22, 1, 1)
     assert not list(out.glob(".*.tmp")) and not list((out / "chunks").glob(".*.tmp"))
+
+
+@needs_vllm
+def test_vllm_stopped_with_its_process_group(corpus, tiny_dense, tmp_path):
+    """SIGTERM to the whole process group (as a terminal's Ctrl-C or a group kill does)
+    reaches vLLM's engine core too, which then exits: the chunk under way is dropped, the
+    job still ends "stopped" with exit 0 (not waiting forever on the dead engine)."""
+    out = tmp_path / "data"
+    argv = datagen_argv(VLLM_PYTHON, corpus, tiny_dense / "target", out, "--chunk", "1")
+    code = _start_and_interrupt(argv, out, signal.SIGTERM, after_chunks=2, group=True)
+    log = (out.parent / "interrupted.log").read_text()
+    assert code == 0, log[-3000:]
+    state = json.loads((out / "state.json").read_text())
+    assert state["status"] == "stopped" and state["exit_code"] == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert not m["complete"] and m["chunks"]["finished"] == len(list(out.glob("chunk_*.jsonl")))
 
 
 # ---------------------------------------------------------------- bad input
