@@ -7,13 +7,14 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import typer
 
-from dflashops.errors import ExitCode, OpsError, UsageError
+from dflashops.errors import ExitCode, OpsError
 from dflashops.inventory import Inventory, find_inventory, load_inventory
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,29 +30,6 @@ COMMAND_TIMEOUT_S = {
         ("push", "setup", "run-script", "launch", "resume", "pull-ckpt", "eval", "archive"), 120.0
     ),
 }
-
-# `--host TARGET` of the commands that take a run's name (runs.find/choose: the run on TARGET
-# where the name exists on several targets; without a name, the newest running run there)
-HOST_OPTION = typer.Option(
-    None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-)
-
-
-def parse_steps(
-    text: str | None, option: str = "--steps", *, least: int = 0, example: str = "100,500"
-) -> list[int]:
-    """Comma-separated integers >= least, sorted, each once (--steps; eval's --budgets)."""
-    if not text:
-        return []
-    try:
-        steps = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UsageError(
-            f"{option} {text}: expected comma-separated integers, e.g. {example}"
-        ) from None
-    if any(s < least for s in steps):
-        raise UsageError(f"{option} {text}: {option.removeprefix('--')} are >= {least}")
-    return steps
 
 
 @dataclass
@@ -81,6 +59,28 @@ class Context:
                 timeout=self.deadline(),
             )
         return self._session
+
+    @contextmanager
+    def sessions(self) -> Iterator[tuple[Any, Any]]:
+        """(reader, writer) Sessions. Under --dry-run reads still happen (they change nothing),
+        so the plan shown is the real one, while every write is only printed."""
+        writer = self.session()
+        if not self.dry_run:
+            yield writer, writer
+            return
+        from dflashops.session import Session
+
+        reader = Session(self.inventory(), dry_run=False, announce=note, timeout=self.deadline())
+        try:
+            yield reader, writer
+        finally:
+            reader.close()
+
+    def dry_run_done(self, **doc: Any) -> None:
+        """The end of a --dry-run, whose argv went to stdout (to stderr under --json): under
+        --json, its one document, {"dry_run": true, ...what it would have done}."""
+        if self.json:
+            self.emit({"dry_run": True, **doc})
 
     def deadline(self) -> float:
         """Seconds a remote call may go without an answer: --timeout, else the command's."""

@@ -1,0 +1,208 @@
+"""An eval job: pulls each checkpoint the eval target lacks (pull-ckpt's copy), then evaluates
+them one after the other in a detached tmux session there (remote/launcher.py running
+remote/evaljob.py, as a training run's launcher runs its trainer: it survives a closed laptop).
+Each step runs `python -m workload.eval` with the run's run.yaml and keeps its result in
+<ws>/evals/RUN/step_N.json there. The job lives in <ws>/evals/RUN/jobs/ID/ (launch.json,
+job.json, state.json, console.log, exit_code)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import secrets as random_tokens
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflashops import context, transfer
+from dflashops.errors import NotFoundError, OpsError, UsageError
+from dflashops.inventory import Target
+from dflashops.remote import source as helper_source
+from dflashops.runs.config import parse_config
+from dflashops.runs.evals import stored
+from dflashops.runs.logs import stream_log
+from dflashops.runs.probe import probe
+from dflashops.runs.pulls import pull
+from dflashops.runs.snapshot import ensure_code, local_code
+from dflashops.runs.start import LAUNCHER, launch_env, start, write_run_files
+from dflashops.runs.survey import find
+from dflashops.runs.view import RunView, ckpt_copy_dir, eval_result_path, tmux_session
+from dflashops.session import Session
+from dflashops.targets.base import Machine
+
+JOB = "evaljob.py"
+
+
+@dataclass
+class Extra:
+    """What the user added to every step's evaluation."""
+
+    prompts: str | None
+    reference: str | None
+    max_new_tokens: int | None
+    max_prompts: int | None
+    sets: list[str]
+    check_real: int | None = None  # prompts checked against the real loop
+    budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
+    host: str | None = None  # --host: the run's target where its name is on several
+
+
+def start_job(
+    reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
+) -> dict[str, Any]:
+    """Check what the evaluation needs, pull the missing checkpoints, start the job."""
+    view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
+    config = parse_config(view, extra.sets)
+    machine = writer.machine(dest)
+    base = eval_argv(reader.machine(dest), machine, run, config, extra)
+    for s in steps:
+        pull(reader, writer, view, s, dest)
+    code = local_code()
+    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
+    code_dir = ensure_code(machine, code, have.paths.get(code.path(dest)) == "dir")
+    job_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + random_tokens.token_hex(2)
+    job_dir = posixpath.join(dest.workspace, "evals", run, "jobs", job_id)
+    name = f"eval-{run}-{job_id}"
+    plan = {
+        "run": run,
+        "evals": [
+            {"step": s, "argv": base + ["--checkpoint", ckpt_copy_dir(dest, run, s),
+                                        "--out", eval_result_path(dest, run, s)]}
+            for s in steps
+        ],
+    }  # fmt: skip
+    launch = {
+        "run": name,
+        "target": dest.name,
+        "code": code_dir,
+        "argv": ["python3", posixpath.join(job_dir, JOB), job_dir],
+        "env": launch_env(dest, code_dir, None),
+        "secrets": None,
+    }
+    state = {
+        "kind": "eval", "run": run, "job": job_id, "steps": steps, "target": dest.name,
+        "tmux": tmux_session(name), "launched": time.time(), "reference": extra.reference,
+    }  # fmt: skip
+    files = {
+        "job.json": json.dumps(plan, indent=2) + "\n",
+        "launch.json": json.dumps(launch, indent=2) + "\n",
+        "state.json": json.dumps(state, indent=2) + "\n",
+        LAUNCHER: helper_source(LAUNCHER),
+        JOB: helper_source(JOB),
+    }
+    write_run_files(machine, job_dir, files)
+    start(machine, name, job_dir)
+    context.note(f"{dest.name}: eval job {job_id} of {run} started (steps "
+                 f"{', '.join(map(str, steps))}; tmux {state['tmux']})")  # fmt: skip
+    return {**state, "dir": job_dir, "name": name}
+
+
+def newest_job(session: Session, run: str, dest: Target) -> dict[str, Any]:
+    jobs = [j for j in stored(session, [run]).jobs if j["target"] == dest.name]
+    if not jobs:
+        raise NotFoundError(f"{run}: no eval job on {dest.name}")
+    job = max(jobs, key=lambda j: j.get("launched") or 0)
+    return {**job, "name": f"eval-{run}-{job['job']}"}
+
+
+def follow(session: Session, dest: Target, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Follow the job's console.log (to stderr) to its end; the results it stored, in the
+    order of its steps (Ctrl-C raises KeyboardInterrupt: the job goes on)."""
+    machine = session.machine(dest)
+    view = RunView(job["name"], dest.name, "evals", job["dir"], "running", 0.0)
+    stream_log(machine, view, tail=0, follow=True, out=context.stream_sink(sys.stderr))
+    check_end(machine, job)
+    found = {r["step"]: r for r in stored(session, [job["run"]]).results
+             if r["target"] == dest.name}  # fmt: skip
+    return [found[s] for s in job["steps"] if s in found]
+
+
+def read_result(session: Session, dest: Target, path: str) -> dict[str, Any]:
+    """One stored result, whole (per-prompt records and all)."""
+    return json.loads(transfer.read_text(session.machine(dest), path))
+
+
+def check_end(machine: Machine, job: dict[str, Any]) -> None:
+    """The job's exit code as ours: an evaluator's refusal is one line, exit 2."""
+    try:
+        code = int(transfer.read_text(machine, posixpath.join(job["dir"], "exit_code")))
+    except (OpsError, ValueError):
+        raise OpsError(f"{machine.name}: eval job {job['job']} ended without an exit code; "
+                       f"see {job['dir']}/console.log") from None  # fmt: skip
+    if code == 0:
+        return
+    text = transfer.read_text(machine, posixpath.join(job["dir"], "console.log"))
+    lines = [x for x in text.splitlines() if x.strip() and not x.startswith("[")]
+    refusal = [x for x in lines if x.startswith("eval: error: ")]
+    if code == 2 and refusal:
+        raise UsageError(f"{machine.name}: {refusal[-1].removeprefix('eval: error: ')}")
+    if code == 127:
+        raise OpsError(f"{machine.name}: the target's python not found; run "
+                       f"`dflashops setup {machine.name}`")  # fmt: skip
+    raise OpsError(f"{machine.name}: the evaluation failed (exit {code}): "
+                   f"{lines[-1] if lines else 'no output'}")  # fmt: skip
+
+
+def eval_argv(
+    reader: Machine, machine: Machine, run: str, config: dict[str, Any], extra: Extra
+) -> list[str]:
+    """The evaluator's command line without its checkpoint and output; checks first that what
+    it names exists on the target."""
+    target = machine.target
+    config_path = posixpath.join(target.workspace, "ckpts", run, "run.yaml")  # pull-ckpt's
+    base = posixpath.dirname(config_path)
+    model = _resolve((config.get("target") or {}).get("path"), base)
+    if model is None:
+        raise UsageError(f"{run}: its run.yaml has no target.path; give --set target.path=PATH")
+    checks = {model: "target.path (the target model)"}
+    argv = [target.python, "-m", "workload.eval", "--config", config_path]
+    prompts = extra.prompts
+    if prompts is not None and Path(prompts).is_file():
+        argv += ["--prompts", push_prompts(machine, Path(prompts), run)]
+    elif prompts is not None:
+        checks[prompts] = "--prompts"
+        argv += ["--prompts", prompts]
+    else:
+        data = _resolve((config.get("data") or {}).get("path"), base)
+        if data is None:
+            raise UsageError(
+                f"{run}: its config has no data.path to find prompts.jsonl by; give --prompts"
+            )
+        checks[posixpath.join(posixpath.dirname(data), "prompts.jsonl")] = "the default prompts"
+    if extra.reference is not None:
+        checks[extra.reference] = "--reference"
+        argv += ["--reference", extra.reference]
+    for item in extra.sets:
+        argv += ["--set", item]
+    if extra.max_new_tokens is not None:
+        argv += ["--max-new-tokens", str(extra.max_new_tokens)]
+    if extra.max_prompts is not None:
+        argv += ["--max-prompts", str(extra.max_prompts)]
+    if extra.check_real:
+        argv += ["--check-real", str(extra.check_real)]
+    if extra.budgets:
+        argv += ["--budgets", ",".join(map(str, extra.budgets))]
+    found = probe(reader, paths=list(checks)).paths
+    missing = [f"{what} {path}" for path, what in checks.items() if found.get(path) == "missing"]
+    if missing and not reader.dry_run:
+        raise NotFoundError(
+            f"{target.name}: not there: {'; '.join(missing)} (copy it there, or point the run's "
+            "config elsewhere with --set target.path=PATH / --prompts FILE)"
+        )
+    return argv
+
+
+def _resolve(path: Any, base: str) -> str | None:
+    if not isinstance(path, str) or not path:
+        return None
+    return path if path.startswith("/") else posixpath.join(base, path)
+
+
+def push_prompts(machine: Machine, local: Path, run: str) -> str:
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()[:12]
+    remote = posixpath.join(machine.target.workspace, "evals", run, f"prompts-{digest}.jsonl")
+    transfer.put(machine, local, remote)
+    return remote
