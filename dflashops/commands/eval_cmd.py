@@ -26,7 +26,7 @@ from dflashops.commands import _options
 from dflashops.errors import ExitCode, UsageError
 from dflashops.inventory import Target
 from dflashops.render import console, metric, table
-from dflashops.runs.evaljob import Extra, newest_job, read_result, start_job
+from dflashops.runs.evaljob import Extra, newest_job, read_result, start_eval
 from dflashops.runs.evaljob import follow as follow_job
 from dflashops.runs.evals import gap, real_rounds
 from dflashops.runs.view import check_name, eval_result_path
@@ -105,7 +105,7 @@ def register(app: typer.Typer) -> None:
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host)  # fmt: skip
         with opts.sessions() as (reader, writer):
-            job = start_job(reader, writer, run, chosen, dest, extra)
+            job = start_eval(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:
                 opts.dry_run_done(run=run, steps=chosen, on=dest.name, job=job["dir"])
                 return

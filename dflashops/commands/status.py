@@ -14,6 +14,7 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, duration
+from dflashops.runs import kinds
 from dflashops.runs.failure import trainer_lines
 from dflashops.runs.survey import Survey, find, resolve, survey
 from dflashops.runs.tables import history_table, runs_table, vs_rows, vs_table, warn_logs
@@ -152,15 +153,7 @@ def details(view: RunView) -> list[tuple[str, str]]:
         rows.append(("exit code", str(view.exit_code)))
     if view.note:
         rows.append(("note", view.note))
-    if st.get("wandb_url"):
-        rows.append(("wandb", st["wandb_url"]))
-    ckpts = view.checkpoints
-    if ckpts:
-        names = [c.name + ("" if c.complete else " (incomplete)") for c in ckpts]
-        rows.append(("checkpoints", ", ".join(names)))
-    else:
-        rows.append(("checkpoints", "none yet"))
-    return rows
+    return rows + kinds.by_where(view.where).details(view)  # a run's: wandb, checkpoints
 
 
 def node_rows(view: RunView) -> list[tuple[str, str]]:

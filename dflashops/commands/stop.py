@@ -9,8 +9,7 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.runs.stop import running
-from dflashops.runs.stop import stop as stop_run
+from dflashops.runs import stop as stopping
 from dflashops.runs.survey import find
 
 
@@ -34,22 +33,18 @@ def register(app: typer.Typer) -> None:
         as_json = opts.want_json(json_out)
         with opts.sessions() as (reader, writer):
             view = find(reader, run, host=host, checkpoints=True, records="none")
-            if not running(view):
+            if not stopping.running(view):
                 if as_json:
                     opts.emit({**view.summary(), "stopped": False})
                 else:
                     context.say(f"{run}: not running ({view.state}); nothing to stop")
                 return
-            stopped = stop_run(reader, writer, view, kill=kill, timeout=timeout)
-            if stopped is None:
+            done = stopping.stop(reader, writer, view, kill=kill, timeout=timeout)
+            if done is None:
                 opts.dry_run_done(**view.summary(), stopped=False)
                 return
-        newest = max(stopped.complete_steps(), default=None)
+        where, doc = stopping.stopped(done)
         if as_json:
-            opts.emit({**stopped.summary(), "stopped": True, "checkpoint": newest})
+            opts.emit({**done.summary(), "stopped": True, **doc})
             return
-        saved = f"step_{newest}" if newest is not None else "no complete checkpoint"
-        context.say(
-            f"{run}: {stopped.state} at step {stopped.step}; newest checkpoint {saved}; "
-            f"continue with: dflashops resume {run}"
-        )
+        context.say(f"{run}: {done.state}{where}; continue with: dflashops resume {run}")

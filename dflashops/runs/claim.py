@@ -13,7 +13,7 @@ from dflashops import context
 from dflashops.errors import OpsError, UnreachableError, UsageError
 from dflashops.runs.control import control
 from dflashops.runs.placement import Node, Placement
-from dflashops.runs.survey import survey
+from dflashops.runs.survey import place, survey
 from dflashops.runs.view import RunView, tmux_session
 from dflashops.session import Session
 
@@ -28,7 +28,7 @@ def claim_key(view: RunView) -> tuple[float, str] | None:
 
 
 def taken_error(run: str, views: Iterable[RunView]) -> UsageError:
-    shown = ", ".join(f"{v.target}:{v.where}/{run} ({v.state})" for v in views)
+    shown = ", ".join(f"{v.target}:{place(v)} ({v.state})" for v in views)
     return UsageError(
         f"run name {run!r} is taken ({shown}); choose another name, or resume it with "
         f"`dflashops resume {run}`"
@@ -50,11 +50,11 @@ def claim(reader: Session, writer: Session, placement: Placement) -> None:
             answer = control(writer.machine(node.target), "claim", placement.dir(node), **state)
             if answer.get("taken") is not None:
                 raise UsageError(
-                    f"run name {placement.run!r} is taken: {node.target.name}:"
+                    f"{placement.kind.noun} name {placement.run!r} is taken: {node.target.name}:"
                     f"{placement.dir(node)} exists; choose another name"
                 )
             made.append(node)
-        if not writer.dry_run:
+        if not writer.dry_run and placement.kind.global_names:
             settle(reader, placement, (mine["t"], mine["nonce"]))
         for node in placement.nodes:
             control(
@@ -113,6 +113,7 @@ def initial_state(placement: Placement, node: Node, **extra: Any) -> dict[str, A
         "tmux": tmux_session(placement.run),
         "launched": time.time(),
         "target": node.target.name,
+        **placement.state,
         **extra,
     }
 

@@ -1,6 +1,7 @@
-"""An eval job: pulls each checkpoint the eval target lacks (pull-ckpt's copy), then evaluates
-them one after the other in a detached tmux session there (remote/launcher.py running
-remote/evaljob.py, as a training run's launcher runs its trainer: it survives a closed laptop).
+"""Starting and following an eval job (the kind: runs/kind_eval.py): it pulls each checkpoint
+the eval target lacks (pull-ckpt's copy), then starts the job as any job starts (start.py:
+claimed, the code snapshot, launch.json, the launcher in a detached tmux session there, which
+runs remote/evaljob.py: it survives a closed laptop), evaluating the steps one after the other.
 Each step runs `python -m workload.eval` with the run's run.yaml and keeps its result in
 <ws>/evals/RUN/step_N.json there. The job lives in <ws>/evals/RUN/jobs/ID/ (launch.json,
 job.json, state.json, console.log, exit_code)."""
@@ -20,20 +21,19 @@ from typing import Any
 from dflashops import context, transfer
 from dflashops.errors import NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
-from dflashops.remote import source as helper_source
 from dflashops.runs.config import parse_config
 from dflashops.runs.evals import stored
+from dflashops.runs.kind_eval import EVAL
 from dflashops.runs.logs import stream_log
+from dflashops.runs.placement import Node, Placement, new_run_id
 from dflashops.runs.probe import probe
 from dflashops.runs.pulls import pull
-from dflashops.runs.snapshot import ensure_code, local_code
-from dflashops.runs.start import LAUNCHER, launch_env, start, write_run_files
+from dflashops.runs.snapshot import local_code
+from dflashops.runs.start import start_job
 from dflashops.runs.survey import find
 from dflashops.runs.view import RunView, ckpt_copy_dir, eval_result_path, tmux_session
 from dflashops.session import Session
 from dflashops.targets.base import Machine
-
-JOB = "evaljob.py"
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Extra:
     host: str | None = None  # --host: the run's target where its name is on several
 
 
-def start_job(
+def start_eval(
     reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
 ) -> dict[str, Any]:
     """Check what the evaluation needs, pull the missing checkpoints, start the job."""
@@ -60,12 +60,8 @@ def start_job(
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
     for s in steps:
         pull(reader, writer, view, s, dest)
-    code = local_code()
-    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
-    code_dir = ensure_code(machine, code, have.paths.get(code.path(dest)) == "dir")
     job_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + random_tokens.token_hex(2)
-    job_dir = posixpath.join(dest.workspace, "evals", run, "jobs", job_id)
-    name = f"eval-{run}-{job_id}"
+    name = EVAL.template.format(run, job_id)
     plan = {
         "run": run,
         "evals": [
@@ -74,30 +70,18 @@ def start_job(
             for s in steps
         ],
     }  # fmt: skip
-    launch = {
-        "run": name,
-        "target": dest.name,
-        "code": code_dir,
-        "argv": ["python3", posixpath.join(job_dir, JOB), job_dir],
-        "env": launch_env(dest, code_dir, None),
-        "secrets": None,
-    }
-    state = {
-        "kind": "eval", "run": run, "job": job_id, "steps": steps, "target": dest.name,
-        "tmux": tmux_session(name), "launched": time.time(), "reference": extra.reference,
-    }  # fmt: skip
-    files = {
-        "job.json": json.dumps(plan, indent=2) + "\n",
-        "launch.json": json.dumps(launch, indent=2) + "\n",
-        "state.json": json.dumps(state, indent=2) + "\n",
-        LAUNCHER: helper_source(LAUNCHER),
-        JOB: helper_source(JOB),
-    }
-    write_run_files(machine, job_dir, files)
-    start(machine, name, job_dir)
+    own = {"kind": EVAL.name, "run": run, "job": job_id, "steps": steps,
+           "reference": extra.reference}  # fmt: skip
+    placement = Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)], state=own)
+    code = local_code()
+    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
+    in_place = have.paths.get(code.path(dest)) == "dir"
+    files = {"job.json": json.dumps(plan, indent=2) + "\n"}
+    start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
+    job = {**own, "target": dest.name, "tmux": tmux_session(name), "launched": time.time()}
     context.note(f"{dest.name}: eval job {job_id} of {run} started (steps "
-                 f"{', '.join(map(str, steps))}; tmux {state['tmux']})")  # fmt: skip
-    return {**state, "dir": job_dir, "name": name}
+                 f"{', '.join(map(str, steps))}; tmux {job['tmux']})")  # fmt: skip
+    return {**job, "dir": placement.dir(placement.nodes[0]), "name": name}
 
 
 def newest_job(session: Session, run: str, dest: Target) -> dict[str, Any]:
@@ -112,7 +96,7 @@ def follow(session: Session, dest: Target, job: dict[str, Any]) -> list[dict[str
     """Follow the job's console.log (to stderr) to its end; the results it stored, in the
     order of its steps (Ctrl-C raises KeyboardInterrupt: the job goes on)."""
     machine = session.machine(dest)
-    view = RunView(job["name"], dest.name, "evals", job["dir"], "running", 0.0)
+    view = RunView(job["name"], dest.name, EVAL.home, job["dir"], "running", 0.0, kind=EVAL)
     stream_log(machine, view, tail=0, follow=True, out=context.stream_sink(sys.stderr))
     check_end(machine, job)
     found = {r["step"]: r for r in stored(session, [job["run"]]).results

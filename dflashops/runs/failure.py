@@ -52,7 +52,9 @@ def cause_note(rank: int, code: int) -> str:
 
 
 def trainer_failure(view: RunView, target: Target) -> OpsError:
-    """The trainer's early exit as our error: its config refusal (exit 2) becomes our exit 2."""
+    """The program's early exit (the trainer's, another kind's) as our error: its config refusal
+    (exit 2) becomes our exit 2."""
+    program = view.kind.program if view.kind is not None else "trainer"
     failed = [v for v in view.nodes if v.state == "failed"]
     if failed:
         view = min(failed, key=end_time)
@@ -62,7 +64,7 @@ def trainer_failure(view: RunView, target: Target) -> OpsError:
     if code == 2:
         refusals = [line for line in lines if line.startswith("error: ")]
         message = (refusals or lines or ["(no message)"])[-1].removeprefix("error: ")
-        return UsageError(f"{view.name}: the trainer refused to start: {message}")
+        return UsageError(f"{view.name}: the {program} refused to start: {message}")
     if code == 127:
         return OpsError(
             f"{view.name}: {target.python} not found on {target.name}; "
@@ -70,4 +72,4 @@ def trainer_failure(view: RunView, target: Target) -> OpsError:
         )
     why = view.note or f"exit code {code}"
     last = lines[-1] if lines else "no output"
-    return OpsError(f"{view.name}: the trainer failed ({why}): {last}")
+    return OpsError(f"{view.name}: the {program} failed ({why}): {last}")

@@ -1,4 +1,4 @@
-"""A training run's launch: one read of every target first (the name free everywhere, the chosen
+"""A training run's launch (the first kind of job, runs/kind_training.py): one read of every target first (the name free everywhere, the chosen
 targets not busy, their GPUs), then the name claimed on each node, the workload snapshot, the
 run directory (run.yaml, launch.json, launcher.py), the memory plan checked on node 0, and the
 launcher started on each node; then the wait for the trainer's first sign of life. A launch
@@ -14,11 +14,12 @@ from dflashops import context
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.render import human_bytes
-from dflashops.runs.claim import claim, take_back, taken_error, warn_unread
+from dflashops.runs.claim import take_back, taken_error, warn_unread
+from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
 from dflashops.runs.snapshot import Code, local_code
-from dflashops.runs.start import Started, prepare, start_all, wait_for_life
+from dflashops.runs.start import start_job, wait_for_life
 from dflashops.runs.view import RunView, group
 from dflashops.session import Session
 
@@ -52,18 +53,10 @@ def launch(
     context.note(f"{run}: {placement.describe()}")
     if writer.dry_run:
         show_plan(reader, placement, seen, text, code, force=True)
-    else:
-        claim(reader, writer, placement)
-    made = Started(placement)
-    try:
-        prepare(writer, placement, code, seen.have_code, text, values, made)
-        if not writer.dry_run:
-            check_plan(writer, placement, seen, code, force=force)
-        start_all(writer, placement)
-    except BaseException:
-        if not writer.dry_run:
-            take_back(writer, placement, placement.nodes, made.secrets)
-        raise
+    made = start_job(
+        reader, writer, placement, code, seen.have_code, {"run.yaml": text}, values,
+        check=lambda: check_plan(writer, placement, seen, code, force=force),
+    )  # fmt: skip
     if writer.dry_run:
         context.note("dry run: nothing was changed")
         return Launched(placement, None)
@@ -140,7 +133,7 @@ def preflight(
     for target in targets:
         check_free(target, probes[target.name], force=force)
     reported = {t.name: gpu_count(probes[t.name]) for t in targets}
-    placement = place(run, ordered, nproc=nproc, reported=reported)
+    placement = place(TRAINING, run, ordered, nproc=nproc, reported=reported)
     placement.port = probes[first.name].free_port
     if [t.name for t in ordered] != [t.name for t in targets]:
         context.note(
@@ -165,7 +158,7 @@ def gpu_count(probe: Probe) -> int | None:
 
 def check_free(target: Target, probe: Probe, *, force: bool) -> None:
     """A target whose GPUs another run (or any process nvidia-smi shows) holds is refused."""
-    holders = [v for v in group(probe.runs) if v.running and v.where == "runs"]
+    holders = [v for v in group(probe.runs) if v.running and v.state != "archived"]
     found = probe.gpus or {}
     apps = found.get("apps") or []
     if holders:

@@ -11,16 +11,14 @@ path; node 0 holds train_log.jsonl, state.json and checkpoints.
 from __future__ import annotations
 
 import secrets as random_tokens
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflashops.errors import UsageError
 from dflashops.inventory import Target
-from dflashops.runs.view import run_dir
+from dflashops.runs.view import Kind
 
 RDZV_JOIN_S = 600  # how long node 0 waits for the others to join (rendezvous)
-
-
 LOOPBACK = "127.0.0.1"  # a one-node run's address: its ranks talk over lo
 
 
@@ -33,12 +31,15 @@ class Node:
 
 @dataclass
 class Placement:
-    """A run's nodes: one torchrun each, node 0 first (it hosts the rendezvous)."""
+    """A job's nodes (a run's: one torchrun each, node 0 first: it hosts the rendezvous), with
+    its kind, name and id, and what its kind adds to its state.json."""
 
-    run: str
+    kind: Kind
+    run: str  # the job's name
     run_id: str
     nodes: list[Node]
     port: int | None = None  # the rendezvous port on node 0 (several nodes only)
+    state: dict[str, Any] = field(default_factory=dict)  # state.json's keys of its kind
 
     @property
     def world(self) -> int:
@@ -49,7 +50,7 @@ class Placement:
         return len(self.nodes) > 1
 
     def dir(self, node: Node) -> str:
-        return run_dir(node.target, self.run)
+        return self.kind.dir(node.target, self.run)
 
     def describe(self) -> str:
         per = ", ".join(f"{n.target.name} x{n.nproc}" for n in self.nodes)
@@ -76,6 +77,7 @@ def nproc_of(target: Target, override: int | None, reported: int | None) -> int:
 
 
 def place(
+    kind: Kind,
     run: str,
     targets: list[Target],
     *,
@@ -105,10 +107,11 @@ def place(
                 f"--host: the targets would run different numbers of processes ({shown}); "
                 "pass --nproc N for all of them"
             )
-    return Placement(run, run_id or new_run_id(), nodes)
+    return Placement(kind, run, run_id or new_run_id(), nodes)
 
 
-def torchrun_argv(placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:
+def torchrun(placement: Placement, node: Node) -> list[str]:
+    """torchrun on `node`, up to the program it runs (`-m MODULE ARGS...` follows)."""
     target = node.target
     head = [target.python, "-m", "torch.distributed.run", "--nproc-per-node", str(node.nproc)]
     head += ["--max-restarts", "0", "--monitor-interval", "1"]
@@ -132,5 +135,4 @@ def torchrun_argv(placement: Placement, node: Node, rundir: str, *, resume: bool
             "--rdzv-id", f"{placement.run}-{placement.run_id}",
             "--local-addr", LOOPBACK,
         ]  # fmt: skip
-    train = ["-m", "workload.train", "--config", "run.yaml", "--run-dir", rundir]
-    return head + train + (["--resume"] if resume else [])
+    return head

@@ -1,5 +1,7 @@
-"""The client of remote/runs_probe.py: one call per target reads everything about its runs
-(state, log records, console, checkpoints, GPUs, paths) as one JSON document."""
+"""The client of remote/runs_probe.py: one call per target reads everything about its jobs
+(state, log records, console, checkpoints, GPUs, paths) as one JSON document. A read by name
+looks in the homes of every kind of job (runs/kinds.py); a read of all jobs (no names) in those
+of the kinds that `status` lists."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 from dflashops import context
 from dflashops.errors import OpsError
 from dflashops.remote import argv as helper_argv
+from dflashops.runs import kinds
 from dflashops.runs.failure import cause_note, root_cause
 from dflashops.runs.view import RunView, derive_state
 from dflashops.targets.base import Machine
@@ -27,18 +30,19 @@ class Probe:
     free_port: int | None = None
 
     def has(self, run: str) -> str | None:
-        """'runs' or 'archive' when a run of that name lives here."""
-        return next((w for w in ("runs", "archive") if run in self.names.get(w, [])), None)
+        """Where ('runs', 'archive', another kind's home) a job of that name lives here."""
+        return next((w for w, found in self.names.items() if run in found), None)
 
 
 def probe(machine: Machine, **request: Any) -> Probe:
     """Run the probe once in `machine` (see remote/runs_probe.py for the request's keys)."""
     target = machine.target
-    request = {"ws": target.workspace, **request}
+    every = request.get("names") is not None
+    request = {"ws": target.workspace, "homes": kinds.homes(every=every), **request}
     argv = helper_argv("runs_probe.py")
     result = machine.run(argv, stdin=json.dumps(request).encode())
     if machine.dry_run:
-        return Probe({"runs": [], "archive": []}, [], {}, {})
+        return Probe({where: [] for where in request["homes"]}, [], {}, {})
     if result.returncode == 127:
         raise OpsError(f"{target.name}: python3 not found; install it in the target")
     if not result.ok:
@@ -54,7 +58,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
             continue
         state, note = derive_state(raw)
         view = RunView(raw["name"], target.name, raw["where"], raw["dir"], state, doc["now"],
-                       raw, note)  # fmt: skip
+                       raw, note, kind=kinds.by_where(raw["where"]))  # fmt: skip
         if state == "failed" and root_cause(view):
             view.note = cause_note(*root_cause(view))
         views.append(view)

@@ -1,7 +1,8 @@
-"""Resuming a stopped or failed run from its newest complete checkpoint, on all its nodes with
-the same number of processes each (the same world size), through the same launcher as a launch
-(the trainer's --resume). The run keeps the code it ran unless told to take the workload as it
-is now; secrets are given again."""
+"""Resuming a stopped or failed job of any kind (a run: from its newest complete checkpoint),
+on all its nodes with the same number of processes each (the same world size), through the same
+launcher as its start (its kind's argv with resume, e.g. the trainer's --resume). It keeps the
+code it ran unless told to take the workload as it is now; secrets are given again. What may
+resume, and what is said, is its kind's (JobKind.check_resumable, resume_note)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import time
 
 from dflashops import context
-from dflashops.errors import NotFoundError, UsageError
+from dflashops.runs import kinds
 from dflashops.runs.control import control
 from dflashops.runs.placement import Node, Placement, new_run_id
 from dflashops.runs.probe import probe
@@ -29,7 +30,8 @@ def resume(
     wait: float,
 ) -> RunView | None:
     """Start `view` (read with its checkpoints and launch.json) again; None under --dry-run."""
-    check_resumable(view)
+    kind = kinds.by_where(view.where)
+    kind.check_resumable(view)
     placement = placement_of(reader, view)
     code = local_code()
     code_dirs = {} if update_code else recorded_code(view)
@@ -40,27 +42,15 @@ def resume(
                  "resumed": time.time()}  # fmt: skip
         control(writer.machine(node.target), "relaunch", placement.dir(node), **reset)
     prepare(
-        writer, placement, code, lambda t, c: have.get(t.name, False), "", values, made,
+        writer, placement, code, lambda t, c: have.get(t.name, False), {}, values, made,
         resume=True, code_dirs=code_dirs,
     )  # fmt: skip
     start_all(writer, placement)
     if writer.dry_run:
         context.note("dry run: nothing was changed")
         return None
-    context.note(f"{view.name}: resuming from step_{max(view.complete_steps())}")
+    context.note(kind.resume_note(view))
     return wait_for_life(reader, placement, timeout=wait)
-
-
-def check_resumable(view: RunView) -> None:
-    run = view.name
-    if view.where == "archive":
-        raise UsageError(f"{run} is archived ({view.target}:{view.dir}); it cannot resume")
-    if view.running or any(v.running for v in view.nodes):
-        raise UsageError(f"{run} is {view.state} on {view.target}; nothing to resume")
-    if view.multi and len(view.nodes) < len(view.node_targets):
-        raise UsageError(f"{run}: {view.note}; every node must be readable to resume")
-    if not view.complete_steps():
-        raise NotFoundError(f"{run} has no complete checkpoint to resume from")
 
 
 def placement_of(reader: Session, view: RunView) -> Placement:
@@ -72,7 +62,8 @@ def placement_of(reader: Session, view: RunView) -> Placement:
         target = reader.inventory.target(item["target"])
         nproc = item.get("nproc") or view.status.get("world_size") or 1
         nodes.append(Node(index, target, int(nproc)))
-    placement = Placement(view.name, view.run_id or new_run_id(), nodes)
+    kind = kinds.by_where(view.where)
+    placement = Placement(kind, view.name, view.run_id or new_run_id(), nodes)
     if placement.multi:
         first = nodes[0].target
         answer = probe(reader.machine(first), names=[], free_port=first.node_address)

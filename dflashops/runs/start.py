@@ -1,6 +1,6 @@
-"""Starting a job and waiting for it: its files (launch.json, launcher.py, secrets) on every
-node, the launcher started in a detached session of our own tmux server, and the wait for the
-trainer's first sign of life.
+"""Starting a job of any kind and waiting for it: its name claimed, its code snapshot, secrets
+and files (launch.json, launcher.py, its kind's) on every node, the launcher started in a
+detached session of our own tmux server, and the wait for its program's first sign of life.
 
 Nothing a user sets reaches a shell: the launcher (remote/launcher.py) reads argv and
 environment from launch.json, a data file, and runs them as given.
@@ -23,9 +23,10 @@ from dflashops.errors import OpsError
 from dflashops.inventory import Target
 from dflashops.remote import source as helper_source
 from dflashops.render import Stopwatch, duration
+from dflashops.runs.claim import claim, take_back
 from dflashops.runs.control import control
 from dflashops.runs.failure import trainer_failure, trainer_lines
-from dflashops.runs.placement import LOOPBACK, Node, Placement, torchrun_argv
+from dflashops.runs.placement import LOOPBACK, Node, Placement
 from dflashops.runs.snapshot import Code, ensure_code
 from dflashops.runs.survey import refresh, reread
 from dflashops.runs.view import RunView, end_time, tmux_session
@@ -33,11 +34,7 @@ from dflashops.session import Session
 from dflashops.targets.base import Machine
 
 TMUX = ["tmux", "-L", "dflashops", "-f", "/dev/null"]  # our own server, never the user's
-
-
 LAUNCHER = "launcher.py"
-
-
 SECRETS_HOME = "secrets"  # <ws>/dflashops/secrets/: read and deleted by the launcher
 
 
@@ -74,7 +71,7 @@ def launch_doc(
         "target": node.target.name,
         "nodes": placement.record(),
         "code": code_dir,
-        "argv": torchrun_argv(placement, node, rundir, resume=resume),
+        "argv": placement.kind.argv(placement, node, rundir, resume=resume),
         "env": launch_env(node.target, code_dir, address),
         "secrets": secrets_path,
     }
@@ -103,14 +100,15 @@ def write_secrets(machine: Machine, path: str, values: dict[str, str]) -> None:
     control(machine, "secrets", path, values=values)
 
 
-def node_files(doc: dict[str, Any], config_text: str | None) -> dict[str, str]:
-    files = {
+def node_files(placement: Placement, doc: dict[str, Any], files: dict[str, str]) -> dict[str, str]:
+    """launch.json, the launcher and its kind's helpers (written at every start), and `files`
+    (the job's own, e.g. run.yaml: only at its first start)."""
+    return {
         "launch.json": json.dumps(doc, indent=2) + "\n",
         LAUNCHER: helper_source(LAUNCHER),
+        **placement.kind.helpers(),
+        **files,
     }
-    if config_text is not None:
-        files["run.yaml"] = config_text
-    return files
 
 
 def start(machine: Machine, run: str, rundir: str) -> None:
@@ -151,14 +149,14 @@ def prepare(
     placement: Placement,
     code: Code,
     have_code: Callable[[Target, Code], bool],
-    config_text: str,
+    files: dict[str, str],
     values: dict[str, str],
     made: Started,
     *,
     resume: bool = False,
     code_dirs: dict[str, str] | None = None,
 ) -> None:
-    """On every node in parallel: the code snapshot, secrets, and the run files."""
+    """On every node in parallel: the code snapshot, secrets, and the job's files."""
 
     def one(node: Node) -> None:
         machine = writer.machine(node.target)
@@ -173,10 +171,38 @@ def prepare(
             write_secrets(machine, secret, values)
         doc = launch_doc(placement, node, code_dir=code_dir, secrets_path=secret,
                          resume=resume)  # fmt: skip
-        files = node_files(doc, None if resume else config_text)
-        write_run_files(machine, placement.dir(node), files)
+        write_run_files(machine, placement.dir(node), node_files(placement, doc, files))
 
     each_node(writer, placement, one)
+
+
+def start_job(
+    reader: Session,
+    writer: Session,
+    placement: Placement,
+    code: Code,
+    have_code: Callable[[Target, Code], bool],
+    files: dict[str, str],
+    values: dict[str, str],
+    *,
+    check: Callable[[], None] | None = None,
+) -> Started:
+    """A new job: its name claimed on every node, then there its code, secrets and `files`,
+    then `check` (e.g. the memory plan), then the launcher on every node. A failure on the way
+    takes back what was made. Under --dry-run nothing is claimed, the rest only printed."""
+    if not writer.dry_run:
+        claim(reader, writer, placement)
+    made = Started(placement)
+    try:
+        prepare(writer, placement, code, have_code, files, values, made)
+        if check is not None and not writer.dry_run:
+            check()
+        start_all(writer, placement)
+    except BaseException:
+        if not writer.dry_run:
+            take_back(writer, placement, placement.nodes, made.secrets)
+        raise
+    return made
 
 
 def start_all(writer: Session, placement: Placement) -> None:
@@ -186,13 +212,14 @@ def start_all(writer: Session, placement: Placement) -> None:
 
 
 def wait_for_life(reader: Session, placement: Placement, *, timeout: float) -> RunView:
-    """Until the trainer runs (state.json says so), ends, or `timeout` passes."""
+    """Until its program runs (state.json says so), ends, or `timeout` passes."""
     clock = Stopwatch()
     next_note = 5.0
     run = placement.run
     head = placement.nodes[0].target
     where = ", ".join(n.target.name for n in placement.nodes)
-    context.note(f"{run}: starting on {where} (the trainer loads the target model first)")
+    program = placement.kind.program
+    context.note(f"{run}: starting on {where} (the {program} loads the target model first)")
     view = reread(reader.machine(head), run, records="recent", console=8192)
     while True:
         view = refresh(reader, view, records="recent", console=8192)

@@ -1,15 +1,18 @@
-"""Stopping a run: ask its trainer to save a checkpoint and stop (SIGTERM to rank 0, which tells
-every rank at the end of the step) and wait until every node has exited; or kill it (SIGKILL to
-every node's torchrun and ranks), for a trainer that does not stop. Processes are recognised by
-pid and start time, never by a name."""
+"""Stopping a job of any kind: SIGTERM to its program's pid (state.json's; a run's rank 0, which
+tells every rank at the end of the step to save a checkpoint and stop), then the wait until
+every node has exited; or kill it (SIGKILL to every node's recorded processes: torchrun's agent,
+the ranks), for a program that does not stop. Processes are recognised by pid and start time,
+never by a name. What a stop asks and where the job stopped is its kind's (JobKind)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from dflashops import context
 from dflashops.errors import OpsError
 from dflashops.render import Stopwatch, duration
+from dflashops.runs import kinds
 from dflashops.runs.control import control
 from dflashops.runs.survey import refresh
 from dflashops.runs.view import RunView, node_alive
@@ -25,18 +28,25 @@ def running(view: RunView) -> bool:
 def stop(
     reader: Session, writer: Session, view: RunView, *, kill: bool, timeout: float
 ) -> RunView | None:
-    """Stop (or kill) a running run and wait until it has; None under --dry-run."""
+    """Stop (or kill) a running job and wait until it has; None under --dry-run."""
+    kind = kinds.by_where(view.where)
     if kill:
         kill_nodes(writer, view)
     else:
-        pid = signal_trainer(writer.machine(view.target), reader, view)
+        pid = signal_program(writer.machine(view.target), reader, view)
     if writer.dry_run:
         return None
     if kill:
         context.note(f"{view.name}: killed on {', '.join(view.node_targets)}")
     else:
-        context.note(f"{view.name}: asked the trainer (pid {pid}) to save a checkpoint and stop")
+        context.note(f"{view.name}: asked the {kind.program} (pid {pid}) to {kind.stop_request}")
     return wait_stopped(reader, view, 60 if kill else timeout, killed=kill)
+
+
+def stopped(view: RunView) -> tuple[str, dict[str, Any]]:
+    """Where a stopped job stopped, as its kind says it: the words after its state in the line
+    (" at step 6; newest checkpoint step_6"), and the keys added to the JSON document."""
+    return kinds.by_where(view.where).stopped(view)
 
 
 def kill_nodes(writer: Session, view: RunView) -> None:
@@ -50,8 +60,10 @@ def kill_nodes(writer: Session, view: RunView) -> None:
             context.note(f"{target.name}: not killed: {answer.message}")
 
 
-def signal_trainer(machine: Machine, reader: Session, view: RunView, wait_s: float = 120) -> int:
-    """SIGTERM to rank 0's pid (node 0's state.json); waits for the pid while it starts."""
+def signal_program(machine: Machine, reader: Session, view: RunView, wait_s: float = 120) -> int:
+    """SIGTERM to the program's pid (a run's rank 0: node 0's state.json); waits for the pid
+    while it starts."""
+    program = kinds.by_where(view.where).program
     clock = Stopwatch()
     while True:
         sent = control(machine, "signal", view.dir, signal="TERM")
@@ -63,7 +75,7 @@ def signal_trainer(machine: Machine, reader: Session, view: RunView, wait_s: flo
         if not fresh.running:
             raise OpsError(f"{view.name}: ended ({fresh.state}) before it could be stopped")
         if clock.seconds > wait_s:
-            raise OpsError(f"{view.name}: no trainer process to signal after {wait_s:.0f}s")
+            raise OpsError(f"{view.name}: no {program} process to signal after {wait_s:.0f}s")
         time.sleep(1.0)
 
 
@@ -76,7 +88,8 @@ def wait_stopped(reader: Session, view: RunView, timeout: float, *, killed: bool
         view = refresh(reader, view, records="none", checkpoints=True)
         if not any(node_alive(v.raw) for v in view.nodes or [view]):
             if view.state == "failed" and not killed:
-                raise OpsError(f"{run}: the trainer failed while stopping ({view.note or ''})")
+                program = kinds.by_where(view.where).program
+                raise OpsError(f"{run}: the {program} failed while stopping ({view.note or ''})")
             return view
         if clock.seconds > timeout:
             raise OpsError(

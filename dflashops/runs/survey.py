@@ -11,6 +11,7 @@ from typing import Any
 from dflashops import context
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
+from dflashops.runs import kinds
 from dflashops.runs.probe import Probe, probe
 from dflashops.runs.view import RunView, check_name, combine, group
 from dflashops.session import Session
@@ -43,12 +44,17 @@ class Survey(Unread):
         return group([r for p in self.probes.values() for r in p.runs])
 
     def all_names(self) -> list[str]:
-        return sorted({n for p in self.probes.values() for w in p.names.values() for n in w})
+        """The names of the jobs of the kinds `status` lists (runs, archived runs, ...)."""
+        return sorted({n for p in self.probes.values() for n in kinds.listed_names(p.names)})
 
     def where(self, run: str) -> list[tuple[str, str]]:
-        """(target, 'runs'|'archive') for every place a run of that name lives."""
+        """(target, its kind's home or 'archive') for every place a job of that name lives."""
         found = [(t, p.has(run)) for t, p in self.probes.items()]
         return [(t, w) for t, w in found if w]
+
+    def places(self, run: str) -> str:
+        """'ct200:runs/a, ct201:archive/a': where a job of that name lives."""
+        return ", ".join(f"{t}:{kinds.by_where(w).rel(w, run)}" for t, w in self.where(run))
 
 
 def survey(session: Session, targets: Iterable[Target] | None = None, **request: Any) -> Survey:
@@ -89,13 +95,12 @@ def choose(
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
-        places = ", ".join(f"{r.target}:{r.where}/{name}" for r in matches)
+        places = ", ".join(f"{r.target}:{place(r)}" for r in matches)
         raise UsageError(
             f"run {name!r} exists in more than one place ({places}); pick one with --host TARGET"
         )
     if host is not None and found.where(name):
-        places = ", ".join(f"{t}:{w}/{name}" for t, w in found.where(name))
-        raise NotFoundError(f"no run {name!r} on {host} (it is at {places})")
+        raise NotFoundError(f"no run {name!r} on {host} (it is at {found.places(name)})")
     raise not_found(found, [name])
 
 
@@ -127,6 +132,11 @@ def not_found(found: Survey, missing: list[str]) -> OpsError:
         unread = ", ".join(f"{t} ({e.message})" for t, e in found.errors.items())
         return UnreachableError(f"{message}; not read: {unread}")
     return NotFoundError(message)
+
+
+def place(view: RunView) -> str:
+    """A job's directory under its target's workspace: 'runs/a', 'evals/a/jobs/ID'."""
+    return kinds.by_where(view.where).rel(view.where, view.name)
 
 
 def newest_running(session: Session, *, host: str | None = None, **request: Any) -> RunView:

@@ -38,7 +38,9 @@ def state_cell(view: RunView):  # noqa: ANN201 (rich Text)
 
 
 def step_cell(view: RunView) -> str:
-    step, total = view.step, view.total_steps
+    """Its progress as its kind reads it: a run's step of its total steps."""
+    progress = view.progress
+    step, total = progress.done, progress.total
     if step is None:
         return "-"
     return f"{step}/{total}" if total else str(step)
@@ -56,7 +58,7 @@ def runs_table(views: list[RunView]) -> Grid:
         last = v.last or {}
         cells = [v.name, ",".join(v.node_targets), state_cell(v), step_cell(v)]
         cells += [metric(last.get(k), k) for k in ROW_METRICS]
-        cells += [duration(v.eta), f"{duration(v.age)} ago" if v.age is not None else "-"]
+        cells += [duration(v.progress.eta), f"{duration(v.age)} ago" if v.age is not None else "-"]
         if notes:
             cells.append(v.note or "")
         out.add_row(*cells)

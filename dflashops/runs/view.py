@@ -1,11 +1,12 @@
-"""Where a run lives in a target, and one run as read from there (`RunView`): its state from
-state.json, its exit code, tmux and its processes, its nodes and ranks, its log records."""
+"""Where a run lives in a target, and one job (a training run, or another kind's job) as read
+from there (`RunView`): its state from state.json, its exit code, tmux and its processes, its
+nodes and ranks, its log records, its progress as its kind reads it."""
 
 from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dflashops.errors import UsageError
 from dflashops.inventory import NAME_RE, Target
@@ -59,19 +60,55 @@ class Checkpoint:
     problem: str | None = None
 
 
+@dataclass(frozen=True)
+class Progress:
+    """How far a job is: `done` of `total` units (steps, conversations, ...), and when it will
+    be done at its recent rate (seconds from now)."""
+
+    done: int | None
+    total: int | None
+    unit: str = "step"
+    eta: float | None = None
+    rate: float | None = None  # units per second
+
+    def doc(self) -> dict[str, Any]:
+        return {"done": self.done, "total": self.total, "unit": self.unit,
+                "eta_s": _round(self.eta), "rate": self.rate}  # fmt: skip
+
+
+class Kind(Protocol):
+    """What a view and a placement ask of their job's kind (runs/job.py's JobKind)."""
+
+    name: str
+    program: str
+
+    def dir(self, target: Target, name: str) -> str: ...
+    def progress(self, view: RunView) -> Progress: ...
+    def summary(self, view: RunView) -> dict[str, Any]: ...
+
+
 @dataclass
 class RunView:
-    """One run as read from its target."""
+    """One job as read from its target."""
 
     name: str
     target: str
-    where: str  # "runs" or "archive"
+    where: str  # its kind's home ("runs", "evals", ...) or "archive"
     dir: str
     state: str  # starting | running | finished | stopped | failed | archived | unknown
     now: float  # the target's clock when it was read
     raw: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
     nodes: list[RunView] = field(default_factory=list)  # every node's view (node 0 first)
+    kind: Kind | None = None  # None: a view made by hand, read as a training run's
+
+    @property
+    def progress(self) -> Progress:
+        return self.kind.progress(self) if self.kind is not None else self.step_progress()
+
+    def step_progress(self) -> Progress:
+        """A training run's progress: its step of its total steps, from its log."""
+        return Progress(self.step, self.total_steps, "step", self.eta)
 
     @property
     def status(self) -> dict[str, Any]:
@@ -200,6 +237,7 @@ class RunView:
             "warnings": self.warnings,
             "nodes": [node_summary(v) for v in (self.nodes or [self])],
             "ranks": [rank_summary(r) for r in self.ranks],
+            **(self.kind.summary(self) if self.kind is not None else {}),
         }
 
 
@@ -273,7 +311,7 @@ def group(views: list[RunView]) -> list[RunView]:
     out: list[RunView] = []
     parts: dict[tuple[str, str], list[RunView]] = {}
     for view in views:
-        if view.multi and view.run_id and view.where == "runs":
+        if view.multi and view.run_id and view.state != "archived":
             parts.setdefault((view.name, view.run_id), []).append(view)
         else:
             out.append(view)
@@ -289,7 +327,7 @@ def combine(nodes: list[RunView]) -> RunView:
     nodes = sorted(nodes, key=lambda v: v.node_index)
     head = nodes[0]
     view = RunView(head.name, head.target, head.where, head.dir, head.state, head.now, head.raw,
-                   head.note, nodes)  # fmt: skip
+                   head.note, nodes, head.kind)  # fmt: skip
     missing = [t for t in head.node_targets if t not in {v.target for v in nodes}]
     if head.node_index != 0:
         missing.insert(0, head.node_targets[0])
