@@ -16,20 +16,9 @@ import typer
 
 from dflashops.errors import ExitCode, OpsError
 from dflashops.inventory import Inventory, find_inventory, load_inventory
+from dflashops.targets.base import DEFAULT_TIMEOUT_S
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# The deadline of every remote call when --timeout is not given (see Machine.run): reading
-# commands answer in well under a second, so their deadline is short. Where calls move data
-# or do long steps, the deadline is one of progress (nothing moved for that long) and a
-# target may hash a large file back from disk in between.
-DEFAULT_TIMEOUT_S = 30.0
-COMMAND_TIMEOUT_S = {
-    "hosts": 15.0,
-    **dict.fromkeys(
-        ("push", "setup", "run-script", "launch", "resume", "pull-ckpt", "eval", "archive"), 120.0
-    ),
-}
 
 
 @dataclass
@@ -40,6 +29,7 @@ class Context:
     verbose: int = 0
     timeout: float | None = None  # --timeout: overrides every command's default deadline
     command: str = ""  # the command being run (its default deadline)
+    deadlines: dict[str, float] = field(default_factory=dict)  # a command's default deadline
     _inventory: Inventory | None = field(default=None, repr=False)
     _session: Any = field(default=None, repr=False)
 
@@ -86,7 +76,7 @@ class Context:
         """Seconds a remote call may go without an answer: --timeout, else the command's."""
         if self.timeout is not None:
             return self.timeout
-        return COMMAND_TIMEOUT_S.get(self.command, DEFAULT_TIMEOUT_S)
+        return self.deadlines.get(self.command, DEFAULT_TIMEOUT_S)
 
     def want_json(self, flag: bool = False) -> bool:
         """True when JSON was asked for, globally or by the command's own --json."""

@@ -1,6 +1,12 @@
-"""What the commands' lines share: options declared once (--json, --host, --set, --secret,
---follow, --wait, timeouts) and the parsing of their values (step lists, target lists,
-secrets from the environment)."""
+"""What the commands' lines share: the options several commands take, declared once (--json,
+--host, --set, --secret, --follow, --wait), the default deadline of each command's remote calls
+(the global --timeout overrides it), and the parsing of option values (step lists, target lists,
+secrets from the environment). A command module imports this and the runs package, never
+another command.
+
+An option object may be shared by several commands (typer copies nothing from it); a RUN
+argument never is: shell completion (complete.py) marks each command's own.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,19 @@ from dflashops.errors import UsageError
 
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+# The deadline of every remote call when --timeout is not given (see Machine.run): reading
+# commands answer in well under a second, so their deadline is short. Where calls move data
+# or do long steps, the deadline is one of progress (nothing moved for that long) and a
+# target may hash a large file back from disk in between. cli.py gives it to the Context;
+# other commands' deadline is targets.base.DEFAULT_TIMEOUT_S.
+COMMAND_TIMEOUT_S = {
+    "hosts": 15.0,
+    **dict.fromkeys(
+        ("push", "setup", "run-script", "launch", "resume", "pull-ckpt", "eval", "archive"), 120.0
+    ),
+}
+
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document.")
 
 # `--host TARGET` of the commands that take a run's name (runs.survey.find/choose: the run on
 # TARGET where the name exists on several targets; without a name, the newest running run there)
@@ -20,7 +39,7 @@ HOST_OPTION = typer.Option(
     None, "--host", metavar="TARGET", help="Where the name exists on several targets."
 )
 
-# options that `launch` and `resume` share
+# what `launch` and `resume` share
 SECRETS_OPTION = typer.Option(
     None,
     "--secret",
@@ -29,19 +48,22 @@ SECRETS_OPTION = typer.Option(
     "file outside the run directory, read and deleted as the trainer starts; never on a "
     "command line. resume asks for it again.",
 )
-
-
 FOLLOW_OPTION = typer.Option(
     False, "--follow", "-f", help="Then watch it, as status --follow does."
 )
-
-
 WAIT_OPTION = typer.Option(
     900, "--wait", metavar="SECONDS", help="How long to wait for the first sign of life."
 )
 
 
-JSON_OPTION = typer.Option(False, "--json", help="Print one JSON document.")
+def json_option(help: str) -> bool:  # noqa: A002 (typer's own keyword)
+    """--json with a command's own words for what it prints."""
+    return typer.Option(False, "--json", help=help)
+
+
+def set_option(help: str) -> list[str]:  # noqa: A002
+    """--set KEY=VALUE, repeated: config overrides (runs/config.py applies them)."""
+    return typer.Option(None, "--set", metavar="KEY=VALUE", help=help)
 
 
 def parse_steps(

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
             help="Keep checkpoints whose step is a multiple of K.",
         ),
         host: str = _options.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Move a finished run to the target's archive/ (every node's), pruning checkpoints."""
         opts = context.get(ctx)

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
             False, "--verify", help="Check every file's sha256 against the manifest (reads all)."
         ),
         host: str = _options.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List a run's checkpoints: step, complete or not, size (and --verify their hashes)."""
         opts = context.get(ctx)

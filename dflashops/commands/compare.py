@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         plot: Path = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw the curves."),
         tau: bool = typer.Option(False, "--tau", help="Add tau rows from stored evaluations."),
         host: str = _options.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
         opts = context.get(ctx)

@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         names: list[str] = typer.Argument(..., metavar="RUN RUN...", help="Runs to compare."),
         all_: bool = typer.Option(False, "--all", "-a", help="Every key, not just differing ones."),
         host: str = _options.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Show the runs' resolved configs side by side, with the recipe audit."""
         opts = context.get(ctx)

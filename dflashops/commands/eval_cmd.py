@@ -75,18 +75,14 @@ def register(app: typer.Typer) -> None:
             metavar="B,B",
             help="DDTree budgets to add to the evaluator's (8, 16, 32, 64), e.g. 128,256.",
         ),
-        sets: list[str] = typer.Option(
-            None,
-            "--set",
-            metavar="KEY=VALUE",
-            help="Override a key of the run's config here, "
-            "e.g. --set target.path=/models/Qwen3-8B.",
-        ),  # fmt: skip
+        sets: list[str] = _options.set_option(
+            "Override a key of the run's config here, e.g. --set target.path=/models/Qwen3-8B."
+        ),
         follow: bool = typer.Option(
             False, "--follow", help="Stay with the job until it ends (Ctrl-C detaches)."
         ),
         detach: bool = typer.Option(False, "--detach", help="Start the job and return at once."),
-        json_out: bool = typer.Option(False, "--json", help="Print the result JSON."),
+        json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
         opts = context.get(ctx)

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 
 from dflashops import context
+from dflashops.commands import _options
 from dflashops.render import console, metric, table
 from dflashops.runs.evals import Stored, gap, real_rounds, stored
 from dflashops.runs.survey import not_found, survey
@@ -27,7 +28,7 @@ def register(app: typer.Typer) -> None:
     def evals(
         ctx: typer.Context,
         run: str = typer.Argument(None, metavar="[RUN]", help="Only this run's results."),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List stored eval results: tau, DDTree tau per budget, the reference's, the date."""
         opts = context.get(ctx)

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from dflashops import context
+from dflashops.commands import _options
 from dflashops.errors import ExitCode, HostKeyError, NoAnswerError, OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target
 from dflashops.runs import probe as runs_probe
@@ -59,7 +60,7 @@ def register(app: typer.Typer) -> None:
     @context.command
     def hosts(
         ctx: typer.Context,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Every host and target: reachable, container running, GPUs, free disk; each GPU's
         memory used, utilisation and the run holding it."""

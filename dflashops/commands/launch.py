@@ -48,11 +48,8 @@ def register(app: typer.Typer) -> None:
             metavar="FILE|TEMPLATE",
             help="A run config: a YAML file, or a template of templates/runs/.",
         ),
-        sets: list[str] = typer.Option(
-            None,
-            "--set",
-            metavar="KEY=VALUE",
-            help="Override a config key (dotted, YAML-typed), e.g. --set optim.max_steps=500.",
+        sets: list[str] = _options.set_option(
+            "Override a config key (dotted, YAML-typed), e.g. --set optim.max_steps=500."
         ),
         nproc: int = typer.Option(
             None,

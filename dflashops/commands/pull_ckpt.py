@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
             None, "--run", metavar="RUN", help="The run (default: the newest running one)."
         ),
         host: str = _options.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""
         opts = context.get(ctx)

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from dflashops import bundle, context, transfer
+from dflashops.commands import _options
 from dflashops.errors import OpsError, UsageError
 from dflashops.render import Stopwatch, progress
 from dflashops.targets.base import Machine
@@ -32,7 +33,7 @@ def register(app: typer.Typer) -> None:
         no_install: bool = typer.Option(
             False, "--no-install", help="Only make the venv and sync the code."
         ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Make the target's venv if missing, install requirements with pip there, sync workload/."""
         opts = context.get(ctx)

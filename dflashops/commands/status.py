@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
         interval: float = typer.Option(
             5.0, "--interval", metavar="SECONDS", help="Polling period of --follow."
         ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Runs across the inventory: state, step, loss, acc, streak, dds8, tok/s, ETA.
 
