@@ -21,6 +21,7 @@ from dflashops import context
 from dflashops import plot as plotting
 from dflashops.commands import _options
 from dflashops.errors import UsageError
+from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
 from dflashops.runs.evals import Stored, stored, tau_value
 from dflashops.runs.survey import pick, survey
@@ -28,7 +29,6 @@ from dflashops.runs.tables import warn_logs
 from dflashops.runs.view import VALUE_RULE, RunView, check_name, value_at
 from dflashops.tables import Col, Grid
 
-HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
 DEFAULT_STEP_COUNT = 6
 
 
@@ -191,7 +191,7 @@ def metric_table(doc: list[dict], key: str, steps: list[int], bold: bool) -> Gri
 
 
 def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, float]:
-    higher = HIGHER_IS_BETTER.get(key, True if key.startswith(("tau", "ddtree")) else None)
+    higher = higher_is_better(key)
     if higher is None or len(doc) < 2:
         return {}
     best = {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflashops import context
+from dflashops import context, metrics
 from dflashops.render import duration, metric, styled, table
-from dflashops.runs.view import METRICS, RunView, value_at
+from dflashops.runs.view import RunView, value_at
 from dflashops.tables import Col, Grid
 
 COLOURS = {
@@ -19,12 +19,6 @@ COLOURS = {
     "archived": "dim",
     "unknown": "magenta",
 }
-
-
-ROW_METRICS = ("loss", "acc", "streak", "dds8", "tok_s")
-
-
-HISTORY_METRICS = ("loss", "acc", "streak", "dds8", "lr", "noise", "grad_norm", "tok_s")
 
 
 def warn_logs(views: list[RunView]) -> None:
@@ -49,15 +43,14 @@ def step_cell(view: RunView) -> str:
 def runs_table(views: list[RunView]) -> Grid:
     notes = any(v.note for v in views)
     columns = [Col("RUN", keep=True), Col("TARGET", keep=True), Col("STATE", keep=True),
-               Col("STEP", keep=True), Col("LOSS", priority=8), Col("ACC", priority=7),
-               Col("STREAK", priority=4), Col("DDS8", priority=3), Col("TOK/S", priority=2),
+               Col("STEP", keep=True), *(Col(m.header, priority=m.row) for m in metrics.ROW),
                Col("ETA", priority=6), Col("LAST LOG", priority=1)]  # fmt: skip
     columns += [Col("NOTE", priority=5, wrap=True)] if notes else []
     out = table(*columns)
     for v in views:
         last = v.last or {}
         cells = [v.name, ",".join(v.node_targets), state_cell(v), step_cell(v)]
-        cells += [metric(last.get(k), k) for k in ROW_METRICS]
+        cells += [metric(last.get(m.name), m.name) for m in metrics.ROW]
         cells += [duration(v.progress.eta), f"{duration(v.age)} ago" if v.age is not None else "-"]
         if notes:
             cells.append(v.note or "")
@@ -66,8 +59,8 @@ def runs_table(views: list[RunView]) -> Grid:
 
 
 def history_table(records: list[dict[str, Any]], title: str | None = "recent log lines") -> Grid:
-    keys = [k for k in HISTORY_METRICS if any(k in r for r in records)]
-    headers = [k.upper().replace("_", "/" if k == "tok_s" else " ") for k in keys]
+    keys = [k for k in metrics.HISTORY if any(k in r for r in records)]
+    headers = [metrics.BY_NAME[k].header for k in keys]
     rank = len(keys)  # the first metrics stay longest
     cols = [Col(h, priority=rank - i) for i, h in enumerate(headers)]
     out = table(Col("STEP", keep=True), *cols, title=title)
@@ -86,12 +79,12 @@ def vs_rows(a: RunView, b: RunView, count: int = 12) -> list[dict[str, Any]]:
 def vs_table(a: RunView, b: RunView) -> Grid:
     """A row per run at each step: the names stay whole at any width."""
     columns = [Col("STEP", keep=True, head=True), Col("RUN", keep=True, head=True)]
-    columns += [Col(k.upper(), priority=len(METRICS) - i) for i, k in enumerate(METRICS)]
+    columns += [Col(k.upper(), priority=len(metrics.VS) - i) for i, k in enumerate(metrics.VS)]
     out = table(*columns, title=f"{a.name} ({a.target}) vs {b.name} ({b.target})")
     for row in vs_rows(a, b):
         for name in (a.name, b.name):
             rec = row[name]
-            out.add_row(str(row["step"]), name, *(_at(rec, k, row["step"]) for k in METRICS))
+            out.add_row(str(row["step"]), name, *(_at(rec, k, row["step"]) for k in metrics.VS))
     return out
 
 

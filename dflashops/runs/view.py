@@ -14,9 +14,6 @@ from dflashops.inventory import NAME_RE, Target
 TERMINAL = ("finished", "failed", "stopped", "archived")
 
 
-METRICS = ("loss", "acc", "streak", "dds8")
-
-
 def check_name(name: str) -> str:
     if not NAME_RE.match(name):
         raise UsageError(

@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflashops import context
+from dflashops import context, metrics
 from dflashops.errors import ExitCode, NotFoundError, OpsError
 from dflashops.render import console, duration, metric
 from dflashops.runs.survey import refresh
-from dflashops.runs.tables import ROW_METRICS, history_table, runs_table, vs_table
-from dflashops.runs.view import METRICS, TERMINAL, RunView, tmux_session, value_at
+from dflashops.runs.tables import history_table, runs_table, vs_table
+from dflashops.runs.view import TERMINAL, RunView, tmux_session, value_at
 
 
 def follow_run(
@@ -87,6 +87,7 @@ class _Followed:
         self.view = fresh
 
 
+ROW = tuple(m.name for m in metrics.ROW)  # a line per record shows these (status's columns)
 KEEP = 200  # records kept of the followed run: enough for the ETA, the views and --vs rows
 
 
@@ -177,13 +178,13 @@ class _PlainPrinter:
         total = view.total_steps
         step = f"{rec['step']}/{total}" if total else str(rec["step"])
         parts = [f"{view.name} step {step}"]
-        parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW_METRICS if k in rec]
+        parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW if k in rec]
         if rec["step"] == view.step and view.eta is not None:  # the ETA is as of now
             parts.append(f"eta {duration(view.eta)}")
         if other is not None:
             orec = value_at(other.records, rec["step"])
             if orec is not None:
-                theirs = " ".join(f"{k} {metric(orec.get(k), k)}" for k in METRICS if k in orec)
+                theirs = " ".join(f"{k} {metric(orec.get(k), k)}" for k in metrics.VS if k in orec)
                 parts.append(f"| {other.name} @{orec['step']}: {theirs}")
         return "  ".join(parts)
 
