@@ -163,8 +163,9 @@ def probe(session, target: Target, states: dict, failed: dict) -> TargetRow:  # 
     row.python = facts.get("python") == "yes"
     if row.gpus is not None:
         try:
-            row.devices = devices(runs_probe.probe(session.machine(target), names=None, gpus=True,
-                                             records="none"))  # fmt: skip
+            found = runs_probe.probe(session.machine(target), names=None, gpus=True,
+                                     records="none")  # fmt: skip
+            row.devices = devices(found)
         except OpsError as exc:
             row.error = f"no GPU details: {exc.message}"
     return row

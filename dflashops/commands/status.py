@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
             return
         if run:
             view = find(session, run, host=host, records="recent", checkpoints=True,
-                             console=8192)  # fmt: skip
+                        console=8192)  # fmt: skip
             show_one(view, as_json, opts)
             return
         if host is not None:

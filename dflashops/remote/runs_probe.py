@@ -463,8 +463,8 @@ def job_dirs(ws, home):
     """{name: dir} of the jobs of one home (see the module's docstring)."""
     pattern = home.get("pattern", "")
     template = home.get("name") or "{}"
-    bases = sorted(glob.glob(os.path.join(ws, pattern))) if "*" in pattern else [
-        os.path.join(ws, pattern)]  # fmt: skip
+    base = os.path.join(ws, pattern)
+    bases = sorted(glob.glob(base)) if "*" in pattern else [base]
     found = {}
     for base in bases:
         parts = os.path.relpath(base, ws).split(os.sep)

@@ -129,7 +129,7 @@ def take_back(
         try:
             control(machine, "kill", placement.dir(node))
             control(machine, "remove", placement.dir(node), run_id=placement.run_id,
-                         files=extra)  # fmt: skip
+                    files=extra)  # fmt: skip
         except OpsError as exc:
             context.note(f"{node.target.name}: could not take back {placement.dir(node)}: "
                          f"{exc.message}")  # fmt: skip

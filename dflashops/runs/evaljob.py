@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-import secrets as random_tokens
 import sys
 import time
 from dataclasses import dataclass
@@ -60,8 +59,7 @@ def start_eval(
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
     for s in steps:
         pull(reader, writer, view, s, dest)
-    job_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + random_tokens.token_hex(2)
-    name = EVAL.template.format(run, job_id)
+    name, job_id = EVAL.new_job(run)
     plan = {
         "run": run,
         "evals": [

@@ -63,7 +63,8 @@ class JobKind:
         return "/".join([*path, parts[-1]])
 
     def parts(self, name: str) -> list[str]:
-        """The pattern's "*" parts and the entry of job `name` (`template` read backwards)."""
+        """The pattern's "*" parts and the entry of job `name`: `template` read backwards (a kind
+        whose parts may hold the template's own separators overrides this, as the eval job's)."""
         if self.template == "{}":
             return [name]
         pieces = [re.escape(p) for p in self.template.split("{}")]

@@ -9,6 +9,9 @@ result in <ws>/evals/RUN/step_N.json). `evals` lists its jobs; `status`, `logs`,
 from __future__ import annotations
 
 import posixpath
+import re
+import secrets as random_tokens
+import time
 from typing import Any
 
 from dflashops.errors import UsageError
@@ -18,6 +21,7 @@ from dflashops.runs.placement import Node, Placement
 from dflashops.runs.view import Progress, RunView
 
 JOB = "evaljob.py"
+JOB_NAME = re.compile(r"eval-(.+)-(\d{8}-\d{6}-[0-9a-f]{4})")  # eval-RUN-ID
 
 
 class EvalJob(JobKind):
@@ -30,6 +34,17 @@ class EvalJob(JobKind):
     listed = False  # `evals` lists them
     global_names = False  # its id is new: making its directory claims it
     stop_request = "stop (the steps it finished are kept)"
+
+    def new_job(self, run: str) -> tuple[str, str]:
+        """(name, id) of a new job evaluating run `run`: the id is the time and 4 random hex."""
+        job_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + random_tokens.token_hex(2)
+        return self.template.format(run, job_id), job_id
+
+    def parts(self, name: str) -> list[str]:
+        found = JOB_NAME.fullmatch(name)
+        if found is None:
+            raise UsageError(f"{name!r} is not the name of an eval job (eval-RUN-ID)")
+        return list(found.groups())
 
     def argv(self, placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:
         return ["python3", posixpath.join(rundir, JOB), rundir]  # it resumes by its state.json
