@@ -87,7 +87,7 @@ def newest_job(session: Session, run: str, dest: Target) -> dict[str, Any]:
     if not jobs:
         raise NotFoundError(f"{run}: no eval job on {dest.name}")
     job = max(jobs, key=lambda j: j.get("launched") or 0)
-    return {**job, "name": f"eval-{run}-{job['job']}"}
+    return {**job, "name": EVAL.template.format(run, job["job"])}
 
 
 def follow(session: Session, dest: Target, job: dict[str, Any]) -> list[dict[str, Any]]:

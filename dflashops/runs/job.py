@@ -45,7 +45,7 @@ class JobKind:
     stop_request: str = "stop"  # what SIGTERM asks of its program
 
     @property
-    def where(self) -> str:
+    def parents(self) -> str:
         """The directories holding its jobs, under the workspace."""
         return self.pattern or self.home
 
@@ -59,7 +59,7 @@ class JobKind:
             return f"{where}/{name}"
         parts = self.parts(name)
         stars = iter(parts[:-1])
-        path = [next(stars) if p == "*" else p for p in self.where.split("/")]
+        path = [next(stars) if p == "*" else p for p in self.parents.split("/")]
         return "/".join([*path, parts[-1]])
 
     def parts(self, name: str) -> list[str]:

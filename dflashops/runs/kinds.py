@@ -26,7 +26,7 @@ def homes(*, every: bool) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS if every else LISTED:
         files = list(kind.files)
-        out[kind.home] = {"pattern": kind.where, "name": kind.template, "files": files}
+        out[kind.home] = {"pattern": kind.parents, "name": kind.template, "files": files}
         if kind.archive:
             out[kind.archive] = {"pattern": kind.archive, "files": files, "archive": True}
     return out
