@@ -68,6 +68,12 @@ class Progress:
     eta: float | None = None
     rate: float | None = None  # units per second
 
+    def text(self) -> str:
+        """'step 40' (a run's), '3/5 steps', '1200/80000 conversations'."""
+        if self.unit == "step":
+            return f"step {self.done}"
+        return f"{self.done}/{self.total} {self.unit}"
+
     def doc(self) -> dict[str, Any]:
         return {"done": self.done, "total": self.total, "unit": self.unit,
                 "eta_s": _round(self.eta), "rate": self.rate}  # fmt: skip

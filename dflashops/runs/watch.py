@@ -44,7 +44,7 @@ def follow_run(
     if emit is not None:
         emit(view.summary())
     else:
-        context.note(f"{view.name}: {view.state} at step {view.step}{_end_note(view)}")
+        context.note(f"{view.name}: {view.state} at {view.progress.text()}{_end_note(view)}")
     return 1 if view.state == "failed" else 0
 
 
