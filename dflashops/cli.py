@@ -6,6 +6,7 @@ import typer
 
 from dflashops import complete
 from dflashops.commands import (
+    _options,
     archive,
     attach,
     ckpts,
@@ -90,6 +91,7 @@ def global_options(
         dry_run=dry_run,
         verbose=verbose,
         timeout=timeout,
+        deadlines=_options.COMMAND_TIMEOUT_S,
     )
 
 

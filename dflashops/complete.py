@@ -16,8 +16,8 @@ from typing import Any
 import typer
 from typer.models import ParameterInfo
 
-from dflashops import runs
 from dflashops.inventory import Inventory, find_inventory, load_inventory
+from dflashops.runs.survey import survey
 from dflashops.ssh.session import Session
 
 DEADLINE_S = 3.0  # the longest a completion may take
@@ -80,7 +80,7 @@ def _runs_given(ctx: typer.Context) -> set[str]:
 def _read_names(ctx: typer.Context, out: list[str]) -> None:
     try:
         with Session(_inventory(ctx), announce=lambda _: None, timeout=CALL_S) as session:
-            out += runs.survey(session, names=[], archive=True, records="none").all_names()
+            out += survey(session, names=[], archive=True, records="none").all_names()
     except Exception:  # noqa: BLE001 (nothing to complete from)
         pass
 

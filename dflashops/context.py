@@ -7,51 +7,18 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import typer
 
-from dflashops.errors import ExitCode, OpsError, UsageError
+from dflashops.errors import ExitCode, OpsError
 from dflashops.inventory import Inventory, find_inventory, load_inventory
+from dflashops.targets.base import DEFAULT_TIMEOUT_S
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# The deadline of every remote call when --timeout is not given (see Machine.run): reading
-# commands answer in well under a second, so their deadline is short. Where calls move data
-# or do long steps, the deadline is one of progress (nothing moved for that long) and a
-# target may hash a large file back from disk in between.
-DEFAULT_TIMEOUT_S = 30.0
-COMMAND_TIMEOUT_S = {
-    "hosts": 15.0,
-    **dict.fromkeys(
-        ("push", "setup", "run-script", "launch", "resume", "pull-ckpt", "eval", "archive"), 120.0
-    ),
-}
-
-# `--host TARGET` of the commands that take a run's name (runs.find/choose: the run on TARGET
-# where the name exists on several targets; without a name, the newest running run there)
-HOST_OPTION = typer.Option(
-    None, "--host", metavar="TARGET", help="Where the name exists on several targets."
-)
-
-
-def parse_steps(
-    text: str | None, option: str = "--steps", *, least: int = 0, example: str = "100,500"
-) -> list[int]:
-    """Comma-separated integers >= least, sorted, each once (--steps; eval's --budgets)."""
-    if not text:
-        return []
-    try:
-        steps = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UsageError(
-            f"{option} {text}: expected comma-separated integers, e.g. {example}"
-        ) from None
-    if any(s < least for s in steps):
-        raise UsageError(f"{option} {text}: {option.removeprefix('--')} are >= {least}")
-    return steps
 
 
 @dataclass
@@ -62,6 +29,7 @@ class Context:
     verbose: int = 0
     timeout: float | None = None  # --timeout: overrides every command's default deadline
     command: str = ""  # the command being run (its default deadline)
+    deadlines: dict[str, float] = field(default_factory=dict)  # a command's default deadline
     _inventory: Inventory | None = field(default=None, repr=False)
     _session: Any = field(default=None, repr=False)
 
@@ -82,11 +50,33 @@ class Context:
             )
         return self._session
 
+    @contextmanager
+    def sessions(self) -> Iterator[tuple[Any, Any]]:
+        """(reader, writer) Sessions. Under --dry-run reads still happen (they change nothing),
+        so the plan shown is the real one, while every write is only printed."""
+        writer = self.session()
+        if not self.dry_run:
+            yield writer, writer
+            return
+        from dflashops.ssh.session import Session
+
+        reader = Session(self.inventory(), dry_run=False, announce=note, timeout=self.deadline())
+        try:
+            yield reader, writer
+        finally:
+            reader.close()
+
+    def dry_run_done(self, **doc: Any) -> None:
+        """The end of a --dry-run, whose argv went to stdout (to stderr under --json): under
+        --json, its one document, {"dry_run": true, ...what it would have done}."""
+        if self.json:
+            self.emit({"dry_run": True, **doc})
+
     def deadline(self) -> float:
         """Seconds a remote call may go without an answer: --timeout, else the command's."""
         if self.timeout is not None:
             return self.timeout
-        return COMMAND_TIMEOUT_S.get(self.command, DEFAULT_TIMEOUT_S)
+        return self.deadlines.get(self.command, DEFAULT_TIMEOUT_S)
 
     def want_json(self, flag: bool = False) -> bool:
         """True when JSON was asked for, globally or by the command's own --json."""

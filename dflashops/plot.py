@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from dflashops.errors import OpsError, UsageError
-from dflashops.evalstore import tau_value
-from dflashops.runs import RunView
+from dflashops.runs.evals import tau_value
+from dflashops.runs.view import RunView
 
 FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 LOG_SPAN = 10.0  # a loss panel whose values span more than this factor gets a log scale

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from dflashops.metrics import value_format
 from dflashops.tables import Col, Grid
 
 SHOW_AFTER_S = 2.0  # contract: progress for anything over about two seconds
@@ -138,18 +139,6 @@ class _PlainProgress:
 
 # ---------------------------------------------------------------- runs: tables and numbers
 
-METRIC_FORMATS = {
-    "loss": ".4f",
-    "acc": ".3f",
-    "streak": ".2f",
-    "dds8": ".2f",
-    "lr": ".2e",
-    "noise": ".3f",
-    "epoch": ".2f",
-    "grad_norm": ".2f",
-    "tok_s": ".0f",
-}
-
 
 def styled(text: object, style: str | None = None):  # noqa: ANN201 (rich.text.Text)
     """`text` exactly as it is (brackets and all), in `style` ("green", "bold red", ...)."""
@@ -189,7 +178,7 @@ def metric(value: object, key: str = "") -> str:
         return str(value)
     if isinstance(value, int) and key in ("step", ""):
         return str(value)
-    fmt = METRIC_FORMATS.get(key)
+    fmt = value_format(key)
     if fmt is None:
         fmt = ".4g" if abs(value) < 1e5 else ".3e"
     return format(value, fmt)

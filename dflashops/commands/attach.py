@@ -14,10 +14,12 @@ import posixpath
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context
 from dflashops.attached import on_terminal
+from dflashops.commands import _options
 from dflashops.errors import NotFoundError
-from dflashops.runs import RunView
+from dflashops.runs.survey import resolve
+from dflashops.runs.view import RunView, tmux_session
 
 # $1: the session, $2: its console.log. The launcher is the first window's pane. The console
 # window ends when the launcher is gone or a zombie: tmux can miss a pane's SIGCHLD while it
@@ -49,7 +51,7 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Argument(
             None, metavar="RUN", help="A running run (default: the newest running one)."
         ),
-        host: str = context.HOST_OPTION,
+        host: str = _options.HOST_OPTION,
         node: int = typer.Option(
             0, "--node", min=0, metavar="K", help="Node K of a run over several targets."
         ),
@@ -59,10 +61,10 @@ def register(app: typer.Typer) -> None:
         C-b d detaches (exit 0); the run goes on.
         """
         opts = context.get(ctx)
-        with runs.sessions(opts) as (reader, writer):
-            view = on_node(runs.resolve(reader, run, host=host, records="none"), node)
+        with opts.sessions() as (reader, writer):
+            view = on_node(resolve(reader, run, host=host, records="none"), node)
             console = posixpath.join(view.dir, "console.log")
-            argv = ["/bin/sh", "-c", ATTACH, "sh", runs.tmux_session(view.name), console]
+            argv = ["/bin/sh", "-c", ATTACH, "sh", tmux_session(view.name), console]
             hint = f"`dflashops logs {view.name} --follow` shows its output"
             code = on_terminal(writer.machine(view.target), argv, what="attach", hint=hint)
         raise typer.Exit(code)

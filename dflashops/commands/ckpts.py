@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.errors import ExitCode
 from dflashops.render import console, duration, human_bytes, styled, table
-from dflashops.runs import Checkpoint, RunView
+from dflashops.runs.survey import reread, resolve, survey
+from dflashops.runs.view import Checkpoint, RunView
 from dflashops.tables import Col
 
 
@@ -22,22 +24,22 @@ def register(app: typer.Typer) -> None:
         verify: bool = typer.Option(
             False, "--verify", help="Check every file's sha256 against the manifest (reads all)."
         ),
-        host: str = context.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        host: str = _options.HOST_OPTION,
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List a run's checkpoints: step, complete or not, size (and --verify their hashes)."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         session = opts.session()
         if opts.dry_run:
-            runs.survey(session, names=[run] if run else None, archive=True, checkpoints=True)
-            runs.dry_run_done(opts, run=run)
+            survey(session, names=[run] if run else None, archive=True, checkpoints=True)
+            opts.dry_run_done(run=run)
             return
-        view = runs.resolve(session, run, records="none", host=host)
+        view = resolve(session, run, records="none", host=host)
         if verify:
             context.note(f"{view.name}: hashing every checkpoint file on {view.target}")
         machine = session.machine(view.target)
-        view = runs.reread(machine, view.name, records="none", checkpoints=True, verify=verify)
+        view = reread(machine, view.name, records="none", checkpoints=True, verify=verify)
         points = view.checkpoints
         if as_json:
             opts.emit({"run": view.name, "target": view.target, "dir": view.dir,

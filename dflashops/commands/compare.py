@@ -17,16 +17,18 @@ from typing import Any
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context
 from dflashops import plot as plotting
+from dflashops.commands import _options
 from dflashops.errors import UsageError
-from dflashops.evalstore import Stored, stored, tau_value
+from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
-from dflashops.runs import RunView
+from dflashops.runs.evals import Stored, stored, tau_value
+from dflashops.runs.survey import pick, survey
+from dflashops.runs.tables import warn_logs
+from dflashops.runs.view import VALUE_RULE, RunView, check_name, value_at
 from dflashops.tables import Col, Grid
-from dflashops.watch import warn_logs
 
-HIGHER_IS_BETTER = {"acc": True, "streak": True, "dds8": True, "loss": False, "tok_s": True}
 DEFAULT_STEP_COUNT = 6
 
 
@@ -44,26 +46,26 @@ def register(app: typer.Typer) -> None:
         ),
         plot: Path = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw the curves."),
         tau: bool = typer.Option(False, "--tau", help="Add tau rows from stored evaluations."),
-        host: str = context.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        host: str = _options.HOST_OPTION,
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         if plot is not None:
             plotting.check(plot)
-        wanted = context.parse_steps(steps)
+        wanted = _options.parse_steps(steps)
         keys = [k.strip() for k in metrics.split(",") if k.strip()]
         if not keys:
             raise UsageError("--metrics: name at least one key, e.g. acc,dds8,loss,streak")
         for name in names:
-            runs.check_name(name)
+            check_name(name)
         session = opts.session()
-        found = runs.survey(session, names=list(names), archive=True, records="all")
+        found = survey(session, names=list(names), archive=True, records="all")
         if opts.dry_run:
-            runs.dry_run_done(opts, runs=names)
+            opts.dry_run_done(runs=names)
             return
-        views = runs.pick(session, found, names, host=host)
+        views = pick(session, found, names, host=host)
         warn_logs(views)
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
@@ -71,7 +73,7 @@ def register(app: typer.Typer) -> None:
         evals.warn_errors()
         taus = tau_doc(views, evals) if tau else None
         if as_json:
-            doc = {"rule": runs.VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
+            doc = {"rule": VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
             opts.emit(doc | ({"tau": taus} if taus is not None else {}))
         else:
             show(views, chosen, keys, table_doc)
@@ -134,7 +136,7 @@ def values(views: list[RunView], steps: list[int], keys: list[str]) -> list[dict
     for v in views:
         table_of: dict[str, dict[str, Any]] = {k: {} for k in keys}
         for s in steps:
-            rec = runs.value_at(v.records, s)
+            rec = value_at(v.records, s)
             for k in keys:
                 table_of[k][str(s)] = (
                     None
@@ -189,7 +191,7 @@ def metric_table(doc: list[dict], key: str, steps: list[int], bold: bool) -> Gri
 
 
 def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, float]:
-    higher = HIGHER_IS_BETTER.get(key, True if key.startswith(("tau", "ddtree")) else None)
+    higher = higher_is_better(key)
     if higher is None or len(doc) < 2:
         return {}
     best = {}

@@ -15,9 +15,11 @@ from typing import Any
 import typer
 import yaml
 
-from dflashops import context, runs
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.render import console, styled, table
-from dflashops.runs import RunView
+from dflashops.runs.survey import pick, survey
+from dflashops.runs.view import RunView, check_name
 from dflashops.tables import Col
 
 FILES = ["resolved.yaml", "run.yaml", "audit.json"]
@@ -32,20 +34,20 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         names: list[str] = typer.Argument(..., metavar="RUN RUN...", help="Runs to compare."),
         all_: bool = typer.Option(False, "--all", "-a", help="Every key, not just differing ones."),
-        host: str = context.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        host: str = _options.HOST_OPTION,
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Show the runs' resolved configs side by side, with the recipe audit."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         for name in names:
-            runs.check_name(name)
+            check_name(name)
         session = opts.session()
-        found = runs.survey(session, names=list(names), archive=True, records="none", files=FILES)
+        found = survey(session, names=list(names), archive=True, records="none", files=FILES)
         if opts.dry_run:
-            runs.dry_run_done(opts, runs=names)
+            opts.dry_run_done(runs=names)
             return
-        views = runs.pick(session, found, names, host=host)
+        views = pick(session, found, names, host=host)
         configs = {v.name: read_config(v) for v in views}
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)

@@ -13,9 +13,12 @@ from typing import Any
 
 import typer
 
-from dflashops import context, runs
-from dflashops.evalstore import Stored, gap, real_rounds, stored
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.render import console, metric, table
+from dflashops.runs.evals import Stored, gap, real_rounds, stored
+from dflashops.runs.survey import not_found, survey
+from dflashops.runs.view import check_name
 from dflashops.tables import Col
 
 
@@ -25,21 +28,21 @@ def register(app: typer.Typer) -> None:
     def evals(
         ctx: typer.Context,
         run: str = typer.Argument(None, metavar="[RUN]", help="Only this run's results."),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List stored eval results: tau, DDTree tau per budget, the reference's, the date."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         if run is not None:
-            runs.check_name(run)
+            check_name(run)
         found = stored(opts.session(), [run] if run else None)
         if run is not None and not opts.dry_run and not found.results + found.jobs:
-            there = runs.survey(opts.session(), names=[run], archive=True, records="none")
+            there = survey(opts.session(), names=[run], archive=True, records="none")
             if not there.where(run):  # no such run: the one wording (a run with none: below)
-                raise runs.not_found(there, [run])
+                raise not_found(there, [run])
         found.warn_errors()
         if opts.dry_run:
-            runs.dry_run_done(opts, run=run)
+            opts.dry_run_done(run=run)
             return
         if as_json:
             opts.emit({"evals": found.results, "jobs": found.jobs})

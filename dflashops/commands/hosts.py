@@ -9,9 +9,12 @@ from pathlib import Path
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.errors import ExitCode, HostKeyError, NoAnswerError, OpsError, UsageError
 from dflashops.inventory import Endpoint, Inventory, Target
+from dflashops.runs import probe as runs_probe
+from dflashops.runs.probe import Probe
 from dflashops.tables import Col, Grid
 
 # Run inside each target: free disk under the workspace (or its nearest existing parent),
@@ -57,7 +60,7 @@ def register(app: typer.Typer) -> None:
     @context.command
     def hosts(
         ctx: typer.Context,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Every host and target: reachable, container running, GPUs, free disk; each GPU's
         memory used, utilisation and the run holding it."""
@@ -160,14 +163,15 @@ def probe(session, target: Target, states: dict, failed: dict) -> TargetRow:  # 
     row.python = facts.get("python") == "yes"
     if row.gpus is not None:
         try:
-            row.devices = devices(runs.probe(session.machine(target), names=None, gpus=True,
-                                             records="none"))  # fmt: skip
+            found = runs_probe.probe(session.machine(target), names=None, gpus=True,
+                                     records="none")  # fmt: skip
+            row.devices = devices(found)
         except OpsError as exc:
             row.error = f"no GPU details: {exc.message}"
     return row
 
 
-def devices(found: runs.Probe) -> list[dict] | None:
+def devices(found: Probe) -> list[dict] | None:
     """Each GPU nvidia-smi shows, with the runs holding it (a rank's process on it, or an alive
     rank with that local rank) and the processes on it."""
     smi = found.gpus or {}
@@ -183,7 +187,7 @@ def devices(found: runs.Probe) -> list[dict] | None:
     return out
 
 
-def holders(found: runs.Probe) -> tuple[dict[int, str], dict[int, list[str]]]:
+def holders(found: Probe) -> tuple[dict[int, str], dict[int, list[str]]]:
     """(pid -> run, local rank -> runs) of the target's running runs' alive ranks."""
     by_pid: dict[int, str] = {}
     by_local: dict[int, list[str]] = {}

@@ -9,10 +9,12 @@ import posixpath
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.errors import ExitCode, NotFoundError, UsageError
-from dflashops.logstream import console_path, stream_log
-from dflashops.runs import RunView
+from dflashops.runs.logs import console_path, stream_log
+from dflashops.runs.survey import resolve, survey
+from dflashops.runs.view import RunView
 
 
 def register(app: typer.Typer) -> None:
@@ -33,7 +35,7 @@ def register(app: typer.Typer) -> None:
         rank: int = typer.Option(
             None, "--rank", min=0, metavar="K", help="Rank K's output (default: rank 0's)."
         ),
-        host: str = context.HOST_OPTION,
+        host: str = _options.HOST_OPTION,
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
         opts = context.get(ctx)
@@ -41,10 +43,10 @@ def register(app: typer.Typer) -> None:
             raise UsageError("logs --follow streams text; drop --json (or follow `status --json`)")
         session = opts.session()
         if opts.dry_run:
-            runs.survey(session, names=[run] if run else None, archive=True, records="none")
-            runs.dry_run_done(opts, run=run)
+            survey(session, names=[run] if run else None, archive=True, records="none")
+            opts.dry_run_done(run=run)
             return
-        view = runs.resolve(session, run, records="none", host=host)
+        view = resolve(session, run, records="none", host=host)
         view, path = rank_log(view, rank)
         machine = session.machine(view.target)
         if opts.json:

@@ -2,7 +2,7 @@
 
 The copy (a tar stream through this process into a partial directory there, every file verified
 against the checkpoint's MANIFEST.sha256 before it is put in place; resumed when cut short) is
-pulls.pull's, which `eval` shares.
+runs/pulls.py's, which `eval` shares.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from typing import Any
 
 import typer
 
-from dflashops import context, runs
-from dflashops.pulls import MANIFEST, pull
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.render import human_bytes
+from dflashops.runs.pulls import MANIFEST, pull
+from dflashops.runs.survey import resolve
 
 
 def register(app: typer.Typer) -> None:
@@ -28,18 +30,18 @@ def register(app: typer.Typer) -> None:
         run: str = typer.Option(
             None, "--run", metavar="RUN", help="The run (default: the newest running one)."
         ),
-        host: str = context.HOST_OPTION,
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        host: str = _options.HOST_OPTION,
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         dest = opts.inventory().target(to)
-        with runs.sessions(opts) as (reader, writer):
-            view = runs.resolve(reader, run, records="none", host=host)
+        with opts.sessions() as (reader, writer):
+            view = resolve(reader, run, records="none", host=host)
             done = pull(reader, writer, view, step, dest)
         if opts.dry_run:
-            runs.dry_run_done(opts, **done)
+            opts.dry_run_done(**done)
             return
         if as_json:
             opts.emit(done)

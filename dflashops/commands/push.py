@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from dflashops import context, transfer
+from dflashops.commands import _options
 from dflashops.render import Stopwatch, human_bytes, progress
 
 
@@ -32,7 +33,7 @@ def register(app: typer.Typer) -> None:
             help="Compare files by sha256 on both sides (reads them all) instead of by size, "
             "mtime and mode.",
         ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Copy a file or a directory into TARGET (only what differs there), then check every
         sent file's sha256 there."""

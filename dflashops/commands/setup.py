@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from dflashops import bundle, context, engines, transfer
+from dflashops.commands import _options
 from dflashops.errors import OpsError, UsageError
 from dflashops.render import Stopwatch, progress
 from dflashops.targets.base import Machine
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
             help="Where the CPU engine's torch comes from (e.g. "
             "https://download.pytorch.org/whl/cpu; default: the target's pip configuration).",
         ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Make the target's venv if missing, install requirements with pip there, sync workload/."""
         opts = context.get(ctx)

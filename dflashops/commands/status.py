@@ -11,10 +11,15 @@ from typing import Any
 
 import typer
 
-from dflashops import context, runs
+from dflashops import context
+from dflashops.commands import _options
 from dflashops.render import console, duration
-from dflashops.runs import RunView
-from dflashops.watch import follow_run, history_table, runs_table, vs_rows, vs_table, warn_logs
+from dflashops.runs import kinds
+from dflashops.runs.failure import trainer_lines
+from dflashops.runs.survey import Survey, find, resolve, survey
+from dflashops.runs.tables import history_table, runs_table, vs_rows, vs_table, warn_logs
+from dflashops.runs.view import VALUE_RULE, RunView, tmux_session
+from dflashops.runs.watch import follow_run
 
 
 def register(app: typer.Typer) -> None:
@@ -37,11 +42,11 @@ def register(app: typer.Typer) -> None:
             None, "--vs", metavar="RUN", help="Show another run beside it at the same steps."
         ),
         all_: bool = typer.Option(False, "--all", "-a", help="Include finished and archived runs."),
-        host: str = context.HOST_OPTION,
+        host: str = _options.HOST_OPTION,
         interval: float = typer.Option(
             5.0, "--interval", metavar="SECONDS", help="Polling period of --follow."
         ),
-        json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Runs across the inventory: state, step, loss, acc, streak, dds8, tok/s, ETA.
 
@@ -51,28 +56,28 @@ def register(app: typer.Typer) -> None:
         as_json = opts.want_json(json_out)
         session = opts.session()
         if opts.dry_run:
-            runs.survey(session, archive=all_)
-            runs.dry_run_done(opts, run=run)
+            survey(session, archive=all_)
+            opts.dry_run_done(run=run)
             return
         if follow:
-            view = runs.resolve(session, run, records="recent", host=host)
-            other = runs.find(session, vs, records="all", host=host, strict=False) if vs else None
+            view = resolve(session, run, records="recent", host=host)
+            other = find(session, vs, records="all", host=host, strict=False) if vs else None
             emit = opts.emit if as_json else None
             code = follow_run(session, view, other, interval=max(1.0, interval), emit=emit)
             raise typer.Exit(code)
         if vs:
-            view = runs.resolve(session, run, records="all", host=host)
-            other = runs.find(session, vs, records="all", host=host, strict=False)
+            view = resolve(session, run, records="all", host=host)
+            other = find(session, vs, records="all", host=host, strict=False)
             show_vs(view, other, as_json, opts)
             return
         if run:
-            view = runs.find(session, run, host=host, records="recent", checkpoints=True,
-                             console=8192)  # fmt: skip
+            view = find(session, run, host=host, records="recent", checkpoints=True,
+                        console=8192)  # fmt: skip
             show_one(view, as_json, opts)
             return
         if host is not None:
             opts.inventory().target(host)  # a name that is no target: one line, exit 4
-        found = runs.survey(session, archive=all_, records="recent")
+        found = survey(session, archive=all_, records="recent")
         show_all(found, all_, as_json, opts, host=host)
         raise typer.Exit(found.exit_code())
 
@@ -81,7 +86,7 @@ def register(app: typer.Typer) -> None:
 
 
 def show_all(
-    found: runs.Survey, all_: bool, as_json: bool, opts: context.Context, host: str | None = None
+    found: Survey, all_: bool, as_json: bool, opts: context.Context, host: str | None = None
 ) -> None:
     """Every run (on `host`, when given) but finished and archived ones, unless `all_`."""
     views = [v for v in found.runs() if host is None or host in v.node_targets]
@@ -132,7 +137,7 @@ def details(view: RunView) -> list[tuple[str, str]]:
     st = view.status
     rows = [("dir", f"{view.target}:{view.dir}")]
     if view.raw.get("tmux"):
-        rows.append(("tmux", f"{runs.tmux_session(view.name)} (on {view.target}, our tmux "
+        rows.append(("tmux", f"{tmux_session(view.name)} (on {view.target}, our tmux "
                              "server: tmux -L dflashops)"))  # fmt: skip
     if st.get("pid"):
         rows.append(("pid", str(st["pid"])))
@@ -148,15 +153,7 @@ def details(view: RunView) -> list[tuple[str, str]]:
         rows.append(("exit code", str(view.exit_code)))
     if view.note:
         rows.append(("note", view.note))
-    if st.get("wandb_url"):
-        rows.append(("wandb", st["wandb_url"]))
-    ckpts = view.checkpoints
-    if ckpts:
-        names = [c.name + ("" if c.complete else " (incomplete)") for c in ckpts]
-        rows.append(("checkpoints", ", ".join(names)))
-    else:
-        rows.append(("checkpoints", "none yet"))
-    return rows
+    return rows + kinds.by_where(view.where).details(view)  # a run's: wandb, checkpoints
 
 
 def node_rows(view: RunView) -> list[tuple[str, str]]:
@@ -169,7 +166,7 @@ def node_rows(view: RunView) -> list[tuple[str, str]]:
         note = f" ({node.note})" if node.note else ""
         rows.append((f"node {node.node_index}", f"{node.target}: {node.state}{code}{note}"))
         if node.state == "failed":
-            for line in runs.trainer_lines(node)[-3:]:
+            for line in trainer_lines(node)[-3:]:
                 rows.append(("", f"  {line}"))
     missing = [t for t in view.node_targets if t not in {n.target for n in view.nodes}]
     rows += [("node", f"{t}: not read") for t in missing]
@@ -198,7 +195,7 @@ def show_vs(a: RunView, b: RunView, as_json: bool, opts: context.Context) -> Non
         opts.emit(
             {
                 "runs": [a.summary(), b.summary()],
-                "rule": runs.VALUE_RULE,
+                "rule": VALUE_RULE,
                 "rows": vs_rows(a, b),
             }
         )

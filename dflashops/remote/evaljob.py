@@ -6,13 +6,22 @@ evaluator, `python -m workload.eval ... --out <ws>/evals/RUN/step_N.json`), as g
 through a shell, with the launcher's environment; their output goes where ours goes
 (console.log). A step that fails does not stop the others; the job's exit code is the first
 failure's (0 when every step wrote its result).
+
+It keeps to the contract of every job's program (dflashops/runs/job.py): state.json's "status"
+is "running" while it works, then "finished" (or "stopped"), with its "pid" and "pid_start" so
+that `stop` can signal it. SIGTERM ends the step being evaluated (its evaluator gets SIGTERM)
+and the job, "stopped". The steps that wrote their result are kept in state.json's "done": the
+job started again (`resume`) evaluates only the others.
 """
 
-import json
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
+
+from dflashops.remote.shared import proc_start, read_json, write_json
 
 
 def say(text):
@@ -21,22 +30,59 @@ def say(text):
     sys.stdout.flush()
 
 
+def update(job_dir, **keys):
+    """Merge `keys` into state.json (atomically)."""
+    path = os.path.join(job_dir, "state.json")
+    state = read_json(path)
+    state.update(keys)
+    write_json(path, state)
+
+
 def main():
     job_dir = sys.argv[1]
-    with open(os.path.join(job_dir, "job.json"), encoding="utf-8") as f:
-        job = json.load(f)
+    job = read_json(os.path.join(job_dir, "job.json"))
     evals = job["evals"]
+    done = list(read_json(os.path.join(job_dir, "state.json")).get("done") or [])
+    stopping, current = [], []
+
+    def on_term(_signum, _frame):
+        stopping.append(True)
+        for child in current:
+            with contextlib.suppress(OSError):
+                child.terminate()
+
+    signal.signal(signal.SIGTERM, on_term)
+    update(job_dir, status="running", pid=os.getpid(), pid_start=proc_start(os.getpid()),
+           done=done)  # fmt: skip
     first_failure = 0
     for i, item in enumerate(evals):
+        if item["step"] in done:
+            say(f"step {item['step']}: evaluated already")
+            continue
+        if stopping:
+            break
         say(f"step {item['step']} ({i + 1}/{len(evals)}) of {job['run']}")
         try:
-            code = subprocess.call(item["argv"], stdin=subprocess.DEVNULL)
+            child = subprocess.Popen(item["argv"], stdin=subprocess.DEVNULL)
+            current.append(child)
+            code = child.wait()
         except OSError as exc:
             say(f"step {item['step']}: could not start: {exc}")
             code = 127
+        current.clear()
         code = 128 - code if code < 0 else code
+        if stopping:
+            say(f"step {item['step']}: stopped")
+            break
         say(f"step {item['step']}: exit code {code}")
+        if code == 0:
+            done.append(item["step"])
+            update(job_dir, done=done)
         first_failure = first_failure or code
+    if stopping:
+        update(job_dir, status="stopped")
+    elif first_failure == 0:
+        update(job_dir, status="finished", finished=time.time())
     return first_failure
 
 

@@ -1,13 +1,21 @@
 """Runs inside a target with its python3 (stdlib only): everything about its runs, one JSON.
 
-stdin: a JSON request {"ws": workspace, "names": [run, ...] or null for all, "archive": bool,
+stdin: a JSON request {"ws": workspace, "homes": {where: {"pattern": P, "name": T,
+"files": [...], "archive": bool}}, "names": [run, ...] or null for all, "archive": bool,
 "records": "none" | "recent" | "all", "cursor": {"ino": N, "end": N} or null,
 "files": [name, ...], "console": bytes of console.log's tail, "checkpoints": bool,
 "verify": bool, "dirs": [path, ...], "paths": [path, ...], "gpus": bool,
 "free_port": address or null}.
 stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "runs": [...],
 "dirs": {path: ...}, "paths": {path: kind}, "gpus": {...} or null, "free_port": N or null};
-see dflashops/runs.py for the fields of a run.
+see dflashops/runs/view.py for the fields of a run.
+
+A home is where one kind of job lives: the directories <ws>/P/<entry>/ (P a path under the
+workspace, whose "*" parts match any directory: "evals/*/jobs"), each job named by the template
+T from P's "*" parts and its entry ("eval-{}-{}"; default "{}": the entry). Every home's names
+are listed; its jobs are read (of those named, or all) unless it is an archive home and
+"archive" is false. A home's "files" are read in each of its jobs, besides the request's.
+Without "homes": {"runs"} and {"archive"}.
 
 Processes are recognised by pid and start time (field 22 of /proc/PID/stat), never by a name:
 after a container restart another process can have the pid. Runs live on a tmux server of our
@@ -444,8 +452,7 @@ def exit_file(run_dir):
         return None
 
 
-def run_info(ws, where, name, req, sessions):
-    run_dir = os.path.join(ws, where, name)
+def run_info(run_dir, where, name, req, sessions, extra):
     state = read_json(os.path.join(run_dir, "state.json"))
     info = {
         "name": name,
@@ -463,7 +470,7 @@ def run_info(ws, where, name, req, sessions):
     if req.get("checkpoints"):
         info["checkpoints"] = checkpoints(run_dir, req.get("verify"))
     files = {}
-    for fname in req.get("files") or []:
+    for fname in [*(req.get("files") or []), *extra]:
         files[fname] = read_text(os.path.join(run_dir, fname))
     info["files"] = files
     return info
@@ -483,22 +490,43 @@ def path_kind(path):
     return "missing" if not os.path.lexists(path) else "other"
 
 
+def job_dirs(ws, home):
+    """{name: dir} of the jobs of one home (see the module's docstring)."""
+    pattern = home.get("pattern", "")
+    template = home.get("name") or "{}"
+    base = os.path.join(ws, pattern)
+    bases = sorted(glob.glob(base)) if "*" in pattern else [base]
+    found = {}
+    for base in bases:
+        parts = os.path.relpath(base, ws).split(os.sep)
+        stars = [parts[i] for i, want in enumerate(pattern.split("/")) if want == "*"]
+        for entry in listdir(base):
+            if os.path.isdir(os.path.join(base, entry)):
+                found[template.format(*stars, entry)] = os.path.join(base, entry)
+    return found
+
+
+DEFAULT_HOMES = {"runs": {"pattern": "runs"}, "archive": {"pattern": "archive", "archive": True}}
+
+
 def main():
     req = json.load(sys.stdin)
     ws = req["ws"]
-    names = {"runs": [], "archive": []}
-    for where in names:
-        base = os.path.join(ws, where)
-        names[where] = [n for n in listdir(base) if os.path.isdir(os.path.join(base, n))]
+    homes = req.get("homes") or DEFAULT_HOMES
+    listed = {where: job_dirs(ws, home) for where, home in homes.items()}
+    names = {where: list(found) for where, found in listed.items()}
     wanted = req.get("names")
     sessions = tmux_sessions()
     runs = []
-    for where in ("runs", "archive") if req.get("archive") else ("runs",):
-        for name in names[where]:
+    for where, found in listed.items():
+        if homes[where].get("archive") and not req.get("archive"):
+            continue
+        extra = homes[where].get("files") or []
+        for name, run_dir in found.items():
             if wanted is not None and name not in wanted:
                 continue
             try:
-                runs.append(run_info(ws, where, name, req, sessions))
+                runs.append(run_info(run_dir, where, name, req, sessions, extra))
             except OSError as exc:
                 runs.append({"name": name, "where": where, "error": str(exc)})
     out = {

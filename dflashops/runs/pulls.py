@@ -17,13 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflashops import context, runs, transfer
+from dflashops import context, transfer
 from dflashops import remote as helpers
 from dflashops.errors import NotFoundError, OpsError, TransferError, UsageError
 from dflashops.inventory import Target
 from dflashops.relay import Relayed, relay
 from dflashops.render import Stopwatch, human_bytes, progress
-from dflashops.runs import Checkpoint, RunView
+from dflashops.runs.probe import probe
+from dflashops.runs.survey import reread
+from dflashops.runs.view import Checkpoint, RunView, ckpt_copy_dir
 from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 from dflashops.transfer import Progress
@@ -60,14 +62,14 @@ def pull(
     reader: Session, writer: Session, view: RunView, step: int, dest: Target
 ) -> dict[str, Any]:
     """Make <ws>/ckpts/RUN/step_STEP on `dest` a verified copy; returns what was done."""
-    view = runs.reread(
+    view = reread(
         reader.machine(view.target), view.name, records="none", checkpoints=True, files=["run.yaml"]
     )
     ckpt = find_checkpoint(view, step)
     manifest, entries = ckpt.manifest or "", ckpt.entries or {}
-    final = runs.ckpt_copy_dir(dest, view.name, step)
+    final = ckpt_copy_dir(dest, view.name, step)
     report = {"run": view.name, "step": step, "from": view.target, "to": dest.name, "dest": final}
-    there = runs.probe(reader.machine(dest), dirs=[final], verify=True).dirs.get(final, {})
+    there = probe(reader.machine(dest), dirs=[final], verify=True).dirs.get(final, {})
     if there.get("exists") and there.get("verified") and there.get("manifest") == manifest:
         return {**report, "copied": False, "files": ckpt.files, "bytes": ckpt.bytes, "seconds": 0}
     if there.get("exists"):

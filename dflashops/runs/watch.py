@@ -1,5 +1,4 @@
-"""Showing runs: their tables (`status`, `compare`) and following one until it ends
-(`status --follow`, and `launch`/`resume --follow`).
+"""Following a run until it ends (`status --follow`, and `launch`/`resume --follow`).
 
 Following polls the run's target every few seconds and returns when the run reaches a terminal
 state: exit 0 when it finished or was stopped, 1 when it failed. Ctrl-C only detaches (the run
@@ -13,106 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflashops import context, runs
+from dflashops import context, metrics
 from dflashops.errors import ExitCode, NotFoundError, OpsError
-from dflashops.render import console, duration, metric, styled, table
-from dflashops.runs import RunView
-from dflashops.tables import Col, Grid
-
-COLOURS = {
-    "running": "green",
-    "starting": "cyan",
-    "finished": "blue",
-    "stopped": "yellow",
-    "failed": "red",
-    "archived": "dim",
-    "unknown": "magenta",
-}
-ROW_METRICS = ("loss", "acc", "streak", "dds8", "tok_s")
-HISTORY_METRICS = ("loss", "acc", "streak", "dds8", "lr", "noise", "grad_norm", "tok_s")
-
-
-# ---------------------------------------------------------------- tables
-
-
-def warn_logs(views: list[RunView]) -> None:
-    for view in views:
-        for warning in view.warnings:
-            context.note(f"warning: {view.name} ({view.target}): {warning}")
-
-
-def state_cell(view: RunView):  # noqa: ANN201 (rich Text)
-    return styled(view.state, COLOURS.get(view.state, "white"))
-
-
-def step_cell(view: RunView) -> str:
-    step, total = view.step, view.total_steps
-    if step is None:
-        return "-"
-    return f"{step}/{total}" if total else str(step)
-
-
-def runs_table(views: list[RunView]) -> Grid:
-    notes = any(v.note for v in views)
-    columns = [Col("RUN", keep=True), Col("TARGET", keep=True), Col("STATE", keep=True),
-               Col("STEP", keep=True), Col("LOSS", priority=8), Col("ACC", priority=7),
-               Col("STREAK", priority=4), Col("DDS8", priority=3), Col("TOK/S", priority=2),
-               Col("ETA", priority=6), Col("LAST LOG", priority=1)]  # fmt: skip
-    columns += [Col("NOTE", priority=5, wrap=True)] if notes else []
-    out = table(*columns)
-    for v in views:
-        last = v.last or {}
-        cells = [v.name, ",".join(v.node_targets), state_cell(v), step_cell(v)]
-        cells += [metric(last.get(k), k) for k in ROW_METRICS]
-        cells += [duration(v.eta), f"{duration(v.age)} ago" if v.age is not None else "-"]
-        if notes:
-            cells.append(v.note or "")
-        out.add_row(*cells)
-    return out
-
-
-def history_table(records: list[dict[str, Any]], title: str | None = "recent log lines") -> Grid:
-    keys = [k for k in HISTORY_METRICS if any(k in r for r in records)]
-    headers = [k.upper().replace("_", "/" if k == "tok_s" else " ") for k in keys]
-    rank = len(keys)  # the first metrics stay longest
-    cols = [Col(h, priority=rank - i) for i, h in enumerate(headers)]
-    out = table(Col("STEP", keep=True), *cols, title=title)
-    for r in records:
-        out.add_row(str(r["step"]), *(metric(r.get(k), k) for k in keys))
-    return out
-
-
-# ---------------------------------------------------------------- --vs: two runs at the same steps
-
-
-def vs_rows(a: RunView, b: RunView, count: int = 12) -> list[dict[str, Any]]:
-    steps = sorted({r["step"] for r in a.records})[-count:]
-    return [
-        {"step": s, a.name: runs.value_at(a.records, s), b.name: runs.value_at(b.records, s)}
-        for s in steps
-    ]
-
-
-def vs_table(a: RunView, b: RunView) -> Grid:
-    """A row per run at each step: the names stay whole at any width."""
-    columns = [Col("STEP", keep=True, head=True), Col("RUN", keep=True, head=True)]
-    columns += [Col(k.upper(), priority=len(runs.METRICS) - i) for i, k in enumerate(runs.METRICS)]
-    out = table(*columns, title=f"{a.name} ({a.target}) vs {b.name} ({b.target})")
-    for row in vs_rows(a, b):
-        for name in (a.name, b.name):
-            rec = row[name]
-            out.add_row(str(row["step"]), name, *(_at(rec, k, row["step"]) for k in runs.METRICS))
-    return out
-
-
-def _at(rec: dict[str, Any] | None, key: str, step: int) -> str:
-    if rec is None:
-        return "-"
-    text = metric(rec.get(key), key)
-    return text if rec["step"] == step else f"{text} @{rec['step']}"
-
-
-# ---------------------------------------------------------------- --follow
+from dflashops.render import console, duration, metric
+from dflashops.runs.survey import refresh
+from dflashops.runs.tables import history_table, runs_table, vs_table
+from dflashops.runs.view import TERMINAL, RunView, tmux_session, value_at
 
 
 def follow_run(
@@ -139,7 +44,7 @@ def follow_run(
     if emit is not None:
         emit(view.summary())
     else:
-        context.note(f"{view.name}: {view.state} at step {view.step}{_end_note(view)}")
+        context.note(f"{view.name}: {view.state} at {view.progress.text()}{_end_note(view)}")
     return 1 if view.state == "failed" else 0
 
 
@@ -165,7 +70,7 @@ class _Followed:
 
     def read(self, session: Any) -> RunView:
         """Every node of a run over several (it has ended once all of them have), node 0's log."""
-        return runs.refresh(session, self.view, records="all", cursor=self.cursor)
+        return refresh(session, self.view, records="all", cursor=self.cursor)
 
     def take(self, fresh: RunView) -> None:
         log = fresh.log
@@ -182,6 +87,7 @@ class _Followed:
         self.view = fresh
 
 
+ROW = tuple(m.name for m in metrics.ROW)  # a line per record shows these (status's columns)
 KEEP = 200  # records kept of the followed run: enough for the ETA, the views and --vs rows
 
 
@@ -207,7 +113,7 @@ def _follow(
 ) -> RunView:  # fmt: skip
     """Poll until the followed run ends; `show` gets each update (the run, the other run)."""
     followed = [_Followed(view, KEEP)] + ([_Followed(other, None)] if other else [])
-    while view.state not in runs.TERMINAL:
+    while view.state not in TERMINAL:
         time.sleep(interval)
         try:
             _poll(session, followed)
@@ -259,7 +165,7 @@ class _PlainPrinter:
             if w not in self.warned:
                 self.warned.add(w)
                 context.note(f"warning: {view.name} ({view.target}): {w}")
-        if view.state != self.state and view.state not in runs.TERMINAL:
+        if view.state != self.state and view.state not in TERMINAL:
             self.write(f"{view.name}: {view.state} on {view.target}")
         self.state = view.state
         for rec in records:
@@ -272,14 +178,37 @@ class _PlainPrinter:
         total = view.total_steps
         step = f"{rec['step']}/{total}" if total else str(rec["step"])
         parts = [f"{view.name} step {step}"]
-        parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW_METRICS if k in rec]
+        parts += [f"{k} {metric(rec.get(k), k)}" for k in ROW if k in rec]
         if rec["step"] == view.step and view.eta is not None:  # the ETA is as of now
             parts.append(f"eta {duration(view.eta)}")
         if other is not None:
-            orec = runs.value_at(other.records, rec["step"])
+            orec = value_at(other.records, rec["step"])
             if orec is not None:
-                theirs = " ".join(
-                    f"{k} {metric(orec.get(k), k)}" for k in runs.METRICS if k in orec
-                )
+                theirs = " ".join(f"{k} {metric(orec.get(k), k)}" for k in metrics.VS if k in orec)
                 parts.append(f"| {other.name} @{orec['step']}: {theirs}")
         return "  ".join(parts)
+
+
+def then_follow(
+    reader: Any, view: RunView, follow: bool, emit: Callable[[Any], None] | None
+) -> int | None:
+    """Report the started run; with --follow, go on as `status --follow` and return its exit
+    code (`emit`, under --json: one JSON document, at the end when following)."""
+    if not (follow and emit is not None):
+        report(view, emit)
+    if follow:
+        return follow_run(reader, view, None, interval=5.0, emit=emit)
+    return None
+
+
+def report(view: RunView, emit: Callable[[Any], None] | None = None) -> None:
+    """The started run in one line (its summary to `emit`, under --json)."""
+    if emit is not None:
+        emit(view.summary())
+        return
+    step = f", step {view.step}/{view.total_steps}" if view.step is not None else ""
+    where = ", ".join(view.node_targets)
+    context.say(
+        f"{view.name}: {view.state} on {where} (tmux {tmux_session(view.name)}"
+        f"{step}); watch it with: dflashops status {view.name} --follow"
+    )

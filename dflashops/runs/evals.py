@@ -12,7 +12,7 @@ from typing import Any
 from dflashops.errors import OpsError
 from dflashops.remote import argv as helper_argv
 from dflashops.render import metric
-from dflashops.runs import Unread
+from dflashops.runs.survey import Unread
 from dflashops.ssh.session import Session
 
 

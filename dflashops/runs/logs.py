@@ -10,10 +10,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from dflashops import context, runs
+from dflashops import context
 from dflashops.errors import NotFoundError, OpsError
 from dflashops.remote import argv as helper_argv
-from dflashops.runs import RunView
+from dflashops.runs.view import RunView, tmux_session
 from dflashops.targets.base import Machine
 
 RETRY_S = 3.0
@@ -81,7 +81,7 @@ def stream_log(
     while True:
         argv = helper_argv("follow.py", path)
         argv += [
-            runs.tmux_session(view.name),
+            tmux_session(view.name),
             view.dir,
             str(offset),
             str(tail),

@@ -1,0 +1,190 @@
+"""Starting and following an eval job (the kind: runs/kind_eval.py): it pulls each checkpoint
+the eval target lacks (pull-ckpt's copy), then starts the job as any job starts (start.py:
+claimed, the code snapshot, launch.json, the launcher in a detached tmux session there, which
+runs remote/evaljob.py: it survives a closed laptop), evaluating the steps one after the other.
+Each step runs `python -m workload.eval` with the run's run.yaml and keeps its result in
+<ws>/evals/RUN/step_N.json there. The job lives in <ws>/evals/RUN/jobs/ID/ (launch.json,
+job.json, state.json, console.log, exit_code)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflashops import context, transfer
+from dflashops.errors import NotFoundError, OpsError, UsageError
+from dflashops.inventory import Target
+from dflashops.runs.config import parse_config
+from dflashops.runs.evals import stored
+from dflashops.runs.kind_eval import EVAL
+from dflashops.runs.logs import stream_log
+from dflashops.runs.placement import Node, Placement, new_run_id
+from dflashops.runs.probe import probe
+from dflashops.runs.pulls import pull
+from dflashops.runs.snapshot import local_code
+from dflashops.runs.start import start_job
+from dflashops.runs.survey import find
+from dflashops.runs.view import RunView, ckpt_copy_dir, eval_result_path, tmux_session
+from dflashops.ssh.session import Session
+from dflashops.targets.base import Machine
+
+
+@dataclass
+class Extra:
+    """What the user added to every step's evaluation."""
+
+    prompts: str | None
+    reference: str | None
+    max_new_tokens: int | None
+    max_prompts: int | None
+    sets: list[str]
+    check_real: int | None = None  # prompts checked against the real loop
+    budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
+    host: str | None = None  # --host: the run's target where its name is on several
+
+
+def start_eval(
+    reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
+) -> dict[str, Any]:
+    """Check what the evaluation needs, pull the missing checkpoints, start the job."""
+    view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
+    config = parse_config(view, extra.sets)
+    machine = writer.machine(dest)
+    base = eval_argv(reader.machine(dest), machine, run, config, extra)
+    for s in steps:
+        pull(reader, writer, view, s, dest)
+    name, job_id = EVAL.new_job(run)
+    plan = {
+        "run": run,
+        "evals": [
+            {"step": s, "argv": base + ["--checkpoint", ckpt_copy_dir(dest, run, s),
+                                        "--out", eval_result_path(dest, run, s)]}
+            for s in steps
+        ],
+    }  # fmt: skip
+    own = {"kind": EVAL.name, "run": run, "job": job_id, "steps": steps,
+           "reference": extra.reference}  # fmt: skip
+    placement = Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)], state=own)
+    code = local_code()
+    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
+    in_place = have.paths.get(code.path(dest)) == "dir"
+    files = {"job.json": json.dumps(plan, indent=2) + "\n"}
+    start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
+    job = {**own, "target": dest.name, "tmux": tmux_session(name), "launched": time.time()}
+    context.note(f"{dest.name}: eval job {job_id} of {run} started (steps "
+                 f"{', '.join(map(str, steps))}; tmux {job['tmux']})")  # fmt: skip
+    return {**job, "dir": placement.dir(placement.nodes[0]), "name": name}
+
+
+def newest_job(session: Session, run: str, dest: Target) -> dict[str, Any]:
+    jobs = [j for j in stored(session, [run]).jobs if j["target"] == dest.name]
+    if not jobs:
+        raise NotFoundError(f"{run}: no eval job on {dest.name}")
+    job = max(jobs, key=lambda j: j.get("launched") or 0)
+    return {**job, "name": EVAL.template.format(run, job["job"])}
+
+
+def follow(session: Session, dest: Target, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Follow the job's console.log (to stderr) to its end; the results it stored, in the
+    order of its steps (Ctrl-C raises KeyboardInterrupt: the job goes on)."""
+    machine = session.machine(dest)
+    view = RunView(job["name"], dest.name, EVAL.home, job["dir"], "running", 0.0, kind=EVAL)
+    stream_log(machine, view, tail=0, follow=True, out=context.stream_sink(sys.stderr))
+    check_end(machine, job)
+    found = {r["step"]: r for r in stored(session, [job["run"]]).results
+             if r["target"] == dest.name}  # fmt: skip
+    return [found[s] for s in job["steps"] if s in found]
+
+
+def read_result(session: Session, dest: Target, path: str) -> dict[str, Any]:
+    """One stored result, whole (per-prompt records and all)."""
+    return json.loads(transfer.read_text(session.machine(dest), path))
+
+
+def check_end(machine: Machine, job: dict[str, Any]) -> None:
+    """The job's exit code as ours: an evaluator's refusal is one line, exit 2."""
+    try:
+        code = int(transfer.read_text(machine, posixpath.join(job["dir"], "exit_code")))
+    except (OpsError, ValueError):
+        raise OpsError(f"{machine.name}: eval job {job['job']} ended without an exit code; "
+                       f"see {job['dir']}/console.log") from None  # fmt: skip
+    if code == 0:
+        return
+    text = transfer.read_text(machine, posixpath.join(job["dir"], "console.log"))
+    lines = [x for x in text.splitlines() if x.strip() and not x.startswith("[")]
+    refusal = [x for x in lines if x.startswith("eval: error: ")]
+    if code == 2 and refusal:
+        raise UsageError(f"{machine.name}: {refusal[-1].removeprefix('eval: error: ')}")
+    if code == 127:
+        raise OpsError(f"{machine.name}: the target's python not found; run "
+                       f"`dflashops setup {machine.name}`")  # fmt: skip
+    raise OpsError(f"{machine.name}: the evaluation failed (exit {code}): "
+                   f"{lines[-1] if lines else 'no output'}")  # fmt: skip
+
+
+def eval_argv(
+    reader: Machine, machine: Machine, run: str, config: dict[str, Any], extra: Extra
+) -> list[str]:
+    """The evaluator's command line without its checkpoint and output; checks first that what
+    it names exists on the target."""
+    target = machine.target
+    config_path = posixpath.join(target.workspace, "ckpts", run, "run.yaml")  # pull-ckpt's
+    base = posixpath.dirname(config_path)
+    model = _resolve((config.get("target") or {}).get("path"), base)
+    if model is None:
+        raise UsageError(f"{run}: its run.yaml has no target.path; give --set target.path=PATH")
+    checks = {model: "target.path (the target model)"}
+    argv = [target.python, "-m", "workload.eval", "--config", config_path]
+    prompts = extra.prompts
+    if prompts is not None and Path(prompts).is_file():
+        argv += ["--prompts", push_prompts(machine, Path(prompts), run)]
+    elif prompts is not None:
+        checks[prompts] = "--prompts"
+        argv += ["--prompts", prompts]
+    else:
+        data = _resolve((config.get("data") or {}).get("path"), base)
+        if data is None:
+            raise UsageError(
+                f"{run}: its config has no data.path to find prompts.jsonl by; give --prompts"
+            )
+        checks[posixpath.join(posixpath.dirname(data), "prompts.jsonl")] = "the default prompts"
+    if extra.reference is not None:
+        checks[extra.reference] = "--reference"
+        argv += ["--reference", extra.reference]
+    for item in extra.sets:
+        argv += ["--set", item]
+    if extra.max_new_tokens is not None:
+        argv += ["--max-new-tokens", str(extra.max_new_tokens)]
+    if extra.max_prompts is not None:
+        argv += ["--max-prompts", str(extra.max_prompts)]
+    if extra.check_real:
+        argv += ["--check-real", str(extra.check_real)]
+    if extra.budgets:
+        argv += ["--budgets", ",".join(map(str, extra.budgets))]
+    found = probe(reader, paths=list(checks)).paths
+    missing = [f"{what} {path}" for path, what in checks.items() if found.get(path) == "missing"]
+    if missing and not reader.dry_run:
+        raise NotFoundError(
+            f"{target.name}: not there: {'; '.join(missing)} (copy it there, or point the run's "
+            "config elsewhere with --set target.path=PATH / --prompts FILE)"
+        )
+    return argv
+
+
+def _resolve(path: Any, base: str) -> str | None:
+    if not isinstance(path, str) or not path:
+        return None
+    return path if path.startswith("/") else posixpath.join(base, path)
+
+
+def push_prompts(machine: Machine, local: Path, run: str) -> str:
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()[:12]
+    remote = posixpath.join(machine.target.workspace, "evals", run, f"prompts-{digest}.jsonl")
+    transfer.put(machine, local, remote)
+    return remote
