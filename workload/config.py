@@ -41,6 +41,10 @@ class ConfigError(ValueError):
     """A config the trainer refuses; the message is one line naming where and what to do."""
 
 
+class UsageError(Exception):
+    """Bad input found at start (config, run dir, data, target, checkpoint): one line, exit 2."""
+
+
 @dataclass
 class TargetConfig:
     path: str | None = None  # a Hugging Face model directory (required)

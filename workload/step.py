@@ -5,7 +5,10 @@ inputs (anchor token + MASK x K-1) and noised fc features -> drafter over all an
 loss sums through the target's frozen lm_head (chunked; the metrics see each chunk's logits) ->
 backward; after grad_accum micro-steps: gradients / (the step's valid slot weight over all
 micro-batches and ranks) -> clip -> AdamW -> schedule.
-The run's lifecycle (setup, logging, checkpoints, signals, processes) is in train.py.
+`Run` holds what a step reads: the frozen target, the drafter and its DDP wrapper, the optimizer
+and schedule, the batch stream and the anchor generator. The run's lifecycle (processes, the
+loop, signals) is in train.py, its setup in build_run.py, its log in runlog.py, its checkpoints
+in checkpoint.py.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from workload.config import RunConfig
-from workload.data import Batch, sample_anchors
+from workload.data import Batch, BatchStream, sample_anchors
+from workload.distributed import Dist
 from workload.loss import (
     LossSums,
     Objective,
@@ -34,9 +37,6 @@ from workload.metrics import DraftMetrics, empty_sums
 from workload.model import DFlashDrafter, select_target_features
 from workload.targets import DraftConventions, DraftHead, block_embeddings, output_head
 
-if TYPE_CHECKING:
-    from workload.train import Run
-
 DDS_BUDGETS = (8,)
 # what a log interval sums on each rank (reduced over ranks for the log line)
 SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
@@ -44,7 +44,7 @@ SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
 
 class StepSums:
     """The sums of a log interval on this rank, as one float64 vector on the device in
-    SUM_KEYS order: adding to it never waits for the device (train.reduce_sums reads it)."""
+    SUM_KEYS order: adding to it never waits for the device (`reduce_sums` reads it)."""
 
     def __init__(self, device: torch.device, start: Mapping[str, float] | None = None) -> None:
         if start:
@@ -65,6 +65,41 @@ class StepSums:
     def to_dict(self) -> dict[str, float]:
         """This rank's sums on the host (one transfer)."""
         return dict(zip(SUM_KEYS, self.values.tolist(), strict=True))
+
+
+def reduce_sums(sums: StepSums | Mapping[str, float], device: torch.device) -> dict[str, float]:
+    """Sums over ranks, on the host: one all_reduce of the stacked sums, one transfer."""
+    if not isinstance(sums, StepSums):
+        sums = StepSums(device, sums)
+    total = sums.values.clone()  # the interval goes on (a checkpoint reduces it mid-way)
+    dist.all_reduce(total)
+    return dict(zip(SUM_KEYS, total.tolist(), strict=True))
+
+
+@dataclass
+class Run:
+    """A run's pieces, built by `build_run.setup`; what a step, a log line and a checkpoint read."""
+
+    cfg: RunConfig
+    dist: Dist
+    target: nn.Module
+    drafter: DFlashDrafter
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    stream: BatchStream
+    anchor_gen: torch.Generator
+    layer_ids: list[int]  # every configured target layer id
+    fc_ids: list[int]  # the ones the drafter reads
+    total_steps: int
+    hybrid: bool
+    sharding: str = "none"  # of the optimizer: none | zero1
+    timing: bool = False
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
 
 
 def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
