@@ -28,7 +28,7 @@ from workload.config import (
     audit_errors,
     recipe_layer_ids,
 )
-from workload.data import BatchStream, DataError, load_examples
+from workload.data import BatchStream
 from workload.distributed import Dist
 from workload.model import (
     DFlashDrafter,
@@ -38,6 +38,7 @@ from workload.model import (
 )
 from workload.step import DrafterStep, Run
 from workload.targets import embedding_rows, load_target, text_config
+from workload.train_data import load_data, open_data_source, streams
 
 
 def target_facts(target: nn.Module, tokenizer: Any) -> TargetFacts:
@@ -176,6 +177,11 @@ def rank_seeds(seed: int, rank: int) -> tuple[int, int]:
     return int(noise), int(anchors)
 
 
+def val_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's anchors over the holdout (the same at every pass)."""
+    return int(np.random.SeedSequence([seed, rank, 1]).generate_state(1, dtype=np.uint64)[0])
+
+
 def attention_of(target: nn.Module) -> str | None:
     """The attention implementation the target's (text) layers run."""
     return getattr(text_config(target.config), "_attn_implementation", None)
@@ -189,9 +195,12 @@ def setup(
     target: nn.Module | None = None,
     tokenizer: Any = None,
     examples: list | None = None,
+    run_dir: Path | None = None,
 ) -> tuple[Run, list]:
     """Load the target and data (unless given), build drafter, optimizer and schedule, and run
-    the recipe audit (UsageError on its errors). Returns the run and the audit items."""
+    the recipe audit (UsageError on its errors). Returns the run and the audit items.
+    `examples` (tests, benches) are trained on as given, with no holdout; else data.path is
+    read through its token store (train_data.py), which `run_dir` may hold."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -206,7 +215,8 @@ def setup(
         target, tokenizer = _load_target(cfg, d)
     facts = target_facts(target, tokenizer)
     resolve_target_settings(cfg, facts, tokenizer)
-    items = audit(cfg, facts)
+    source, data_facts = open_data_source(cfg) if examples is None else (None, None)
+    items = audit(cfg, facts, data_facts)
     errors = audit_errors(items)
     if errors:
         raise UsageError("; ".join(f"{e.key}: {e.note}" for e in errors))
@@ -225,26 +235,17 @@ def setup(
     layer_ids = list(cfg.drafter.target_layer_ids)
     fc_ids = layer_ids[:-1] if cfg.drafter.fc_layers == "all_but_last" else layer_ids
     say(f"target: {cfg.target.path} ({facts.num_layers} layers, {facts.embedding_rows} rows)")
-    if examples is None:
-        try:
-            examples = load_examples(
-                cfg.data.path,
-                tokenizer,
-                max_length=cfg.data.max_length,
-                chat_template=cfg.data.chat_template,
-            )
-        except DataError as exc:
-            raise UsageError(str(exc)) from None
-    stream = BatchStream(
-        examples,
-        batch_size=cfg.optim.batch_size,
-        seq_len=cfg.data.max_length,
-        pack=cfg.data.pack,
-        seed=cfg.data.seed,
-        rank=d.rank,
-        world_size=d.world,
-        pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
-    )
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    holdout = None
+    if source is not None:
+        data = load_data(cfg, d, source, tokenizer, run_dir, say=say)
+        stream, holdout = streams(cfg, d, data, pad_id)
+    else:
+        stream = BatchStream(
+            examples, batch_size=cfg.optim.batch_size, seq_len=cfg.data.max_length,
+            pack=cfg.data.pack, seed=cfg.data.seed, rank=d.rank, world_size=d.world,
+            pad_id=pad_id,
+        )  # fmt: skip
     torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
     drafter = build_drafter(cfg, target, fc_ids).to(d.device)
     drafter.train()
@@ -275,6 +276,7 @@ def setup(
     )
     run = Run(
         cfg, d, target, drafter, ddp, optimizer, scheduler, stream, anchor_gen,
-        layer_ids, fc_ids, total, hybrid, sharding=mode,
+        layer_ids, fc_ids, total, hybrid, sharding=mode, holdout=holdout,
+        val_seed=val_seed(cfg.seed, d.rank),
     )  # fmt: skip
     return run, items

@@ -19,7 +19,7 @@ from typing import Any
 from workload.config import RunConfig
 from workload.jsonfile import write_json_atomic
 from workload.metrics import finalize
-from workload.step import Run, StepSums, noise_std, reduce_sums
+from workload.step import Run, StepSums, holdout_sums, noise_std, reduce_sums
 
 LOG_NAME = "train_log.jsonl"
 STATE_NAME = "state.json"
@@ -30,6 +30,7 @@ class Metric:
     key: str  # in train_log.jsonl and W&B
     label: str  # on the progress line
     fmt: str  # format spec on the progress line
+    every_line: bool = True  # False: only on some lines (val_* at log.val_every), shown there
 
 
 METRICS: tuple[Metric, ...] = (
@@ -42,6 +43,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad_norm", "gnorm", ".2f"),
     Metric("tok_s", "tok/s", ".0f"),
     Metric("epoch", "epoch", ".2f"),
+    Metric("kept", "kept", ".3f"),
+    Metric("val_loss", "val_loss", ".4f", every_line=False),
+    Metric("val_acc", "val_acc", ".3f", every_line=False),
+    Metric("val_streak", "val_streak", ".2f", every_line=False),
+    Metric("val_dds8", "val_dds8", ".2f", every_line=False),
 )
 
 
@@ -136,10 +142,28 @@ class Wandb:
             self.run.finish(exit_code=exit_code)
 
 
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else float("nan")
+
+
+def val_values(sums: dict[str, float]) -> dict[str, float]:
+    """val_loss, val_acc, val_streak, val_dds8 from `step.holdout_sums`."""
+    out = {"val_loss": _ratio(sums["loss"], sums["weight"])}
+    out.update((f"val_{k}", v) for k, v in finalize(sums).items())
+    return out
+
+
 def log_record(
-    run: Run, step: int, interval: StepSums, seconds: float, lr: float
+    run: Run,
+    step: int,
+    interval: StepSums,
+    seconds: float,
+    lr: float,
+    *,
+    validating: bool = False,
 ) -> dict[str, Any]:
-    """The log line of the interval that ends at `step` (its sums reduced over ranks)."""
+    """The log line of the interval that ends at `step` (its sums reduced over ranks); with
+    `validating`, the val_* metrics of a pass over the held-out data too."""
     sums = reduce_sums(interval, run.device)
     rank_steps = max(sums["steps"], 1.0)  # steps of the interval x ranks
     values: dict[str, Any] = {"loss": sums["loss"] / rank_steps, **finalize(sums)}
@@ -149,7 +173,10 @@ def log_record(
         epoch=run.stream.epoch,
         grad_norm=sums["grad_norm"] / rank_steps,
         tok_s=sums.get("tokens", 0.0) / max(seconds, 1e-9),
+        kept=_ratio(sums["slots_kept"], sums["slots_supervised"]),
     )
+    if validating:
+        values.update(val_values(holdout_sums(run)))
     record: dict[str, Any] = {"step": step, "time": time.time()}
     record.update((m.key, values[m.key]) for m in METRICS if m.key in values)
     record.update((k, v) for k, v in values.items() if k not in record)  # dds{b} of other budgets
@@ -163,4 +190,5 @@ def progress_line(r: dict[str, Any], total: int) -> str:
         v = r.get(m.key)
         return f"{m.label} " + ("-" if v is None else format(v, m.fmt))
 
-    return f"step {r['step']}/{total} " + " ".join(shown(m) for m in METRICS)
+    parts = [shown(m) for m in METRICS if m.every_line or m.key in r]
+    return f"step {r['step']}/{total} " + " ".join(parts)

@@ -132,7 +132,7 @@ def train(
 def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
     """The run's pieces, with the recipe audit and the memory plan said and written (rank 0:
     audit.json, resolved.yaml, plan.json)."""
-    run, items = setup(cfg, d, say=say)
+    run, items = setup(cfg, d, say=say, run_dir=run_dir)
     for item in items:
         say(f"recipe audit: {item.line()}")
     if not items:
@@ -205,8 +205,11 @@ def _train(
             for key, value in (("loss", loss), ("grad_norm", grad_norm), ("steps", 1.0)):
                 interval.add(key, value)
             last = step == run.total_steps
-            if step == 1 or step % cfg.log.log_every == 0 or last:
-                record = log_record(run, step, interval, clock() - t_interval, lr)
+            every = cfg.log.val_every
+            validating = run.holdout is not None and every is not None and step % every == 0
+            if step == 1 or step % cfg.log.log_every == 0 or last or validating:
+                record = log_record(run, step, interval, clock() - t_interval, lr,
+                                    validating=validating)  # fmt: skip
                 log.write(record)
                 wb.log(record)
                 say(progress_line(record, run.total_steps))
