@@ -24,7 +24,7 @@ MANIFEST_NAME = "manifest.json"
 
 @dataclass(frozen=True)
 class DataSource:
-    path: Path  # as configured, resolved
+    path: Path  # as configured, made absolute
     kind: str  # file | shards | datagen
     files: tuple[Path, ...]  # read in this order
     manifest: dict[str, Any] | None = None  # a datagen dataset's manifest.json
@@ -42,11 +42,11 @@ class DataSource:
 def open_source(path: str | os.PathLike) -> DataSource:
     """The source at `path`; DataError when it is missing, holds no shards, or is a datagen
     dataset whose manifest does not say `complete`."""
-    p = Path(path).expanduser().resolve()
+    p = Path(os.path.abspath(Path(path).expanduser()))  # as the user spells it: errors name it
     if p.is_file():
         return DataSource(p, "file", (p,))
     if not p.is_dir():
-        raise DataError(f"data.path: {path}: no such file or directory")
+        raise DataError(f"{path}: cannot read the data: no such file or directory")
     shards = tuple(sorted(f for f in p.glob("*.jsonl") if f.is_file()))
     manifest_path = p / MANIFEST_NAME
     if manifest_path.is_file():
