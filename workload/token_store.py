@@ -33,11 +33,14 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,16 +185,16 @@ def find_or_build(
     the path it returns."""
     root.mkdir(parents=True, exist_ok=True)
     source_sha = source_digest(source, memo=root / "digests.json")
-    key = store_key(source_sha, tokenizer_digest(tokenizer), template_digest(tokenizer, settings),
-                    settings)  # fmt: skip
+    tokenizer_sha = tokenizer_digest(tokenizer)
+    key = store_key(source_sha, tokenizer_sha, template_digest(tokenizer, settings), settings)
     dest = root / f"{source.path.name}.{key[:16]}"
     with open(root / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _remove_stale_builds(dest)
         if not (dest / HEADER).is_file():
             t0 = time.monotonic()
-            header = build(source, tokenizer, settings, dest, key=key, source_sha=source_sha,
-                           workers=workers, say=say)  # fmt: skip
+            header = build(source, tokenizer, settings, dest, key=key, workers=workers, say=say,
+                           digests={"source": source_sha, "tokenizer": tokenizer_sha})  # fmt: skip
             say(f"data: tokenized {source.describe()} into {dest} in "
                 f"{time.monotonic() - t0:.1f}s: {header['conversations']} conversations, "
                 f"{header['tokens']} tokens, {header['skipped']} skipped without an anchor "
@@ -261,20 +264,36 @@ def _chunks(source: DataSource) -> Iterable[list[tuple[int, int, bytes]]]:
         yield chunk
 
 
+def _worker_init() -> None:
+    """A tokenizer worker takes the default signal dispositions, not the trainer's handlers it
+    was forked with: SIGTERM ends it (the trainer's handler only asks for a stop, which would
+    leave a pool that terminates its workers waiting for ever), and Ctrl-C is the trainer's."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _rendered(source: DataSource, workers: int) -> Iterable[tuple[Any, ...]]:
-    """Rendered chunks in source order; at most 2 x workers chunks in flight (bounded memory)."""
+    """Rendered chunks in source order; at most 2 x workers chunks in flight (bounded memory).
+    A worker that dies (killed, out of memory) fails the build in one line, never hangs it."""
     if workers <= 1:
         yield from map(_render_chunk, _chunks(source))
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_worker_init)  # fmt: skip
+    try:
         pending: deque = deque()
         for chunk in _chunks(source):
-            pending.append(pool.apply_async(_render_chunk, (chunk,)))
+            pending.append(pool.submit(_render_chunk, chunk))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise DataError(f"{source.path}: a tokenizer worker died (out of memory? fewer "
+                        "data.workers use less)") from None  # fmt: skip
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def build(
@@ -284,11 +303,12 @@ def build(
     dest: Path,
     *,
     key: str,
-    source_sha: str,
+    digests: dict[str, str],
     workers: int | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Render `source` into a new store at `dest` (atomically); returns its header."""
+    """Render `source` into a new store at `dest` (atomically); returns its header. `digests`:
+    the source's and the tokenizer's, as in the key."""
     workers = default_workers(source) if workers is None else max(1, workers)
     names = [str(f) for f in source.files]
     tmp = dest.parent / f".{dest.name}.tmp-{socket.gethostname()}-{os.getpid()}"
@@ -327,9 +347,9 @@ def build(
                 "path": str(source.path),
                 "kind": source.kind,
                 "files": names,
-                "sha256": source_sha,
-            },  # fmt: skip
-            "tokenizer_sha256": tokenizer_digest(tokenizer),
+                "sha256": digests["source"],
+            },
+            "tokenizer_sha256": digests["tokenizer"],
             "chat_template_sha256": template_digest(tokenizer, settings),
             "chat_template_kwargs": settings.template_kwargs,
             "max_length": settings.max_length,

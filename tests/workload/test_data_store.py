@@ -204,6 +204,24 @@ def test_an_incomplete_datagen_dataset_is_refused_in_one_line(tiny_dense, tmp_pa
     assert not (half.parent / ".tokens").exists() or not _stores(half.parent / ".tokens")
 
 
+def test_tokenizer_workers_build_the_same_store(chat_tokenizer, tmp_path):
+    from workload.data_source import open_source
+    from workload.token_store import RenderSettings, TokenStore, build
+
+    data = _write(tmp_path / "chat.jsonl", (_conversation(i) for i in range(3000)))
+    stores = []
+    for workers in (1, 2):
+        dest = tmp_path / f"w{workers}"
+        build(open_source(data), chat_tokenizer, RenderSettings(64), dest, key="k",
+              digests={"source": "s", "tokenizer": "t"}, workers=workers, say=print)  # fmt: skip
+        stores.append(TokenStore(dest))
+    one, two = stores
+    for name in ("ids", "mask", "offsets"):
+        assert np.array_equal(getattr(one.arrays, name), getattr(two.arrays, name)), name
+    assert len(one) == 3000 and one.source_of(2999) == f"{data}:3000" == two.source_of(2999)
+    assert one.example(5) == two.example(5)
+
+
 # ---------------------------------------------------------------- memory
 
 
