@@ -41,6 +41,10 @@ class ConfigError(ValueError):
     """A config the trainer refuses; the message is one line naming where and what to do."""
 
 
+class UsageError(Exception):
+    """Bad input found at start (config, run dir, data, target, checkpoint): one line, exit 2."""
+
+
 @dataclass
 class TargetConfig:
     path: str | None = None  # a Hugging Face model directory (required)
@@ -65,12 +69,21 @@ class DrafterConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # chat JSONL (required)
+    # a chat JSONL file, a directory of *.jsonl shards, or a datagen dataset (required)
+    path: str | None = None
     max_length: int = 4096
     pack: bool = False
     num_anchors: int = 512  # per document of a row
     max_anchors_per_row: int | None = None  # hard cap per row (packed rows of many documents)
     chat_template: str | None = None
+    # given to the chat template when rendering, e.g. {enable_thinking: false}; part of the
+    # token store's key, and compared with a datagen dataset's by the audit
+    chat_template_kwargs: dict[str, Any] | None = None
+    # conversations kept out of training for val_*: a fraction in (0, 1), a count, 0 for none;
+    # null = min(64, a tenth of the data)
+    holdout: int | float | None = None
+    cache_dir: str | None = None  # where token stores go; null = beside the data if writable
+    workers: int | None = None  # tokenizer processes per node; null = its CPUs (at most 16)
     seed: int = 0
 
 
@@ -122,6 +135,7 @@ class WandbConfig:
 @dataclass
 class LogConfig:
     log_every: int = 10
+    val_every: int | None = 500  # val_* over data.holdout at steps that are multiples; null: never
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -244,6 +258,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in args) + " or null"
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a mapping"
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
@@ -255,8 +271,20 @@ def _convert(value: Any, tp: Any, key: str, src: _Source) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], key, src)
+        for i, arg in enumerate(inner):  # the first that takes it (int | float: 64 stays 64)
+            try:
+                return _convert(value, arg, key, src)
+            except ConfigError:
+                if i == len(inner) - 1:
+                    if len(inner) == 1:
+                        raise
+                    raise ConfigError(f"{src.of(key)}: {key}: expected {_type_name(tp)}, "
+                                      f"got {value!r}") from None  # fmt: skip
     bad = ConfigError(f"{src.of(key)}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise bad
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise bad
@@ -354,6 +382,11 @@ def _check(cfg: RunConfig, src: _Source) -> None:
     _check_layers(cfg, fail)
     at_least("data.num_anchors", 1)
     at_least("data.max_anchors_per_row", 1, optional=True)
+    at_least("data.workers", 1, optional=True)
+    holdout = cfg.data.holdout
+    if holdout is not None and (holdout < 0 or (holdout >= 1 and holdout != int(holdout))):
+        fail("data.holdout", f"a fraction in (0, 1) or a count of conversations (0: none), "
+                             f"got {holdout!r}")  # fmt: skip
     if cfg.data.pack and cfg.target.attn_implementation not in PACKED_ATTENTION:
         fail(
             "data.pack",
@@ -391,6 +424,7 @@ def _check(cfg: RunConfig, src: _Source) -> None:
     if cfg.optim.max_steps is None and cfg.optim.epochs is None:
         fail("optim.max_steps", "set optim.max_steps or optim.epochs (both null never ends)")
     at_least("log.log_every", 1)
+    at_least("log.val_every", 1, optional=True)
     at_least("checkpoint.every", 1)
     at_least("checkpoint.keep_last", 1)
     at_least("checkpoint.keep_every", 1, optional=True)
@@ -577,8 +611,20 @@ _RECIPE: list[tuple[str, Any, str]] = [
 ]
 
 
-def audit(cfg: RunConfig, facts: TargetFacts | None = None) -> list[AuditItem]:
-    """Every setting that differs from the recipe, plus the target-dependent errors."""
+@dataclass(frozen=True)
+class DataFacts:
+    """What the audit needs to know about the data (read by the trainer from data.path)."""
+
+    kind: str  # file | shards | datagen
+    manifest: dict[str, Any] | None = None  # a datagen dataset's manifest.json
+    target_digest: str | None = None  # provenance.target_digest(target.path)
+
+
+def audit(
+    cfg: RunConfig, facts: TargetFacts | None = None, data: DataFacts | None = None
+) -> list[AuditItem]:
+    """Every setting that differs from the recipe, plus the target-dependent errors and, with
+    `data`, whether the data is this target's own greedy output."""
     items: list[AuditItem] = []
     for key, recipe, note in _RECIPE:
         value = cfg.get(key)
@@ -608,6 +654,59 @@ def audit(cfg: RunConfig, facts: TargetFacts | None = None) -> list[AuditItem]:
         items.append(AuditItem("optim.precision", "fp32", "auto", "fp32 on GPU is slow", "warn"))
     if facts is not None:
         items.extend(_audit_target(cfg, facts))
+    if data is not None:
+        items.extend(_audit_data(cfg, data))
+    return items
+
+
+_OFF_PATH = (
+    "on_trajectory drops every slot past a block's first data token off this target's greedy "
+    "path (at 80% agreement about half the weighted loss); `kept` in the log shows the share "
+    "left"
+)
+
+
+def _audit_data(cfg: RunConfig, data: DataFacts) -> list[AuditItem]:
+    from workload.provenance import same_target
+
+    items: list[AuditItem] = []
+    on = cfg.loss.on_trajectory
+    m = data.manifest
+    if m is None:
+        if on:
+            note = (f"data.path ({data.kind}) has no datagen manifest: nothing says its replies "
+                    f"are this target's; where they are not, {_OFF_PATH}")  # fmt: skip
+            items.append(AuditItem("loss.on_trajectory", True, True, note))
+        return items
+    recorded = m.get("target") if isinstance(m.get("target"), dict) else {}
+    same = same_target(recorded, cfg.target.path, data.target_digest)
+    temperature = (m.get("sampling") or {}).get("temperature")
+    reasons = []
+    if same is False:
+        reasons.append(
+            f"made by target {recorded.get('path')} (digest {str(recorded.get('digest'))[:12]}), "
+            f"not this one ({cfg.target.path}, digest {str(data.target_digest)[:12]})"
+        )
+    elif same is None:
+        reasons.append("its manifest does not name the target that made it")
+    if temperature != 0:
+        reasons.append(f"its manifest records temperature {temperature!r}, not 0 (greedy)")
+    if reasons:
+        note = "; ".join(reasons) + ": the drafter learns replies this target would not give"
+        items.append(AuditItem("data.path", cfg.data.path, "this target at temperature 0",
+                               note, "warn"))  # fmt: skip
+        if on:
+            items.append(AuditItem("loss.on_trajectory", True, True,
+                                   f"on, with data not made by this target: {_OFF_PATH}",
+                                   "warn"))  # fmt: skip
+    made_with = m.get("chat_template_kwargs") or {}
+    trained_with = cfg.data.chat_template_kwargs or {}
+    if made_with != trained_with:
+        note = (f"the dataset was generated with chat template kwargs {made_with!r} and "
+                f"training renders with {trained_with!r}: the drafter trains on prompts laid "
+                "out otherwise than the replies were made (and served)")  # fmt: skip
+        items.append(AuditItem("data.chat_template_kwargs", trained_with, made_with, note,
+                               "warn"))  # fmt: skip
     return items
 
 

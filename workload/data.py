@@ -1,5 +1,8 @@
 """Chat JSONL -> token ids + assistant loss mask; padded or packed rows; resumable stream; anchors.
 
+The trainer reads a tokenized store (token_store.py) through `TokenArrays`; `load_examples` keeps
+a small file's examples in memory (tests, tools). Both render with `render_chat`.
+
 Input format: one JSON object per line, `{"messages": [{"role": ..., "content": ...}, ...]}`
 (ShareGPT's `{"conversations": [{"from": "human"|"gpt", "value": ...}]}` is accepted too).
 
@@ -66,9 +69,15 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
     return path.read_text()
 
 
-def _render(tokenizer, messages: list[dict], template: str | None, generation: bool) -> list[int]:
+def _render(
+    tokenizer, messages: list[dict], template: str | None, generation: bool, kwargs: dict
+) -> list[int]:
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation, chat_template=template
+        messages,
+        tokenize=False,
+        add_generation_prompt=generation,
+        chat_template=template,
+        **kwargs,
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -91,7 +100,7 @@ def _find(seq: list[int], sub: list[int], start: int) -> int:
     return -1
 
 
-def _turn_start(tokenizer, messages, i, full, template, after: int) -> int:
+def _turn_start(tokenizer, messages, i, full, template, after: int, kwargs: dict) -> int:
     """Index in `full` of the first token the model generates for assistant turn `i`.
 
     That is where the render of messages[:i] with the generation prompt ends. Templates that
@@ -99,10 +108,10 @@ def _turn_start(tokenizer, messages, i, full, template, after: int) -> int:
     then the turn starts after the first generation-prompt header at or after `after`, the end
     of the previous assistant turn.
     """
-    prompt = _render(tokenizer, messages[:i], template, generation=True)
+    prompt = _render(tokenizer, messages[:i], template, True, kwargs)
     if full[: len(prompt)] == prompt and len(prompt) >= after:
         return len(prompt)
-    bare = _render(tokenizer, messages[:i], template, generation=False) if i else []
+    bare = _render(tokenizer, messages[:i], template, False, kwargs) if i else []
     header = prompt[len(bare) :] if prompt[: len(bare)] == bare else []
     at = _find(full, header, after) if header else -1
     if at < 0:
@@ -111,20 +120,28 @@ def _turn_start(tokenizer, messages, i, full, template, after: int) -> int:
 
 
 def render_chat(
-    tokenizer, messages: list[dict], *, max_length: int, chat_template: str | None = None
+    tokenizer,
+    messages: list[dict],
+    *,
+    max_length: int,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> Example:
     """Render with the chat template; loss mask 1 on what the assistant generates, end-of-turn
     token included, headers and the generation prompt excluded. Works without `{% generation %}`
-    markers: each assistant turn starts where the prompt rendered up to it ends."""
+    markers: each assistant turn starts where the prompt rendered up to it ends.
+    `template_kwargs` (data.chat_template_kwargs, e.g. enable_thinking) go to the template.
+    (A change to what this returns must bump token_store.STORE_FORMAT.)"""
     template = resolve_chat_template(chat_template)
-    full = _render(tokenizer, messages, template, generation=False)
+    kwargs = dict(template_kwargs or {})
+    full = _render(tokenizer, messages, template, False, kwargs)
     mask = [0] * len(full)
     eot = end_of_turn_ids(tokenizer)
     end = 0
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
-        start = _turn_start(tokenizer, messages, i, full, template, after=end)
+        start = _turn_start(tokenizer, messages, i, full, template, end, kwargs)
         end = next((j + 1 for j in range(start, len(full)) if full[j] in eot), -1)
         if end < 0:
             raise DataError(f"chat template: no end-of-turn token after assistant turn {i}")
@@ -162,6 +179,22 @@ def _from_sharegpt(m: Any) -> dict:
     return m
 
 
+def parse_line(raw: bytes, where: str) -> list[dict] | None:
+    """The messages of one JSONL line (None when blank); DataError naming `where` (file:line)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not UTF-8 text") from None
+    if not line.strip():
+        return None
+    try:
+        return _messages_of(json.loads(line))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
 def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[dict]]]:
     """(line number, messages) for each non-blank line; DataError on the first bad line."""
     out = []
@@ -171,36 +204,35 @@ def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[dict]]]:
         raise DataError(f"{path}: cannot read the data: {e.strerror}") from None
     with f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                out.append((lineno, _messages_of(json.loads(line))))
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno})"
-                ) from None
-            except ValueError as e:
-                raise DataError(f"{path}:{lineno}: {e}") from None
+            messages = parse_line(raw, f"{path}:{lineno}")
+            if messages is not None:
+                out.append((lineno, messages))
     return out
+
+
+def render_at(
+    tokenizer, messages: list[dict], where: str, *, max_length: int, template: str | None,
+    template_kwargs: dict | None = None,
+) -> Example:  # fmt: skip
+    """`render_chat` with its errors (and the template's own) as one line naming `where`."""
+    try:
+        ex = render_chat(tokenizer, messages, max_length=max_length, chat_template=template,
+                         template_kwargs=template_kwargs)  # fmt: skip
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    except Exception as e:  # the template itself rejected the conversation
+        raise DataError(f"{where}: chat template failed: {e}") from None
+    ex.source = where
+    return ex
 
 
 def _render_lines(args) -> list[Example]:
-    path, tokenizer, items, max_length, template = args
-    out = []
-    for lineno, messages in items:
-        try:
-            ex = render_chat(tokenizer, messages, max_length=max_length, chat_template=template)
-        except DataError as e:
-            raise DataError(f"{path}:{lineno}: {e}") from None
-        except Exception as e:  # the template itself rejected the conversation
-            raise DataError(f"{path}:{lineno}: chat template failed: {e}") from None
-        ex.source = f"{path}:{lineno}"
-        out.append(ex)
-    return out
+    path, tokenizer, items, max_length, template, kwargs = args
+    return [
+        render_at(tokenizer, messages, f"{path}:{lineno}", max_length=max_length,
+                  template=template, template_kwargs=kwargs)
+        for lineno, messages in items
+    ]  # fmt: skip
 
 
 def has_anchor(loss_mask: list[int]) -> bool:
@@ -214,6 +246,13 @@ def _workers(n_items: int, workers: int | None) -> int:
     return max(1, min(workers, n_items // 1000 or 1))
 
 
+def check_template(path: str | os.PathLike, tokenizer, template: str | None) -> None:
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{path}: the target's tokenizer has no chat template; set data.chat_template"
+        )
+
+
 def load_examples(
     path: str | os.PathLike,
     tokenizer,
@@ -221,18 +260,18 @@ def load_examples(
     max_length: int,
     chat_template: str | None = None,
     workers: int | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[Example]:
-    """Render every conversation of a chat JSONL file (see the module doc for the error policy).
-    `workers` > 1 renders in forked processes; the result is the same, in file order."""
+    """Render every conversation of a chat JSONL file into memory (see the module doc for the
+    error policy); the trainer reads a token store instead (token_store.py). `workers` > 1
+    renders in forked processes; the result is the same, in file order."""
     template = resolve_chat_template(chat_template)
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"{path}: the target's tokenizer has no chat template; set data.chat_template"
-        )
+    check_template(path, tokenizer, template)
     items = read_conversations(path)
     n = _workers(len(items), workers)
     chunks = [items[i::n] for i in range(n)] if n > 1 else [items]
-    jobs = [(str(path), tokenizer, chunk, max_length, template) for chunk in chunks]
+    jobs = [(str(path), tokenizer, chunk, max_length, template, template_kwargs)
+            for chunk in chunks]  # fmt: skip
     if n > 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         with multiprocessing.get_context("fork").Pool(n) as pool:
@@ -274,33 +313,95 @@ class Batch:
         )
 
 
-def pack_documents(lengths: np.ndarray, order: np.ndarray, seq_len: int, open_rows: int = 8):
-    """First-fit over a few open rows, in `order`. Returns a list of rows (lists of doc indices)."""
-    rows: list[list[int]] = []
+@dataclass
+class TokenArrays:
+    """Every document's tokens and loss mask, concatenated, with offsets: in memory (from
+    examples) or memory-mapped from a token store, which a rank then reads only where its rows
+    are. Document d is `ids[offsets[d]:offsets[d + 1]]`."""
+
+    ids: np.ndarray  # int32 [T]
+    mask: np.ndarray  # bool or uint8 [T]
+    offsets: np.ndarray  # int64 [n + 1]
+
+    @classmethod
+    def from_examples(cls, examples: list[Example]) -> TokenArrays:
+        lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
+        return cls(
+            np.concatenate([np.asarray(e.input_ids, np.int32) for e in examples]),
+            np.concatenate([np.asarray(e.loss_mask, bool) for e in examples]),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def pack_rows(
+    lengths: np.ndarray, order: np.ndarray, seq_len: int, open_rows: int = 8
+) -> tuple[np.ndarray, np.ndarray]:
+    """First-fit over a few open rows, in `order`: (row_ptr [R + 1], docs [n]); row r holds
+    docs[row_ptr[r]:row_ptr[r + 1]] in the order they were placed. Arrays, so an epoch of
+    800k documents costs a few MB, not a list per row."""
+    row_of = np.empty(len(order), dtype=np.int64)
+    rows = 0
     open_: list[tuple[int, int]] = []  # (row index, free tokens)
-    for doc in order.tolist():
+    for i, doc in enumerate(order.tolist()):
         n = min(int(lengths[doc]), seq_len)
         slot = next((k for k, (_, free) in enumerate(open_) if free >= n), None)
         if slot is None:
-            rows.append([])
-            open_.append((len(rows) - 1, seq_len))
+            open_.append((rows, seq_len))
+            rows += 1
             slot = len(open_) - 1
         row, free = open_[slot]
-        rows[row].append(doc)
+        row_of[i] = row
         open_[slot] = (row, free - n)
         if free - n == 0 or len(open_) > open_rows:
             open_.pop(0 if free - n else slot)
-    return rows
+    placed = np.argsort(row_of, kind="stable")
+    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=rows))])
+    return row_ptr.astype(np.int64), np.asarray(order, dtype=np.int64)[placed]
+
+
+def pack_documents(lengths: np.ndarray, order: np.ndarray, seq_len: int, open_rows: int = 8):
+    """`pack_rows` as a list of rows (lists of doc indices)."""
+    row_ptr, docs = pack_rows(lengths, order, seq_len, open_rows)
+    return [docs[row_ptr[r] : row_ptr[r + 1]].tolist() for r in range(len(row_ptr) - 1)]
+
+
+def collate(arrays: TokenArrays, rows: list[np.ndarray], seq_len: int, pad_id: int) -> Batch:
+    """Rows of documents (store indices) -> a Batch of host tensors [len(rows), seq_len]."""
+    shape = (len(rows), seq_len)
+    ids = np.full(shape, pad_id, np.int64)
+    mask = np.zeros(shape, bool)
+    docs = np.full(shape, -1, np.int64)
+    pos = np.zeros(shape, np.int64)
+    for b, row in enumerate(rows):
+        at = 0
+        for k, d in enumerate(np.asarray(row).tolist()):
+            start = int(arrays.offsets[d])
+            n = min(int(arrays.offsets[d + 1]) - start, seq_len)
+            ids[b, at : at + n] = arrays.ids[start : start + n]
+            mask[b, at : at + n] = arrays.mask[start : start + n]
+            docs[b, at : at + n] = k
+            pos[b, at : at + n] = np.arange(n)
+            at += n
+        if len(row) and at < seq_len:  # padding continues the last document's positions
+            pos[b, at:] = pos[b, at - 1] + 1 + np.arange(seq_len - at)
+    return Batch(*(torch.from_numpy(a) for a in (ids, mask, docs, pos)))
 
 
 class BatchStream:
     """Endless stream of batches. Epoch e visits every row once in an order drawn from seed + e;
     global batch k holds rows [k*B*W, (k+1)*B*W) of the concatenated epochs and rank r takes its
-    B rows. State is a global position, identical on every rank."""
+    B rows. State is a global position, identical on every rank. `data` is a list of examples or
+    the `TokenArrays` of a store; `docs` the documents of it to train on (default: all)."""
 
     def __init__(
         self,
-        examples: list[Example],
+        data: list[Example] | TokenArrays,
         *,
         batch_size: int,
         seq_len: int,
@@ -309,65 +410,58 @@ class BatchStream:
         rank: int = 0,
         world_size: int = 1,
         pad_id: int = 0,
+        docs: np.ndarray | None = None,
     ):
-        if not examples:
+        arrays = data if isinstance(data, TokenArrays) else None
+        if arrays is None:
+            if not data:
+                raise ValueError("BatchStream needs at least one example")
+            arrays = TokenArrays.from_examples(data)
+        self._docs = np.arange(len(arrays), dtype=np.int64) if docs is None else np.asarray(docs)
+        if not len(self._docs):
             raise ValueError("BatchStream needs at least one example")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.batch_size, self.seq_len, self.pack = batch_size, seq_len, pack
         self.seed, self.rank, self.world_size, self.pad_id = seed, rank, world_size, pad_id
-        lengths = np.array([min(len(e.input_ids), seq_len) for e in examples], dtype=np.int64)
-        self._lengths = lengths
-        self._offsets = np.concatenate([[0], np.cumsum(lengths)])
-        self._ids = np.concatenate([np.asarray(e.input_ids[:seq_len], np.int32) for e in examples])
-        self._mask = np.concatenate([np.asarray(e.loss_mask[:seq_len], bool) for e in examples])
+        self._arrays = arrays
+        self._lengths = np.minimum(arrays.lengths()[self._docs], seq_len)
         self._epoch, self._index = 0, 0
-        self._rows = self._epoch_rows(0)
+        self._set_epoch(0)
 
-    def _epoch_rows(self, epoch: int) -> list[list[int]]:
+    def _set_epoch(self, epoch: int) -> None:
+        """Rows of epoch `epoch` as (row_ptr, positions in docs); None: one document a row."""
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self._lengths))
         if self.pack:
-            return pack_documents(self._lengths, order, self.seq_len)
-        return [[d] for d in order.tolist()]
+            self._row_ptr, self._row_docs = pack_rows(self._lengths, order, self.seq_len)
+        else:
+            self._row_ptr, self._row_docs = None, order
+        self._epoch = epoch
 
-    def _next_row(self) -> list[int]:
-        if self._index >= len(self._rows):
-            self._epoch, self._index = self._epoch + 1, 0
-            self._rows = self._epoch_rows(self._epoch)
-        row = self._rows[self._index]
+    def _row_count(self) -> int:
+        return len(self._row_docs) if self._row_ptr is None else len(self._row_ptr) - 1
+
+    def _next_row(self) -> np.ndarray:
+        if self._index >= self._row_count():
+            self._set_epoch(self._epoch + 1)
+            self._index = 0
+        i = self._index
         self._index += 1
-        return row
+        if self._row_ptr is None:
+            return self._docs[self._row_docs[i : i + 1]]
+        return self._docs[self._row_docs[self._row_ptr[i] : self._row_ptr[i + 1]]]
 
     def next_batch(self) -> Batch:
         global_rows = [self._next_row() for _ in range(self.batch_size * self.world_size)]
         mine = global_rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return self._collate(mine)
-
-    def _collate(self, rows: list[list[int]]) -> Batch:
-        shape = (len(rows), self.seq_len)
-        ids = np.full(shape, self.pad_id, np.int64)
-        mask = np.zeros(shape, bool)
-        docs = np.full(shape, -1, np.int64)
-        pos = np.zeros(shape, np.int64)
-        for b, row in enumerate(rows):
-            at = 0
-            for k, d in enumerate(row):
-                n, start = int(self._lengths[d]), int(self._offsets[d])
-                ids[b, at : at + n] = self._ids[start : start + n]
-                mask[b, at : at + n] = self._mask[start : start + n]
-                docs[b, at : at + n] = k
-                pos[b, at : at + n] = np.arange(n)
-                at += n
-            if row and at < self.seq_len:  # padding continues the last document's positions
-                pos[b, at:] = pos[b, at - 1] + 1 + np.arange(self.seq_len - at)
-        return Batch(*(torch.from_numpy(a) for a in (ids, mask, docs, pos)))
+        return collate(self._arrays, mine, self.seq_len, self.pad_id)
 
     def state_dict(self) -> dict:
         return {
             "epoch": self._epoch,
             "index": self._index,
             "seed": self.seed,
-            "rows_in_epoch": len(self._rows),
+            "rows_in_epoch": self._row_count(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -375,18 +469,61 @@ class BatchStream:
             raise ValueError(
                 f"data state was saved with seed {state['seed']}, stream has {self.seed}"
             )
-        self._epoch, self._index = int(state["epoch"]), int(state["index"])
-        self._rows = self._epoch_rows(self._epoch)
-        if "rows_in_epoch" in state and state["rows_in_epoch"] != len(self._rows):
+        self._set_epoch(int(state["epoch"]))
+        self._index = int(state["index"])
+        if "rows_in_epoch" in state and state["rows_in_epoch"] != self._row_count():
             raise ValueError("data state does not match this data set (rows per epoch differ)")
 
     @property
     def epoch(self) -> float:
-        return self._epoch + self._index / len(self._rows)
+        return self._epoch + self._index / self._row_count()
 
     @property
     def rows_per_epoch(self) -> int:
-        return len(self._rows)
+        return self._row_count()
+
+
+def split_holdout(n: int, holdout: float | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training documents, held-out documents) of a store of `n`, both sorted. `holdout`: a
+    fraction in (0, 1), a count, 0 for none, or None for min(64, n // 10). The held-out ones
+    are the first of a permutation drawn from (seed, n) alone: the same on every rank, every
+    start and every world size."""
+    if holdout is None:
+        count = min(DEFAULT_HOLDOUT, n // 10)
+    elif 0 < holdout < 1:
+        count = max(1, round(holdout * n))
+    else:
+        count = int(holdout)
+    count = min(count, n - 1)  # at least one document trains
+    if count <= 0:
+        return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    perm = np.random.default_rng([seed, n, _HOLDOUT_STREAM]).permutation(n)
+    held = np.sort(perm[:count])
+    keep = np.ones(n, dtype=bool)
+    keep[held] = False
+    return np.flatnonzero(keep).astype(np.int64), held.astype(np.int64)
+
+
+DEFAULT_HOLDOUT = 64
+_HOLDOUT_STREAM = 0x484F4C44  # "HOLD": the holdout's draw is its own random stream
+
+
+class HoldoutBatches:
+    """One pass over the held-out documents, one a row in a fixed order; rank r of W takes
+    documents r, r+W, ..., in batches of `batch_size` rows. Read from the store at each pass."""
+
+    def __init__(self, arrays: TokenArrays, docs: np.ndarray, *, batch_size: int, seq_len: int,
+                 rank: int = 0, world_size: int = 1, pad_id: int = 0) -> None:  # fmt: skip
+        self.arrays, self.mine = arrays, np.asarray(docs)[rank::world_size]
+        self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
+        self.total = len(docs)
+
+    def __iter__(self):
+        for i in range(0, len(self.mine), self.batch_size):
+            rows = [
+                self.mine[j : j + 1] for j in range(i, min(i + self.batch_size, len(self.mine)))
+            ]
+            yield collate(self.arrays, rows, self.seq_len, self.pad_id)
 
 
 # ----------------------------------------------------------------------------- anchors

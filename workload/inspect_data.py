@@ -2,7 +2,9 @@
 
 Answers "are we training on inputs?": prints samples with the supervised tokens marked (bold
 green and inside [[ ]]; the rest dim), per-sample counts, and a summary over the data set.
-Needs only the tokenizer of the target, not the model.
+Needs only the tokenizer of the target, not the model. Reads the data through the token store
+the trainer uses (tokenized once, then reused; token_store.py), so any data.path the trainer
+takes works here and a large one is never held in memory.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from workload.data import DataError, Example, eligible_anchors, load_examples, read_conversations
+from workload.data import DataError, Example, eligible_anchors, resolve_chat_template
+from workload.data_source import open_source
+from workload.token_store import RenderSettings, TokenStore, find_or_build, store_root
 
 BOLD_GREEN, DIM, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
@@ -28,6 +33,8 @@ class DataSettings:
     max_length: int
     chat_template: str | None
     num_anchors: int
+    chat_template_kwargs: dict | None = None
+    cache_dir: str | None = None
 
 
 def read_settings(path: str, overrides: list[str]) -> DataSettings:
@@ -39,7 +46,8 @@ def read_settings(path: str, overrides: list[str]) -> DataSettings:
     if load_config is not None:
         cfg = load_config(path, overrides)
         t, d = cfg.target, cfg.data
-        return DataSettings(t.path, d.path, d.max_length, d.chat_template, d.num_anchors)
+        return DataSettings(t.path, d.path, d.max_length, d.chat_template, d.num_anchors,
+                            d.chat_template_kwargs, d.cache_dir)  # fmt: skip
     import yaml
 
     raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -75,15 +83,34 @@ def n_eligible(ex: Example) -> int:
     return int(eligible_anchors(mask).sum())
 
 
-def header_leaks(tokenizer, examples: list[Example]) -> int:
-    """Supervised tokens that can only be template structure (a turn opener): should be 0."""
+def _opener(tokenizer) -> int | None:
     opener = tokenizer.convert_tokens_to_ids("<|im_start|>")
     if not isinstance(opener, int) or opener == tokenizer.unk_token_id:
-        return 0
-    return sum(
-        1 for e in examples for t, m in zip(e.input_ids, e.loss_mask, strict=True)
-        if m and t == opener
-    )  # fmt: skip
+        return None
+    return opener
+
+
+DOCS_AT_A_TIME = 10_000
+
+
+def store_counts(tokenizer, store: TokenStore) -> tuple[np.ndarray, int]:
+    """(eligible anchors per example, supervised turn openers: template structure that should
+    never be supervised), read a slice of the store at a time."""
+    opener = _opener(tokenizer)
+    offsets, ids, mask = store.offsets, store.arrays.ids, store.arrays.mask
+    eligible = np.zeros(len(store), dtype=np.int64)
+    leaks = 0
+    for lo in range(0, len(store), DOCS_AT_A_TIME):
+        hi = min(lo + DOCS_AT_A_TIME, len(store))
+        start, end = int(offsets[lo]), int(offsets[hi])
+        m = np.asarray(mask[start:end], dtype=bool)
+        pair = np.zeros(len(m), dtype=np.int64)
+        pair[:-1] = m[:-1] & m[1:]
+        pair[offsets[lo + 1 : hi + 1] - start - 1] = 0  # a pair never spans two examples
+        eligible[lo:hi] = np.add.reduceat(pair, offsets[lo:hi] - start)
+        if opener is not None:
+            leaks += int((m & (np.asarray(ids[start:end]) == opener)).sum())
+    return eligible, leaks
 
 
 def sample_report(tokenizer, ex: Example, index: int, s: DataSettings, color: bool) -> str:
@@ -94,24 +121,32 @@ def sample_report(tokenizer, ex: Example, index: int, s: DataSettings, color: bo
     return f"{head}\n{marked(tokenizer, ex, color)}\n"
 
 
-def summary(tokenizer, examples: list[Example], n_lines: int, s: DataSettings) -> str:
-    lengths = [len(e.input_ids) for e in examples]
-    sup = sum(sum(e.loss_mask) for e in examples)
-    elig = [n_eligible(e) for e in examples]
+def summary(tokenizer, store: TokenStore, s: DataSettings) -> str:
+    lengths = store.arrays.lengths()
+    elig, leaks = store_counts(tokenizer, store)
+    n, skipped = len(store), store.header["skipped"]
     lines = [
         f"data: {s.data_path}",
-        f"examples: {len(examples)} of {n_lines} conversations "
-        f"({n_lines - len(examples)} skipped: nothing supervised within max_length {s.max_length})",
-        f"tokens: mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}, total {sum(lengths)}",
-        f"supervised: {sup / sum(lengths):.1%} of tokens",
-        f"truncated: {sum(e.truncated for e in examples)} examples longer than {s.max_length}",
-        f"eligible anchors per example: mean {sum(elig) / len(elig):.1f}, min {min(elig)}; "
-        f"{sum(x < s.num_anchors for x in elig)} examples have fewer than num_anchors "
+        f"examples: {n} of {n + skipped} conversations "
+        f"({skipped} skipped: nothing supervised within max_length {s.max_length})",
+        f"tokens: mean {lengths.mean():.1f}, max {lengths.max()}, total {lengths.sum()}",
+        f"supervised: {store.header['supervised'] / lengths.sum():.1%} of tokens",
+        f"truncated: {store.truncated_count()} examples longer than {s.max_length}",
+        f"eligible anchors per example: mean {elig.mean():.1f}, min {elig.min()}; "
+        f"{int((elig < s.num_anchors).sum())} examples have fewer than num_anchors "
         f"{s.num_anchors}",
-        f"supervised turn openers (<|im_start|>): {header_leaks(tokenizer, examples)} "
-        "(should be 0)",
+        f"supervised turn openers (<|im_start|>): {leaks} (should be 0)",
     ]
     return "\n".join(lines)
+
+
+def open_store(tokenizer, s: DataSettings) -> TokenStore:
+    source = open_source(s.data_path)
+    settings = RenderSettings(s.max_length, resolve_chat_template(s.chat_template),
+                              dict(s.chat_template_kwargs or {}))  # fmt: skip
+    root = store_root(source, None, s.cache_dir)
+    return find_or_build(source, tokenizer, settings, root=root,
+                         say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,20 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         if not s.target_path or not s.data_path:
             raise DataError(f"{a.config}: target.path and data.path are required")
         tokenizer = AutoTokenizer.from_pretrained(s.target_path, local_files_only=True)
-        examples = load_examples(s.data_path, tokenizer, max_length=s.max_length,
-                                 chat_template=s.chat_template)  # fmt: skip
-        n_lines = len(read_conversations(s.data_path))
+        store = open_store(tokenizer, s)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     color = a.color == "always" or (a.color == "auto" and sys.stdout.isatty())
-    picks = a.index or random.Random(a.seed).sample(range(len(examples)), min(a.n, len(examples)))
+    n = len(store)
+    picks = a.index or random.Random(a.seed).sample(range(n), min(a.n, n))
     for i in picks:
-        if not 0 <= i < len(examples):
-            print(f"error: --index {i} outside 0..{len(examples) - 1}", file=sys.stderr)
+        if not 0 <= i < n:
+            print(f"error: --index {i} outside 0..{n - 1}", file=sys.stderr)
             return 2
-        print(sample_report(tokenizer, examples[i], i, s, color))
-    print(summary(tokenizer, examples, n_lines, s))
+        print(sample_report(tokenizer, store.example(i), i, s, color))
+    print(summary(tokenizer, store, s))
     return 0
 
 

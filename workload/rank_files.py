@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workload.checkpoint import write_json_atomic
+from workload.jsonfile import write_json_atomic
 
 RANKS_DIR = "ranks"
 NODE_ADDR_ENV = "DFLASHOPS_NODE_ADDR"

@@ -5,7 +5,10 @@ inputs (anchor token + MASK x K-1) and noised fc features -> drafter over all an
 loss sums through the target's frozen lm_head (chunked; the metrics see each chunk's logits) ->
 backward; after grad_accum micro-steps: gradients / (the step's valid slot weight over all
 micro-batches and ranks) -> clip -> AdamW -> schedule.
-The run's lifecycle (setup, logging, checkpoints, signals, processes) is in train.py.
+`Run` holds what a step reads: the frozen target, the drafter and its DDP wrapper, the optimizer
+and schedule, the batch stream and the anchor generator. The run's lifecycle (processes, the
+loop, signals) is in train.py, its setup in build_run.py, its log in runlog.py, its checkpoints
+in checkpoint.py.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from workload.config import RunConfig
-from workload.data import Batch, sample_anchors
+from workload.data import Batch, BatchStream, HoldoutBatches, sample_anchors
+from workload.distributed import Dist
 from workload.loss import (
     LossSums,
     Objective,
@@ -34,17 +37,18 @@ from workload.metrics import DraftMetrics, empty_sums
 from workload.model import DFlashDrafter, select_target_features
 from workload.targets import DraftConventions, DraftHead, block_embeddings, output_head
 
-if TYPE_CHECKING:
-    from workload.train import Run
-
 DDS_BUDGETS = (8,)
 # what a log interval sums on each rank (reduced over ranks for the log line)
-SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", *empty_sums(DDS_BUDGETS))
+# (slots_kept / slots_supervised: valid draft slots with and without loss.on_trajectory's rule)
+SUM_KEYS = ("loss", "grad_norm", "steps", "tokens", "slots_kept", "slots_supervised",
+            *empty_sums(DDS_BUDGETS))  # fmt: skip
+# what a pass over the held-out data sums on each rank
+VAL_KEYS = ("loss", "weight", *empty_sums(DDS_BUDGETS))
 
 
 class StepSums:
     """The sums of a log interval on this rank, as one float64 vector on the device in
-    SUM_KEYS order: adding to it never waits for the device (train.reduce_sums reads it)."""
+    SUM_KEYS order: adding to it never waits for the device (`reduce_sums` reads it)."""
 
     def __init__(self, device: torch.device, start: Mapping[str, float] | None = None) -> None:
         if start:
@@ -65,6 +69,43 @@ class StepSums:
     def to_dict(self) -> dict[str, float]:
         """This rank's sums on the host (one transfer)."""
         return dict(zip(SUM_KEYS, self.values.tolist(), strict=True))
+
+
+def reduce_sums(sums: StepSums | Mapping[str, float], device: torch.device) -> dict[str, float]:
+    """Sums over ranks, on the host: one all_reduce of the stacked sums, one transfer."""
+    if not isinstance(sums, StepSums):
+        sums = StepSums(device, sums)
+    total = sums.values.clone()  # the interval goes on (a checkpoint reduces it mid-way)
+    dist.all_reduce(total)
+    return dict(zip(SUM_KEYS, total.tolist(), strict=True))
+
+
+@dataclass
+class Run:
+    """A run's pieces, built by `build_run.setup`; what a step, a log line and a checkpoint read."""
+
+    cfg: RunConfig
+    dist: Dist
+    target: nn.Module
+    drafter: DFlashDrafter
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    stream: BatchStream
+    anchor_gen: torch.Generator
+    layer_ids: list[int]  # every configured target layer id
+    fc_ids: list[int]  # the ones the drafter reads
+    total_steps: int
+    hybrid: bool
+    sharding: str = "none"  # of the optimizer: none | zero1
+    holdout: HoldoutBatches | None = None  # this rank's share of data.holdout (None: none)
+    val_seed: int = 0  # the anchors of every pass over the holdout
+    timing: bool = False
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
 
 
 def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -179,55 +220,112 @@ def _tick(run: Run, name: str, start: float) -> float:
     return start
 
 
-def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> LossSums:
-    """Forward and backward one micro-batch of host tensors (as the stream gives them); returns
-    its loss sums (detached; the gradient is of their total, normalised later by `accumulate`)
-    and adds its tokens and draft metrics to `sums`. Nothing here waits for the device: what
-    needs the host (token count, anchors, which blocks are real) is done on host tensors."""
+def _on_device(run: Run, batch: Batch, generator: torch.Generator):
+    """Anchors drawn on the host, then the batch, anchors, validity and the indices of the real
+    blocks on the device (without waiting for it)."""
     cfg = run.cfg
-    k = cfg.drafter.block_size
-    t0 = time.perf_counter()
-    sums.add("tokens", int((batch.doc_ids >= 0).sum()))
     anchors, anchor_valid = sample_anchors(
         batch.loss_mask, batch.doc_ids, num_anchors=cfg.data.num_anchors,
-        generator=run.anchor_gen, max_per_row=cfg.data.max_anchors_per_row,
+        generator=generator, max_per_row=cfg.data.max_anchors_per_row,
     )  # fmt: skip
     real = anchor_valid.flatten().nonzero()[:, 0]  # the real blocks among the B*N
     batch = Batch(*(to_device(t, run.device) for t in (batch.input_ids, batch.loss_mask,
                                                       batch.doc_ids, batch.position_ids)))  # fmt: skip
     anchors, anchor_valid, real = (to_device(t, run.device) for t in (anchors, anchor_valid, real))
+    return batch, anchors, anchor_valid, real
+
+
+def _teacher(run: Run, batch: Batch, anchors: Tensor, anchor_valid: Tensor, view: TeacherView):
+    """(labels, valid, supervised): `valid` under loss.on_trajectory when it is on,
+    `supervised` the slots valid without that rule (what `kept` is a share of)."""
+    k = run.cfg.drafter.block_size
+    labels, valid = teacher_labels(
+        view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k,
+        input_ids=batch.input_ids if run.cfg.loss.on_trajectory else None,
+    )  # fmt: skip
+    supervised = valid
+    if run.cfg.loss.on_trajectory:
+        _, supervised = teacher_labels(
+            view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k
+        )
+    return labels, valid, supervised
+
+
+def _draft_loss(run: Run, module: nn.Module, features: Tensor, embeds: Tensor, batch: Batch,
+                anchors: Tensor, anchor_valid: Tensor, real: Tensor, labels: Tensor,
+                valid: Tensor, view: TeacherView) -> tuple[LossSums, DraftMetrics]:  # fmt: skip
+    """The drafter over every block (through `module`: DDP, or the bare step) and the loss
+    sums of its real blocks, with their draft metrics."""
+    cfg = run.cfg
+    k = cfg.drafter.block_size
+    hidden = module(
+        features, embeds, anchors, anchor_valid, batch.position_ids,
+        batch.doc_ids if cfg.data.pack else None, cfg.attention,
+    )  # fmt: skip
+    b, n = anchors.shape
+    slots = real_blocks(hidden.view(b, n, k, -1)[:, :, 1:], real)
+    teacher = None
+    if cfg.loss.type != "ce":
+        teacher = real_blocks(gather_slots(view.teacher_hidden, anchors, k), real)
+    metrics = DraftMetrics(DDS_BUDGETS, run.device)
+    head = DraftHead(output_head(run.target), DraftConventions.of(run.drafter.config))
+    loss = objective(
+        slots, head, real_blocks(labels, real), real_blocks(valid, real),
+        Objective.from_config(cfg.loss), teacher_hidden=teacher, on_logits=metrics,
+        reduction="sum",
+    )  # fmt: skip
+    return loss, metrics
+
+
+def micro_step(run: Run, batch: Batch, step: int, sums: StepSums) -> LossSums:
+    """Forward and backward one micro-batch of host tensors (as the stream gives them); returns
+    its loss sums (detached; the gradient is of their total, normalised later by `accumulate`)
+    and adds its tokens, kept slots and draft metrics to `sums`. Nothing here waits for the
+    device: what needs the host (token count, anchors, which blocks are real) is done on host
+    tensors."""
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    sums.add("tokens", int((batch.doc_ids >= 0).sum()))
+    batch, anchors, anchor_valid, real = _on_device(run, batch, run.anchor_gen)
     autocast = autocast_for(cfg, run.device)
     with autocast:
         view = target_forward(run, batch)
-        labels, valid = teacher_labels(
-            view.greedy, anchors, anchor_valid, batch.loss_mask, batch.doc_ids, k,
-            input_ids=batch.input_ids if cfg.loss.on_trajectory else None,
-        )  # fmt: skip
+        labels, valid, supervised = _teacher(run, batch, anchors, anchor_valid, view)
         with torch.no_grad():
             embeds = block_inputs(run, batch, anchors)
             features = add_noise(view.features, noise_std(cfg, step))
+    sums.add("slots_kept", valid.sum())
+    sums.add("slots_supervised", supervised.sum())
     t1 = _tick(run, "target_forward", t0)
     with autocast_for(cfg, run.device):
-        hidden = run.ddp(
-            features, embeds, anchors, anchor_valid, batch.position_ids,
-            batch.doc_ids if cfg.data.pack else None, cfg.attention,
-        )  # fmt: skip
-        b, n = anchors.shape
-        slots = real_blocks(hidden.view(b, n, k, -1)[:, :, 1:], real)
-        teacher = None
-        if cfg.loss.type != "ce":
-            teacher = real_blocks(gather_slots(view.teacher_hidden, anchors, k), real)
-        metrics = DraftMetrics(DDS_BUDGETS, run.device)
-        head = DraftHead(output_head(run.target), DraftConventions.of(run.drafter.config))
-        loss = objective(
-            slots, head, real_blocks(labels, real), real_blocks(valid, real),
-            Objective.from_config(cfg.loss), teacher_hidden=teacher, on_logits=metrics,
-            reduction="sum",
-        )  # fmt: skip
+        loss, metrics = _draft_loss(run, run.ddp, features, embeds, batch, anchors,
+                                    anchor_valid, real, labels, valid, view)  # fmt: skip
     loss.total.backward()
     _tick(run, "drafter_fwd_bwd", t1)
     sums.add_metrics(metrics.sums())
     return LossSums(loss.total.detach(), loss.weight)
+
+
+@torch.no_grad()
+def holdout_sums(run: Run) -> dict[str, float]:
+    """Loss and draft metrics over the held-out documents, as VAL_KEYS sums over every rank's
+    share (one all_reduce): no noise, the bare drafter (not DDP), and the same anchors at every
+    pass (a generator seeded with `run.val_seed`), so passes at different steps compare."""
+    total = torch.zeros(len(VAL_KEYS), dtype=torch.float64, device=run.device)
+    generator = torch.Generator().manual_seed(run.val_seed)
+    for host_batch in run.holdout or ():
+        batch, anchors, anchor_valid, real = _on_device(run, trim_padding(host_batch), generator)
+        with autocast_for(run.cfg, run.device):
+            view = target_forward(run, batch)
+            labels, valid, _ = _teacher(run, batch, anchors, anchor_valid, view)
+            embeds = block_inputs(run, batch, anchors)
+            loss, metrics = _draft_loss(run, run.ddp.module, view.features.float(), embeds,
+                                        batch, anchors, anchor_valid, real, labels, valid, view)  # fmt: skip
+        total[0] += loss.total.double()
+        total[1] += loss.weight.double()
+        total[2:] += metrics.sums()
+    dist.all_reduce(total)
+    return dict(zip(VAL_KEYS, total.tolist(), strict=True))
 
 
 def trim_padding(batch: Batch) -> Batch:

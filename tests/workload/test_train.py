@@ -17,6 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from workload import checkpoint as ckpt
+from workload import runlog
 from workload import step as S
 from workload import train as T
 from workload.config import load_config
@@ -70,7 +71,7 @@ def read_log(run_dir: Path) -> list[dict]:
 
 
 def read_state(run_dir: Path) -> dict:
-    return json.loads((run_dir / T.STATE_NAME).read_text())
+    return json.loads((run_dir / runlog.STATE_NAME).read_text())
 
 
 def cli(build: Path, run_dir: Path, *args: str, launcher=(sys.executable,), **kw):
@@ -339,7 +340,7 @@ def test_refuses_a_used_run_dir_and_bad_config(tiny_dense, tmp_path, group):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / T.LOG_NAME).write_text('{"step": 1, "time": 0}\n')
-    (run_dir / T.STATE_NAME).write_text('{"pid": 1}')
+    (run_dir / runlog.STATE_NAME).write_text('{"pid": 1}')
     with pytest.raises(T.UsageError, match="--resume"):
         T.train(config(tiny_dense), run_dir)
     assert read_state(run_dir) == {"pid": 1}

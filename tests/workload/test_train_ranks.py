@@ -211,7 +211,7 @@ def test_a_checkpoint_slower_than_the_timeout_does_not_stall_the_ranks(tiny_dens
     every checkpoint is complete."""
     run_dir = tmp_path / "run"
     done = train_cli(tiny_dense, run_dir, "--set", "dist.timeout_s=10",
-                     env={T.CHECKPOINT_DELAY_ENV: "15"})  # fmt: skip
+                     env={ckpt.CHECKPOINT_DELAY_ENV: "15"})  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     # steps went on while step_4 was being written
