@@ -211,11 +211,12 @@ def setup(
             "flex path there fails in inductor's C++ compile or returns NaN with torch 2.13); "
             "use sdpa or eager, or run on a GPU"
         )
+    # the data is checked before the target loads: a refusal should not wait for a 27B load
+    source, data_facts = open_data_source(cfg) if examples is None else (None, None)
     if target is None:
         target, tokenizer = _load_target(cfg, d)
     facts = target_facts(target, tokenizer)
     resolve_target_settings(cfg, facts, tokenizer)
-    source, data_facts = open_data_source(cfg) if examples is None else (None, None)
     items = audit(cfg, facts, data_facts)
     errors = audit_errors(items)
     if errors:

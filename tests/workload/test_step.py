@@ -108,7 +108,8 @@ def test_logged_metrics_equal_the_host_reference(tiny_dense, group, tmp_path, mo
     assert len(log) == steps and len(seen["micro"]) == steps * accum
     for i, record in enumerate(log):
         assert set(record) == {"step", "time", "loss", "acc", "streak", "dds8", "lr", "noise",
-                               "epoch", "grad_norm", "tok_s"}  # fmt: skip
+                               "epoch", "grad_norm", "tok_s", "kept"}  # fmt: skip
+        assert 0.0 <= record["kept"] <= 1.0
         micro = seen["micro"][i * accum : (i + 1) * accum]
         sums: dict[str, float] = {}
         for chunks, _ in micro:
