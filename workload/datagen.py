@@ -444,7 +444,7 @@ class Job:
 
     def __init__(self, a: argparse.Namespace, place: Place, source: Source, kwargs: dict) -> None:
         from workload.rank_files import Heartbeat
-        from workload.train import RunState
+        from workload.runlog import RunState
 
         self.a, self.place, self.source, self.kwargs = a, place, source, kwargs
         self.out = Path(a.out)
