@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
+from tests.operator.test_deadlines import frozen_sshd
 from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run
 from workload.config import ConfigError, load_config
 
@@ -161,3 +164,49 @@ def test_the_trainer_names_the_set_an_unknown_key_came_from(here):
         load_config(here.ws / "runs" / "typo8" / "run.yaml")
     assert str(refused.value).startswith("--set optim.max_step=5: optim.max_step: unknown key")
     assert here.cli("stop", "typo8", "--kill").code == 0
+
+
+# ---------------------------------------------------------------- item 5: a probe lost at start
+
+
+SLOW_START = """#!/bin/sh
+# the stand-in trainer, but its first sign of life comes only after 8 s (a target loading)
+case " $* " in *" workload.plan "*) exec /workspace/stand-in "$@" ;; esac
+sleep 8
+exec /workspace/stand-in "$@"
+"""
+
+
+def test_a_probe_lost_while_the_run_starts_is_tried_again(testbed, make_container, tmp_path):
+    """pve1's sshd stops answering for longer than the deadline while the trainer loads: the
+    probe gets no answer (NoAnswerError), is tried again, and the healthy run is kept."""
+    train = make_container("pve1")
+    stand_in(train)
+    slow = Path(train.host_path("/workspace/slow-start"))
+    slow.write_text(SLOW_START)
+    slow.chmod(0o755)
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"train": train},
+                                  extra_defaults={"python": "/workspace/slow-start"})  # fmt: skip
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inv), "--timeout", "3",
+            "launch", "blip", "--host", "train", "--config", str(cfg)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
+    seen = []
+    try:
+        for raw in proc.stderr:
+            seen.append(raw.decode())
+            if "blip: starting on train" in seen[-1]:
+                break
+        with frozen_sshd(testbed["pve1"]):
+            time.sleep(5)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    err = "".join(seen) + err.decode()
+    assert proc.returncode == 0, err
+    assert "not read" in err and "trying again" in err, err  # the lost probe, said once
+    run = Path(train.host_path("/workspace/runs/blip"))
+    assert json.loads((run / "state.json").read_text())["status"] == "running", err
+    assert dflashops("stop", "blip", "--kill", inventory=inv, home=tmp_path).code == 0
