@@ -224,7 +224,24 @@ def _read_yaml(path: Path, src: _Source) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path.name}: the config must be a mapping of sections, not a list")
     _record_lines(node, "", path.name, src)
+    _record_sets(text, src)
     return data
+
+
+def _record_sets(text: str, src: _Source) -> None:
+    """A run.yaml written by `dflashops launch` lists its --set items in one JSON comment line
+    (`# --set: [...]`): a key set there is named by its --set, not by a line the user never
+    wrote."""
+    for line in text.splitlines()[:4]:
+        if line.startswith("# --set: "):
+            try:
+                items = json.loads(line[len("# --set: ") :])
+            except ValueError:
+                return
+            for item in items if isinstance(items, list) else []:
+                if isinstance(item, str) and "=" in item:
+                    shown = item if item.isprintable() else json.dumps(item)
+                    src.where[item.split("=", 1)[0].strip()] = f"--set {shown}"
 
 
 def _apply_override(data: dict[str, Any], item: str, src: _Source) -> None:

@@ -3,8 +3,8 @@ run's run.yaml read back (with --set applied) for its evaluation."""
 
 from __future__ import annotations
 
+import json
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +13,18 @@ import yaml
 from dflashops import bundle
 from dflashops.errors import NotFoundError, UsageError
 from dflashops.runs.view import RunView
-from dflashops.yamlfile import YamlFileError, load_located
+from dflashops.yamlfile import YamlFileError, load_located, load_value
 
 KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The header line that lists a launch's --set items: one JSON line (a newline or any other
+# character of a value stays inside it), which the trainer's config loader reads to name the
+# --set a key came from.
+SETS_HEADER = "# --set: "
+
+
+def sets_header(sets: list[str]) -> str:
+    """The --set items as one inert comment line (JSON, ASCII: no YAML line break in it)."""
+    return SETS_HEADER + json.dumps(sets)
 
 
 def resolve_config(spec: str | None, sets: list[str], run: str) -> str:
@@ -38,14 +47,14 @@ def resolve_config(spec: str | None, sets: list[str], run: str) -> str:
         raise UsageError(str(exc)) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: a run config is a mapping of sections (target:, drafter:, ...)")
-    header = f"# run.yaml of run {run}, written by `dflashops launch` from {path}"
+    source = json.dumps(str(path))  # a file name may hold a newline too
+    header = f"# run.yaml of run {run}, written by `dflashops launch` from {source}"
     if not sets:
         return f"{header}\n{path.read_text()}"
     for item in sets:
         apply_set(data, item)
-    shown = " ".join(f"--set {shlex.quote(s)}" for s in sets)
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
-    return f"{header}\n# with {shown}\n{body}"
+    return f"{header}\n{sets_header(sets)}\n{body}"
 
 
 def parse_config(view: RunView, sets: list[str]) -> dict[str, Any]:
@@ -64,15 +73,22 @@ def parse_config(view: RunView, sets: list[str]) -> dict[str, Any]:
     return data
 
 
+def one_line(item: str) -> str:
+    """An item as it can be shown in a one-line message (JSON-quoted if it holds a newline)."""
+    return item if item.isprintable() else json.dumps(item)
+
+
 def apply_set(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(KEY_PART.match(p) for p in parts):
-        raise UsageError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. loss.gamma=7")
+        raise UsageError(
+            f"--set {one_line(item)}: expected KEY=VALUE with a dotted key, e.g. loss.gamma=7"
+        )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise UsageError(f"--set {item}: the value is not valid YAML") from None
+        value = load_value(raw, f"--set {key.strip()}") if raw.strip() else None
+    except YamlFileError as exc:
+        raise UsageError(str(exc)) from None
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
@@ -80,6 +96,6 @@ def apply_set(data: dict[str, Any], item: str) -> None:
             child = node[part] = {}
         if not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
-            raise UsageError(f"--set {item}: {where} is a value, not a section")
+            raise UsageError(f"--set {one_line(item)}: {where} is a value, not a section")
         node = child
     node[parts[-1]] = value

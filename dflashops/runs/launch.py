@@ -19,7 +19,7 @@ from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
 from dflashops.runs.snapshot import Code, local_code
-from dflashops.runs.start import start_job, wait_for_life
+from dflashops.runs.start import NotRead, start_job, wait_for_life
 from dflashops.runs.view import RunView, group
 from dflashops.ssh.session import Session
 
@@ -62,6 +62,8 @@ def launch(
         return Launched(placement, None)
     try:
         view = wait_for_life(reader, placement, timeout=wait)
+    except NotRead:  # not its failure: it may run
+        raise
     except OpsError:
         context.note(f"{run}: the launch failed; taking back its run directory")
         take_back(writer, placement, placement.nodes, made.secrets)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashops import bundle, context, transfer
-from dflashops.errors import OpsError
+from dflashops.errors import NotFoundError, OpsError, UnreachableError
 from dflashops.inventory import Target
 from dflashops.remote import source as helper_source
 from dflashops.render import Stopwatch, duration
@@ -211,8 +211,15 @@ def start_all(writer: Session, placement: Placement) -> None:
         start(writer.machine(node.target), placement.run, placement.dir(node))
 
 
+class NotRead(UnreachableError):
+    """A started job could not be read within the wait: it may well run (nothing is taken
+    back for it)."""
+
+
 def wait_for_life(reader: Session, placement: Placement, *, timeout: float) -> RunView:
-    """Until its program runs (state.json says so), ends, or `timeout` passes."""
+    """Until its program runs (state.json says so), ends, or `timeout` passes. Only the
+    program's own failure is an error: a read that is lost on the way (no answer within the
+    deadline, a dropped connection) is tried again within the wait."""
     clock = Stopwatch()
     next_note = 5.0
     run = placement.run
@@ -220,9 +227,22 @@ def wait_for_life(reader: Session, placement: Placement, *, timeout: float) -> R
     where = ", ".join(n.target.name for n in placement.nodes)
     program = placement.kind.program
     context.note(f"{run}: starting on {where} (the {program} loads the target model first)")
-    view = reread(reader.machine(head), run, records="recent", console=8192)
+    view: RunView | None = None
     while True:
-        view = refresh(reader, view, records="recent", console=8192)
+        try:
+            if view is None:
+                view = reread(reader.machine(head), run, records="recent", console=8192)
+            view = refresh(reader, view, records="recent", console=8192)
+        except NotFoundError:
+            raise
+        except OpsError as exc:  # the read was lost, not the run
+            if clock.seconds > timeout:
+                raise NotRead(f"{run}: not read within {duration(clock.seconds)} ("
+                              f"{exc.message}); it may be running: `dflashops status {run}` "
+                              "shows it") from None  # fmt: skip
+            context.note(f"{run}: not read ({exc.message}); trying again")
+            time.sleep(1.0)
+            continue
         if view.state == "running" and view.status.get("status") == "running":
             return view
         if view.state in ("finished", "stopped"):

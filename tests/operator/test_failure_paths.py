@@ -4,12 +4,19 @@ containers), with the stand-in trainer (test_runs_local) so each case takes seco
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.operator.cli import Ran, dflashops
+from tests.operator.test_deadlines import frozen_sshd
 from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run
+from workload.config import ConfigError, load_config
 
 pytestmark = pytest.mark.testbed
 
@@ -69,3 +76,137 @@ def test_ckpts_verify_of_a_checkpoint_bigger_than_the_deadline_passes(tmp_path):
     assert ran.code == 0, ran.err
     [point] = json.loads(ran.out)["checkpoints"]
     assert point["step"] == 8 and point["verified"] is True, point
+
+
+# ---------------------------------------------------------------- a local target, stand-in trainer
+
+
+class Here:
+    """A local target whose python is the stand-in trainer, on a tmux server of the test's
+    own; `cli` runs the command line against it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ws = root / "ws"
+        self.tmux = root / "tmux"
+        self.tmux.mkdir()
+        stub = root / "stand-in"
+        stub.write_text(STAND_IN_TRAINER)
+        stub.chmod(0o755)
+        self.inventory = root / "hosts.yaml"
+        self.write_inventory({"TMUX_TMPDIR": str(self.tmux)})
+        self.config = root / "c.yaml"
+        self.config.write_text("seed: 0\nlog: {wandb: {name: null}}\n")
+
+    def write_inventory(self, env: dict[str, str]) -> None:
+        self.inventory.write_text(
+            "version: 1\ntargets:\n  local: {kind: local, workspace: "
+            f"{self.ws}, python: {self.root / 'stand-in'}, env: {json.dumps(env)}}}\n"
+        )
+
+    def cli(self, *args: str, **kw) -> Ran:
+        kw.setdefault("timeout", 120)
+        return dflashops(*args, inventory=self.inventory, home=self.root, **kw)
+
+    def launch(self, run: str, *extra: str, **kw) -> Ran:
+        return self.cli("launch", run, "--host", "local", "--config", str(self.config), *extra,
+                        **kw)  # fmt: skip
+
+    def close(self) -> None:
+        env = {**os.environ, "TMUX_TMPDIR": str(self.tmux)}
+        subprocess.run(["tmux", "-L", "dflashops", "kill-server"], env=env, capture_output=True)
+
+
+@pytest.fixture
+def here(tmp_path):
+    bed = Here(tmp_path)
+    yield bed
+    bed.close()
+
+
+def one_line(ran: Ran) -> str:
+    lines = ran.err.strip().splitlines()
+    assert len(lines) == 1, ran.err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- item 8: --set values
+
+
+def test_a_set_value_never_adds_keys_to_run_yaml(here):
+    """A newline in a --set value (inside a YAML flow value, or in a quoted string) stays in
+    that value: the header that lists the --set items is one inert JSON line."""
+    sets = ["x=[1, \nextra_top: 2] \n#", 'log.wandb.name="a\nextra_top: 2"']
+    ran = here.launch("set8", *[a for s in sets for a in ("--set", s)])
+    assert ran.code == 0, ran.err
+    text = (here.ws / "runs" / "set8" / "run.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert sorted(data) == ["log", "seed", "x"], text
+    assert data["x"] == [1, {"extra_top": 2}] and data["log"]["wandb"]["name"] == "a extra_top: 2"
+    assert here.cli("stop", "set8", "--kill").code == 0
+
+
+@pytest.mark.parametrize("value", ["!!python/name:os.system", "&a [*a]", "!!int abc", "[1,"])
+def test_an_odd_set_value_is_one_line_and_exit_2(here, value):
+    ran = here.launch("odd8", "--set", f"x={value}", timeout=10)
+    assert ran.code == 2, ran.err
+    assert one_line(ran).startswith("dflashops: error: --set x"), ran.err
+    assert not (here.ws / "runs" / "odd8").exists()
+
+
+def test_the_trainer_names_the_set_an_unknown_key_came_from(here):
+    """`--set optim.max_step=5` (a typo): the config loader names the --set, not a line of
+    run.yaml that the user never wrote."""
+    ran = here.cli("launch", "typo8", "--host", "local", "--config", "tiny",
+                   "--set", "optim.max_step=5", "--set", "loss.gamma=7")  # fmt: skip
+    assert ran.code == 0, ran.err  # the stand-in trainer does not read its config
+    with pytest.raises(ConfigError) as refused:
+        load_config(here.ws / "runs" / "typo8" / "run.yaml")
+    assert str(refused.value).startswith("--set optim.max_step=5: optim.max_step: unknown key")
+    assert here.cli("stop", "typo8", "--kill").code == 0
+
+
+# ---------------------------------------------------------------- item 5: a probe lost at start
+
+
+SLOW_START = """#!/bin/sh
+# the stand-in trainer, but its first sign of life comes only after 8 s (a target loading)
+case " $* " in *" workload.plan "*) exec /workspace/stand-in "$@" ;; esac
+sleep 8
+exec /workspace/stand-in "$@"
+"""
+
+
+def test_a_probe_lost_while_the_run_starts_is_tried_again(testbed, make_container, tmp_path):
+    """pve1's sshd stops answering for longer than the deadline while the trainer loads: the
+    probe gets no answer (NoAnswerError), is tried again, and the healthy run is kept."""
+    train = make_container("pve1")
+    stand_in(train)
+    slow = Path(train.host_path("/workspace/slow-start"))
+    slow.write_text(SLOW_START)
+    slow.chmod(0o755)
+    inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"train": train},
+                                  extra_defaults={"python": "/workspace/slow-start"})  # fmt: skip
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 0\n")
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inv), "--timeout", "3",
+            "launch", "blip", "--host", "train", "--config", str(cfg)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
+    seen = []
+    try:
+        for raw in proc.stderr:
+            seen.append(raw.decode())
+            if "blip: starting on train" in seen[-1]:
+                break
+        with frozen_sshd(testbed["pve1"]):
+            time.sleep(5)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    err = "".join(seen) + err.decode()
+    assert proc.returncode == 0, err
+    assert "not read" in err and "trying again" in err, err  # the lost probe, said once
+    run = Path(train.host_path("/workspace/runs/blip"))
+    assert json.loads((run / "state.json").read_text())["status"] == "running", err
+    assert dflashops("stop", "blip", "--kill", inventory=inv, home=tmp_path).code == 0
