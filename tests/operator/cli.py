@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def as_at_a_terminal() -> None:
+    """preexec_fn for a process a test presses Ctrl-C in: SIGINT's disposition is the default,
+    as in a terminal's foreground job, even where this run inherited it ignored (started as a
+    background job, or under nohup), which the started process would otherwise inherit too."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @dataclass

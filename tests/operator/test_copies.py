@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.operator.cli import dflashops
+from tests.operator.cli import as_at_a_terminal, dflashops
 
 pytestmark = pytest.mark.testbed
 
@@ -39,7 +39,12 @@ def start(*args: str, inventory: Path, home: Path) -> subprocess.Popen:
     env.pop("DFLASHOPS_INVENTORY", None)
     argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
     return subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=as_at_a_terminal,  # some are sent Ctrl-C
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dflashops.remote import source as remote_source
-from tests.operator.cli import Ran, dflashops
+from tests.operator.cli import Ran, as_at_a_terminal, dflashops
 
 
 @pytest.fixture
@@ -625,7 +625,8 @@ def _interrupted(inventory: Path, *args: str) -> tuple[int, str]:
     following by then): (exit code, stderr)."""
     full = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
-    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=as_at_a_terminal)  # fmt: skip
     try:
         assert proc.stdout.read(1), "printed nothing"
         time.sleep(0.5)
