@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import STAND_IN_TRAINER
+from tests.operator.rundirs import STAND_IN_TRAINER
 
 pytestmark = pytest.mark.testbed
 
