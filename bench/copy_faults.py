@@ -18,20 +18,18 @@ from pathlib import Path
 from _bed import bed
 
 from dflashops.remote import source
-from tests.operator.cli import dflashops
-from tests.operator.test_copies import (
+from tests.operator.ckpt_copies import (
     BIG,
     big_checkpoint,
     checkpoint,
     cut_link,
-    finished,
     hashes,
     left_on_disk,
     sha,
-    start,
     stop_mid_transfer,
 )
-from tests.operator.test_hostile_tar import EVIL_TAR, HOSTILE, special_files
+from tests.operator.cli import dflashops, finished, start
+from tests.operator.hostile_tars import EVIL_TAR, HOSTILE, special_files
 
 ROWS: list[tuple[str, str, str, str, str]] = []
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from _bed import bed, dflashops_argv, home_env
 
-from tests.operator.test_deadlines import HUNG_PYTHON, RELAY, freeze, thaw
+from tests.operator.sshd_faults import HUNG_PYTHON, RELAY, freeze, thaw
 
 EXEC = ["exec", "ct201", "--", "sh", "-c", "echo started; sleep 120"]
 

@@ -20,7 +20,7 @@ import pytest
 
 from dflashops.commands.attach import ATTACH
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run
+from tests.operator.rundirs import STAND_IN_TRAINER, make_run
 
 pytestmark = pytest.mark.testbed
 
@@ -38,7 +38,8 @@ class Pane:
     def __init__(self, home: Path) -> None:
         self.tmux = ["tmux", "-L", f"dfo-test-{os.getpid()}-{next(_servers)}", "-f", "/dev/null"]
         shell = ["env", f"HOME={home}", "PS1=$ ", "bash", "--norc", "--noprofile"]
-        self._tmux("new-session", "-d", "-x", "180", "-y", "50", "-s", "t", *shell)
+        # wide: a typed line exactly as wide as the pane would be joined (-J) with the next
+        self._tmux("new-session", "-d", "-x", "400", "-y", "50", "-s", "t", *shell)
 
     def _tmux(self, *args: str) -> str:
         done = subprocess.run([*self.tmux, *args], capture_output=True, text=True, timeout=10)

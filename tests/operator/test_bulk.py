@@ -21,7 +21,7 @@ from dflashops.errors import HostKeyError, NoAnswerError
 from dflashops.inventory import load_inventory
 from dflashops.ssh.session import Session
 from tests.operator.cli import dflashops
-from tests.operator.test_deadlines import RELAY, freeze, thaw
+from tests.operator.sshd_faults import RELAY, freeze, thaw
 
 pytestmark = pytest.mark.testbed
 

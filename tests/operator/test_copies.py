@@ -8,13 +8,25 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.operator.cli import dflashops
+from tests.operator.ckpt_copies import (
+    BIG,
+    SHARDS,
+    big_checkpoint,
+    checkpoint,
+    cut_link,
+    hashes,
+    left_on_disk,
+    sha,
+    stop_mid_transfer,
+    verified_names,
+    wait_for,
+)
+from tests.operator.cli import dflashops, finished, start
 
 pytestmark = pytest.mark.testbed
 
@@ -31,25 +43,6 @@ def inventory(testbed, tmp_path, home) -> Path:
     return testbed.write_inventory(
         tmp_path / "hosts.yaml", {"ct201": ("pve1", 201), "ct301": ("pve2", 301)}
     )
-
-
-def start(*args: str, inventory: Path, home: Path) -> subprocess.Popen:
-    """`dflashops ARGS...` started in the background, as a user's second terminal would."""
-    env = {**os.environ, "HOME": str(home)}
-    env.pop("DFLASHOPS_INVENTORY", None)
-    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
-    return subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-    )
-
-
-def finished(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ---------------------------------------------------------------- item 3: no collisions
@@ -84,80 +77,12 @@ def test_two_pushes_into_one_directory_at_once_both_succeed_with_whole_files(
 # ---------------------------------------------------------------- item 6: pull-ckpt
 
 
-SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
-BIG = "model-00003-of-00003.safetensors"
-
-
 @pytest.fixture
 def pair(testbed, make_container, tmp_path):
     """A source container (pve1) and a destination container (pve2), and their inventory."""
     src, dst = make_container("pve1"), make_container("pve2")
     inv = testbed.write_inventory(tmp_path / "pair.yaml", {"src": src, "dst": dst})
     return src, dst, inv
-
-
-def checkpoint(ct, run: str, step: int, sizes: dict[str, int]) -> Path:
-    """A run on `ct` whose checkpoints/step_STEP holds files of these sizes and its manifest."""
-    from tests.operator.test_runs_local import make_run
-
-    runs = ct.host_path("/workspace/runs")
-    if not (runs / run).exists():
-        make_run(ct.host_path("/workspace"), run)
-    path = runs / run / "checkpoints" / f"step_{step}"
-    path.mkdir(parents=True)
-    for name, size in sizes.items():
-        (path / name).write_bytes(os.urandom(size))
-    lines = [f"{sha(path / n)}  {n}\n" for n in sorted(sizes)]
-    (path / "MANIFEST.sha256").write_text("".join(lines))
-    return path
-
-
-def big_checkpoint(ct, run: str = "big", step: int = 4) -> Path:
-    sizes = {"config.json": 300, SHARDS[0]: 4 << 20, SHARDS[1]: 4 << 20, BIG: 96 << 20}
-    return checkpoint(ct, run, step, sizes)
-
-
-def hashes(path: Path) -> dict[str, str]:
-    return {p.name: sha(p) for p in sorted(path.iterdir())}
-
-
-def wait_for(what, timeout: float = 60, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while not (found := what()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(every)
-    return found
-
-
-def verified_names(partial: Path) -> list[str]:
-    marker = partial / ".dflashops-verified"
-    lines = marker.read_text().splitlines() if marker.exists() else []
-    return [json.loads(line)["name"] for line in lines if line.endswith("}")]
-
-
-def stop_mid_transfer(proc: subprocess.Popen, partial: Path, stop) -> tuple[int, str, float]:
-    """Once the two small shards verified there (the 96 MiB one still to come), `stop` it;
-    (exit code, stderr, seconds from the fault to the command's end)."""
-    wait_for(lambda: SHARDS[1] in verified_names(partial))
-    assert BIG not in verified_names(partial)
-    started = time.monotonic()
-    stop()
-    code, _out, err = finished(proc)
-    return code, err, time.monotonic() - started
-
-
-def left_on_disk(ckpts: Path) -> list[str]:
-    """Every path under ckpts/RUN, once no receiver is writing there any more."""
-    wait_for(lambda: not list(ckpts.rglob(".dfo-*.part")), timeout=30)
-    return sorted(str(p.relative_to(ckpts)) for p in ckpts.rglob("*"))
-
-
-def cut_link(host) -> None:
-    """The link to `host` is cut: every sshd process serving a connection dies (the listener
-    stays, so the next command connects again)."""
-    children = Path(f"/proc/{host.sshd_pid}/task/{host.sshd_pid}/children").read_text().split()
-    for pid in children:
-        os.kill(int(pid), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("fault", ["ctrl-c", "kill -9", "link cut"])

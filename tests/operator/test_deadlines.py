@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dflashops.errors import NoAnswerError
 from dflashops.inventory import load_inventory
 from dflashops.ssh.session import Session
 from tests.operator.cli import dflashops
+from tests.operator.sshd_faults import HUNG_PYTHON, RELAY, frozen_sshd
 
 pytestmark = pytest.mark.testbed
 
@@ -35,52 +35,6 @@ def home(tmp_path):
     path = tmp_path / "home"
     (path / ".ssh").mkdir(parents=True)
     return path
-
-
-def sshd_pids(host) -> list[int]:
-    """The host's sshd: the listener and every per-connection sshd under it."""
-    parents: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        names[int(entry.name)] = name
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [host.sshd_pid]
-    while todo:
-        pid = todo.pop()
-        if names.get(pid) == "sshd":
-            found.append(pid)
-            todo += parents.get(pid, [])
-    return found
-
-
-def freeze(host) -> list[int]:
-    """SIGSTOP the host's whole sshd (connections stay open, nothing answers)."""
-    pids = sshd_pids(host)
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    return pids
-
-
-def thaw(pids: list[int]) -> None:
-    for pid in pids:
-        os.kill(pid, signal.SIGCONT)
-
-
-@contextmanager
-def frozen_sshd(host):
-    pids = freeze(host)
-    try:
-        yield
-    finally:
-        thaw(pids)
 
 
 def start(inv: Path, home: Path, *args: str) -> subprocess.Popen:
@@ -136,19 +90,6 @@ def test_an_sshd_stopped_before_we_connect_is_no_answer_too(testbed, tmp_path, h
     assert took < DEADLINE + SLACK + START, took
 
 
-RELAY = """\
-import socket, sys, threading
-sock = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-def up():
-    while data := sys.stdin.buffer.read1(65536):
-        sock.sendall(data)
-threading.Thread(target=up, daemon=True).start()
-while data := sock.recv(65536):
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
-"""
-
-
 def test_a_stopped_sshd_behind_a_proxy_command_is_noticed(testbed, tmp_path, home):
     """The ProxyCommand (a local TCP relay) stays alive: TCP keepalive would see nothing."""
     relay = tmp_path / "relay.py"
@@ -170,9 +111,6 @@ def test_a_long_quiet_exec_is_not_cut_by_the_deadline(testbed, tmp_path, home):
     ran = dflashops("--timeout", "1", "exec", "ct201", "--", "sh", "-c", "sleep 4; echo done",
                     inventory=inv, home=home)  # fmt: skip
     assert ran.code == 0 and ran.out == "done\n", ran.err
-
-
-HUNG_PYTHON = '#!/bin/sh\nsleep 600\nexec /usr/bin/python3 "$@"\n'
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs import ROOT, tiny_build
+from tests.operator.tiny_target import ROOT, tiny_build
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_deadlines import frozen_sshd
-from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run
+from tests.operator.rundirs import STAND_IN_TRAINER, make_run
+from tests.operator.sshd_faults import frozen_sshd
 from workload.config import ConfigError, load_config
 
 pytestmark = pytest.mark.testbed

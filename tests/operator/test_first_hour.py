@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import make_run
+from tests.operator.rundirs import make_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import STAND_IN_TRAINER, make_run, write_checkpoint
+from tests.operator.rundirs import STAND_IN_TRAINER, make_run, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT_LINE = re.compile(r"^# workload snapshot ([0-9a-f]+)$", re.M)

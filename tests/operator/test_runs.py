@@ -10,46 +10,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import STAND_IN_TRAINER
+from tests.operator.rundirs import STAND_IN_TRAINER
+from tests.operator.tiny_target import tiny_build
 
 pytestmark = pytest.mark.testbed
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_OPTIONS = ["--steps", "1", "--conversations", "120", "--prompts", "3", "--no-regenerate"]
 TRAIN_VMID, EVAL_VMID = 951, 952
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-def tiny_build() -> Path:
-    """A tiny target (barely trained: only its format matters here), cached by code and options."""
-    key = hashlib.sha256()
-    for name in ("tiny.py", "data.py"):
-        key.update((ROOT / "workload" / name).read_bytes())
-    key.update(repr(TINY_OPTIONS).encode())
-    root = Path(
-        os.environ.get("DFLASHOPS_TEST_CACHE") or Path(tempfile.gettempdir()) / "dflashops-tests"
-    )
-    out = root / f"ops-tiny-{key.hexdigest()[:16]}"
-    if not (out / "run.yaml").is_file():
-        tmp = root / f"{out.name}.tmp{os.getpid()}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "workload.tiny", "--out", str(tmp), *TINY_OPTIONS]
-        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
-        os.replace(tmp, out)
-    return out
 
 
 @pytest.fixture(scope="module")

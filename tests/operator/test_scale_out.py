@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs import tiny_build
+from tests.operator.tiny_target import tiny_build
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 

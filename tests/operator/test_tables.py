@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.test_runs_local import make_run, write_checkpoint
+from tests.operator.rundirs import make_run, write_checkpoint
 
 TARGET = "trainbox-h100-80gb-west-rack07-n3"
 A = "demo-20261201-101010"

@@ -1,0 +1,35 @@
+"""The tiny target the bed's runs train on: built once per cache key (the code that builds it
+and its options) under $DFLASHOPS_TEST_CACHE, pushed into containers by the tests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+TINY_OPTIONS = ["--steps", "1", "--conversations", "120", "--prompts", "3", "--no-regenerate"]
+
+
+def tiny_build() -> Path:
+    """A tiny target (barely trained: only its format matters here), cached by code and options."""
+    key = hashlib.sha256()
+    for name in ("tiny.py", "data.py"):
+        key.update((ROOT / "workload" / name).read_bytes())
+    key.update(repr(TINY_OPTIONS).encode())
+    root = Path(
+        os.environ.get("DFLASHOPS_TEST_CACHE") or Path(tempfile.gettempdir()) / "dflashops-tests"
+    )
+    out = root / f"ops-tiny-{key.hexdigest()[:16]}"
+    if not (out / "run.yaml").is_file():
+        tmp = root / f"{out.name}.tmp{os.getpid()}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "workload.tiny", "--out", str(tmp), *TINY_OPTIONS]
+        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
+        os.replace(tmp, out)
+    return out
