@@ -19,6 +19,12 @@ import pytest
 
 from tests.testbed import LxcUnavailable, running
 
+# OpenMP threads that wait for work sleep instead of spinning (libgomp, torch's runtime): a
+# spinning thread burns the time slice its partner needs, and on shared or busy cores (the
+# bed's sshd and trainers, a second test process, other jobs) tiny-model steps ran 7-30 times
+# slower. Results are the same; set before any test imports torch, inherited by what tests run.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 DEFAULT_CONTAINERS = {"pve1": (201, 202), "pve2": (301,)}
 _vmids = itertools.count(900)
 
