@@ -152,14 +152,16 @@ def test_duplicate_run_name_is_refused_on_any_target(cli, trained, bed):
 
 def test_a_config_error_is_one_line_exit_2_before_anything_starts(cli, config, bed):
     """The memory plan reads the config in the target first: a bad value is refused there, in
-    the trainer's own words, and the launch leaves nothing behind."""
+    the trainer's own words, naming the --set it came from, and the launch leaves nothing
+    behind."""
     ran = cli(
         "launch", "r-bad", "--host", "train", "--config", str(config), "--set", "loss.type=nonsense"
     )
     assert ran.code == 2, ran.err
     errors = [line for line in ran.err.splitlines() if line.startswith("dflashops: error:")]
     assert errors == [
-        "dflashops: error: r-bad: run.yaml:22: loss.type: 'nonsense' is not one of ce, kl, blend"
+        "dflashops: error: r-bad: --set loss.type=nonsense: loss.type: 'nonsense' is not one of"
+        " ce, kl, blend"
     ]
     assert "Traceback" not in ran.err
     assert not bed["train"].host_path("/workspace/runs/r-bad").exists()
