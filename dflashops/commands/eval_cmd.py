@@ -4,9 +4,11 @@
 An eval job: pulls each checkpoint TARGET lacks (pull-ckpt), then evaluates them one after the
 other in a detached tmux session on TARGET (remote/launcher.py running remote/evaljob.py, as
 `launch` runs a trainer: it survives a closed laptop). Each step runs `python -m workload.eval`
-(--engine vllm: with the eval target's vLLM environment, engines.python_of) with the run's run.yaml and keeps its result in <ws>/evals/RUN/step_N.json there (with the
-reference drafter's under "reference" when --reference is given; --check-real N adds the real
-draft-and-verify loop's check on N prompts, --budgets more DDTree budgets). The job lives in
+(--engine vllm: with the eval target's vLLM environment, engines.python_of; none there: one
+line, exit 2, before anything starts) with the run's run.yaml and keeps its result in
+<ws>/evals/RUN/step_N.json there (with the reference drafter's under "reference" when
+--reference is given; --check-real N adds the real draft-and-verify loop's check on N prompts,
+--budgets more DDTree budgets). The job lives in
 <ws>/evals/RUN/jobs/ID/ (launch.json, job.json, state.json, console.log, exit_code).
 
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
