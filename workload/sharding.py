@@ -25,7 +25,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from workload.config import OptimConfig
 
-
 SHARDED = ("zero1", "hybrid")
 
 
