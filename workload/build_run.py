@@ -135,6 +135,13 @@ def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlas
     return DFlashDrafter(config).float()
 
 
+def flex_pad_to(cfg: RunConfig) -> tuple[int, int]:
+    """The most context rows and block queries a row of this run has (what flex pads to)."""
+    from workload.plan import anchors_per_row
+
+    return cfg.data.max_length, anchors_per_row(cfg) * cfg.drafter.block_size
+
+
 def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
     warmup = math.ceil(warmup_ratio * total_steps)
 
@@ -254,6 +261,7 @@ def setup(
     drafter.checkpoint_layers = checkpointing_on(
         cfg.drafter.activation_checkpointing, d.device.type
     )
+    drafter.flex_pad_to = flex_pad_to(cfg)
     step_module = DrafterStep(drafter)
     ddp = DistributedDataParallel(
         step_module,

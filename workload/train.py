@@ -29,10 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from workload import checkpoint as ckpt
 from workload import plan
+from workload.attention import FLEX_SHAPES, flex_compiled, resolve_impl
 from workload.build_run import setup
 from workload.checkpoint import choose_checkpoint, restore, save_checkpoint
 from workload.config import ConfigError, RunConfig, UsageError, audit_json, dump, load_config
@@ -163,6 +165,22 @@ def resume_from(run: Run, run_dir: Path, say) -> tuple[int, dict[str, float], fl
     return step, interval, elapsed
 
 
+def first_step_line(run: Run, since: float) -> str:
+    """The first step's time (from `since`), which holds the compiles of flex attention and
+    its block masks (on GPU every rank stalls on them once), and the shapes compiled."""
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    seconds = clock() - since
+    if resolve_impl(run.cfg.attention, run.device) != "flex":
+        return f"first step: {seconds:.1f}s (attention chunked: nothing compiled)"
+    shapes = len(FLEX_SHAPES)
+    how = "compiled" if flex_compiled(run.device) else "run eagerly"
+    return (
+        f"first step: {seconds:.1f}s, with flex attention and block masks {how} for "
+        f"{shapes} shape(s) (one per layer kind; later steps reuse them)"
+    )
+
+
 def _train(
     cfg: RunConfig,
     run_dir: Path,
@@ -198,9 +216,13 @@ def _train(
     t_interval = clock() - elapsed
     writer = ckpt.BackgroundWriter()  # rank 0's checkpoint writes
     interval = StepSums(d.device, interval)
+    started = step
     try:
         while step < run.total_steps:
+            t_step = clock()
             loss, grad_norm, lr = train_step(run, step, interval)
+            if step == started:
+                say(first_step_line(run, t_step))
             step += 1
             for key, value in (("loss", loss), ("grad_norm", grad_norm), ("steps", 1.0)):
                 interval.add(key, value)
