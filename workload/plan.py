@@ -34,6 +34,7 @@ when world > 1; the caching allocator's fragmentation is not modelled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -54,6 +55,7 @@ GREEDY_CHUNK = 1024  # rows per lm_head call in loss.greedy_tokens
 LOSS_CHUNK_BLOCKS = 64  # blocks per lm_head chunk in loss.objective
 METRIC_CHUNK = 1 << 25  # logits elements the draft metrics upcast at a time (metrics.py)
 FP32 = 4
+LINK_ENV = "DFLASHOPS_LINK_GBPS"  # the link between nodes, Gb/s, for the step-time plan
 
 
 class PlanError(ValueError):
@@ -684,6 +686,20 @@ def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- command line
+
+
+def hardware_of(device) -> Hardware:
+    """The step-time plan's GPU from the device's name (h200, h100, ...; else the default),
+    and the link from DFLASHOPS_LINK_GBPS when the launcher knows it."""
+    import torch
+
+    hw = Hardware()
+    if getattr(device, "type", device) == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device).lower().replace(" ", "")
+        hw.gpu = next((g for g in step_plan.GPUS if g in name), hw.gpu)
+    with contextlib.suppress(ValueError):  # a malformed value keeps the default
+        hw.link_gbps = float(os.environ.get(LINK_ENV, hw.link_gbps))
+    return hw
 
 
 def device_memory(device) -> int | None:

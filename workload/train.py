@@ -143,7 +143,8 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
         write_json_atomic(run_dir / "audit.json", audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
         memory = plan.estimate(cfg, run.target.config, d.world, device=d.device.type,
-                               gpu_memory=plan.device_memory(d.device))  # fmt: skip
+                               gpu_memory=plan.device_memory(d.device), nnodes=d.nnodes,
+                               hardware=plan.hardware_of(d.device))  # fmt: skip
         for line in memory.lines():
             say(f"memory plan: {line}")
         write_json_atomic(run_dir / "plan.json", memory.to_json())
