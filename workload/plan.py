@@ -10,6 +10,7 @@ real steps of tiny targets on CPU.
 
     python -m workload.plan --config RUN.yaml [--set k=v]... --nproc N [--nnodes K]
         [--device cuda|cpu] [--gpu-memory-gib G] [--target-config PATH] [--json]
+        [--gpu h200|h100|...] [--peak-tflops T] [--mfu F] [--link-gbps G]
 
 `--json` prints one object; the operator (`dflashops launch`) parses it, so it stays stable:
 
@@ -17,7 +18,10 @@ real steps of tiny targets on CPU.
      "per_rank": {"target_weights": B, "drafter_params": B, "gradients": B, "optimizer": B,
                   "activations": B, "overhead": B, "total": B},     # bytes
      "parameters": {"target": n, "drafter": n},
-     "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."]}
+     "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."],
+     "nnodes": K, "comm_bytes": {"intra": B, "inter": B, "grads": B, "params": B},  # per step
+     "step_time": {"gpu", "mfu", "link_gbps", "flops", "compute_s", "comm_s", "step_s",
+                   "one_node_s", "pays", "accum_to_pay"}}       # step_plan.py; null: one node
 
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
