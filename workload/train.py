@@ -37,6 +37,7 @@ from workload import plan
 from workload.attention import FLEX_SHAPES, flex_compiled, resolve_impl
 from workload.build_run import setup
 from workload.checkpoint import choose_checkpoint, restore, save_checkpoint
+from workload.comm import LINK_PROBE_BYTES, measure_link_gbps
 from workload.config import ConfigError, RunConfig, UsageError, audit_json, dump, load_config
 from workload.distributed import Dist, DistSetupError, any_rank, init_distributed
 from workload.jsonfile import write_json_atomic
@@ -139,12 +140,18 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
         say(f"recipe audit: {item.line()}")
     if not items:
         say("recipe audit: every setting matches the recipe")
+    hardware = plan.hardware_of(d.device)
+    measured = measure_link_gbps(d)  # every rank takes part; None on one node
+    if measured is not None:
+        say(f"link: {measured:.1f} Gb/s between the nodes (a {LINK_PROBE_BYTES >> 20} MiB "
+            "broadcast from rank 0, best of 3); the step-time plan uses it")  # fmt: skip
+        hardware.link_gbps = measured
     if d.main:
         write_json_atomic(run_dir / "audit.json", audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
         memory = plan.estimate(cfg, run.target.config, d.world, device=d.device.type,
                                gpu_memory=plan.device_memory(d.device), nnodes=d.nnodes,
-                               hardware=plan.hardware_of(d.device))  # fmt: skip
+                               hardware=hardware)  # fmt: skip
         for line in memory.lines():
             say(f"memory plan: {line}")
         write_json_atomic(run_dir / "plan.json", memory.to_json())

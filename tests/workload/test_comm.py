@@ -56,6 +56,8 @@ for name, accum, dtype, sharding in (("before", 1, "fp32", "zero1"),
     out[name] = {"losses": losses, "bytes": dict(counts), "norm": float(params.norm()),
                  "params": params.tolist()[:4096], "sharding": run.sharding,
                  "numel": params.numel()}
+from workload.comm import measure_link_gbps
+out["link_gbps"] = measure_link_gbps(d)
 print("RESULT " + json.dumps(out))
 """
 
@@ -105,3 +107,13 @@ def test_the_plan_counts_the_bytes_that_cross_nodes(tiny_dense, two_nodes):
         counted = two_nodes[name]["bytes"]
         assert p.comm.inter * steps == pytest.approx(counted["inter"], rel=0.25), name
         assert p.comm.intra * steps == pytest.approx(counted.get("intra", 0), rel=0.25), name
+
+
+def test_the_link_between_nodes_is_measured_and_one_node_has_none(two_nodes):
+    import torch
+
+    from workload.comm import measure_link_gbps
+    from workload.distributed import Dist
+
+    assert two_nodes["link_gbps"] > 0.1  # gloo over loopback: many Gb/s
+    assert measure_link_gbps(Dist(0, 1, 0, torch.device("cpu"))) is None
