@@ -698,7 +698,9 @@ def hardware_of(device) -> Hardware:
     import torch
 
     hw = Hardware()
-    if getattr(device, "type", device) == "cuda" and torch.cuda.is_available():
+    if getattr(device, "type", device) == "cpu":
+        hw.gpu = "cpu"
+    elif torch.cuda.is_available():
         name = torch.cuda.get_device_name(device).lower().replace(" ", "")
         hw.gpu = next((g for g in step_plan.GPUS if g in name), hw.gpu)
     with contextlib.suppress(ValueError):  # a malformed value keeps the default

@@ -28,6 +28,7 @@ GPUS: dict[str, tuple[float, float]] = {
     "l40s": (362.0, 32.0),
     "a6000": (155.0, 32.0),
     "rtx4090": (165.0, 32.0),
+    "cpu": (0.05, 10.0),  # a few cores' fp32 and memory copies: for CPU runs' plans only
 }
 DEFAULT_MFU = 0.5
 DEFAULT_LINK_GBPS = 25.0
@@ -161,16 +162,16 @@ def step_time(s, counts: dict[str, int], *, params: int, world: int, nnodes: int
 
 def lines(t: StepTime, c: Comm, nnodes: int, accum: int) -> list[str]:
     out = [
-        f"step time ({t.gpu}, {t.mfu:.0%} of peak, link {t.link_gbps:g} Gb/s): compute "
-        f"{t.compute_s:.2f} s ({t.flops / 1e12:.0f} TFLOP per rank), communication "
-        f"{t.comm_s:.2f} s, step {t.step_s:.2f} s",
+        f"step time ({t.gpu}, {t.mfu:.0%} of peak, link {t.link_gbps:.1f} Gb/s): compute "
+        f"{t.compute_s:.3g} s ({t.flops / 1e12:.3g} TFLOP per rank), communication "
+        f"{t.comm_s:.3g} s, step {t.step_s:.3g} s",
         f"  communication per rank per step: within a node {c.intra / 1e9:.3f} GB, across "
         f"nodes {c.inter / 1e9:.3f} GB",
     ]
     if t.one_node_s is not None:
         word = "faster" if t.pays else "SLOWER"
         out.append(
-            f"  {nnodes} nodes: {t.step_s:.2f} s a step against {t.one_node_s:.2f} s on one node "
+            f"  {nnodes} nodes: {t.step_s:.3g} s a step against {t.one_node_s:.3g} s on one node "
             f"for the same rows (grad_accum {accum * nnodes}): {word}"
         )
         if not t.pays:
