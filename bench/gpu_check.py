@@ -13,6 +13,10 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
              bfloat16 <= max(3e-2, 2 x the dense path's own bfloat16 error). Then compiles:
              unique graphs after each shape, and a second pass over new shapes in the same
              row buckets must add none (rows are padded to power-of-two buckets)
+  drafter_flex  flex at the 27B template's drafter shape (24/4 heads, head_dim 256, window
+             2048, block 16, 512 anchors, 4096 rows; bench/gpu_drafter_flex.py): values and
+             gradients against the chunked reference, first call (compile) and fwd+bwd time,
+             peak memory, and no new compile for a smaller batch padded to the same maxima
   dense_1b   bf16 training steps of a 5-layer drafter against a random 1B-class Qwen3 target
              (hidden 2048, 16 layers, vocab 151936), one 4096-token row, 512 anchors, block 16:
              attention flex vs dense mask (and chunked if time allows); step time split into
@@ -652,6 +656,8 @@ def main() -> int:
     from workload import train as T
 
     spec = SMOKE if a.cpu_smoke else FULL
+    from bench.gpu_drafter_flex import section_drafter_flex
+
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
         return 2
@@ -666,6 +672,7 @@ def main() -> int:
     mode = "smoke" if a.cpu_smoke else "gpu"
     sections = [("env", lambda: section_env(d.device)),
                 ("flex", lambda: section_flex(d.device, mode, budget)),
+                ("drafter_flex", lambda: section_drafter_flex(d.device, a.cpu_smoke, budget)),
                 ("dense_1b", lambda: section_train("dense", spec, d, budget)),
                 ("hybrid", lambda: section_train("hybrid", spec, d, budget)),
                 ("fla", lambda: section_fla(mode, d, budget))]  # fmt: skip
@@ -685,8 +692,9 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     say(f"wrote {a.out} in {results['wall_s']:.0f}s")
     failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
-    if "flex" in results and not results["flex"].get("passed", False):
-        failed.append("flex")
+    for name in ("flex", "drafter_flex"):
+        if name in results and not results[name].get("passed", False):
+            failed.append(name)
     failed += [n for n in ("target_load", "multi", "fla")
                if results.get(n, {}).get("passed") is False]  # fmt: skip
     return 1 if failed else 0

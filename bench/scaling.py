@@ -2,6 +2,7 @@
 processes, side by side.
 
     python bench/scaling.py [--tiny DIR] [--procs 1,2,4,2x2] [--steps 10] [--batch 4]
+        [--sharding auto|none|zero1|hybrid] [--grad-comm auto|fp32|bf16] [--accum N]
 
 Each case is the real trainer, `torchrun ... -m workload.train` with gloo, on the tiny target (a
 `python -m workload.tiny --out DIR` build, else a random tiny target made here: time does not
@@ -39,10 +40,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _overrides(steps: int, batch: int, sharding: str) -> list[str]:
+def _overrides(steps: int, batch: int, sharding: str, grad_comm: str = "auto",
+               accum: int = 1) -> list[str]:  # fmt: skip
     return [f"optim.max_steps={steps}", f"optim.batch_size={batch}", "log.log_every=1",
             f"checkpoint.every={steps}", f"dist.sharding={sharding}",
-            "optim.precision=fp32"]  # fmt: skip
+            "optim.precision=fp32", f"dist.grad_comm_dtype={grad_comm}",
+            f"optim.grad_accum={accum}"]  # fmt: skip
 
 
 def run_case(case: str, config: Path, run_dir: Path, sets: list[str], threads: int) -> dict:
@@ -95,7 +98,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="steps per case (2 are warm-up)")
     p.add_argument("--batch", type=int, default=4, help="rows per rank and step")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--sharding", default="auto", choices=("auto", "none", "zero1"))
+    p.add_argument("--sharding", default="auto", choices=("auto", "none", "zero1", "hybrid"))
+    p.add_argument("--grad-comm", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="dist.grad_comm_dtype")  # fmt: skip
+    p.add_argument("--accum", type=int, default=1, help="optim.grad_accum")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
     rows = []
@@ -106,7 +112,7 @@ def main() -> None:
             from train_step import random_tiny
 
             tiny = random_tiny(Path(tmp) / "tiny")
-        sets = _overrides(a.steps, a.batch, a.sharding)
+        sets = _overrides(a.steps, a.batch, a.sharding, a.grad_comm, a.accum)
         for case in a.procs.split(","):
             rows.append(run_case(case, tiny / "run.yaml", Path(tmp) / f"run-{case}", sets,
                                  a.threads))  # fmt: skip

@@ -74,16 +74,20 @@ def block_attention(
     scaling: float,
     impl: str = "auto",
     masks: dict | None = None,
+    pad_to: tuple[int, int] | None = None,
 ) -> Tensor:
     """q [B,Hq,N*K,D]; k_ctx/v_ctx [B,Hkv,S,D]; k_blk/v_blk [B,Hkv,N*K,D] -> [B,Hq,N*K,D].
 
     `masks`: a dict shared by the layers of one forward (same anchors, documents and rows), in
-    which flex keeps the block mask of each (window, causal) kind instead of rebuilding it."""
+    which flex keeps the block mask of each (window, causal) kind instead of rebuilding it.
+    `pad_to`: the most context rows and block queries a run's rows have (training sets it):
+    flex pads every call up to them, so it compiles one shape per layer kind."""
     _check_shapes(q, k_ctx, k_blk, anchors, anchor_valid, block_size, doc_ids)
     spec = _Spec(anchors, anchor_valid, block_size, doc_ids, sliding_window, causal_in_block)
     impl = resolve_impl(impl, q.device)
     if impl == "flex":
-        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec, scaling, {} if masks is None else masks)
+        masks = {} if masks is None else masks
+        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec, scaling, masks, pad_to)
     fn = {"chunked": _chunked, "dense": _dense}[impl]
     return fn(q, k_ctx, v_ctx, k_blk, v_blk, spec, scaling)
 
@@ -172,12 +176,16 @@ def _context_bounds(spec: _Spec, seq_len: int) -> tuple[list[int], list[int]]:
     return lo.tolist(), hi.tolist()
 
 
-def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float, masks: dict) -> Tensor:
-    """Rows padded to power-of-two buckets (at least FLEX_MIN rows): the padding is masked out
-    (its blocks are skipped), and a compiled kernel sees a few shapes, not one per step."""
+def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float, masks: dict,
+          pad_to: tuple[int, int] | None) -> Tensor:  # fmt: skip
+    """Rows padded (`flex_padded`): the padding is masked out (its blocks are skipped, so a
+    padded query or key block costs no attention compute), and a compiled kernel sees one
+    shape per layer kind (a few power-of-two buckets without `pad_to`), not one per step."""
     batch, seq_len, total = q.shape[0], k_ctx.shape[2], q.shape[2]
-    ctx_pad, blk_pad = flex_bucket(seq_len), flex_bucket(total)
+    ctx_pad, blk_pad = flex_padded(seq_len, total, pad_to)
     compiled = flex_compiled(q.device)
+    FLEX_SHAPES.add(flex_shape_key(batch, q.shape[1], q.shape[3], ctx_pad, blk_pad, spec.window,
+                                   spec.causal))  # fmt: skip
     key = ("flex", spec.window, spec.causal, seq_len, total)
     if key not in masks:  # one block mask per layer kind and forward, not per layer
         build = _compiled_fn("create_block_mask") if compiled else _flex_api("create_block_mask")
@@ -200,11 +208,28 @@ def _flex(q, k_ctx, v_ctx, k_blk, v_blk, spec: _Spec, scaling: float, masks: dic
 
 
 FLEX_MIN = 128  # flex attention's block size
+# every (shape, layer kind) flex ran at in this process: what a compiled flex compiles for
+FLEX_SHAPES: set[tuple] = set()
 
 
 def flex_bucket(rows: int) -> int:
     """The padded length of `rows`: the next power of two, at least FLEX_MIN."""
     return max(FLEX_MIN, 1 << (rows - 1).bit_length())
+
+
+def flex_padded(seq_len: int, total: int, pad_to: tuple[int, int] | None) -> tuple[int, int]:
+    """(context rows, block queries) flex runs at: the bucket of the run's most (`pad_to`),
+    whatever this batch has (a batch past them takes its own bucket); without `pad_to`, the
+    batch's own power-of-two buckets."""
+    if pad_to is not None:
+        seq_len, total = max(seq_len, pad_to[0]), max(total, pad_to[1])
+    return flex_bucket(seq_len), flex_bucket(total)
+
+
+def flex_shape_key(batch: int, heads: int, head_dim: int, ctx_pad: int, blk_pad: int,
+                   window: int | None, causal: bool) -> tuple:  # fmt: skip
+    """What a static-shape compile of flex_attention and create_block_mask is specialised on."""
+    return (batch, heads, head_dim, ctx_pad, blk_pad, window, causal)
 
 
 def _pad(x: Tensor, size: int, dim: int, value: float = 0) -> Tensor:
@@ -264,12 +289,13 @@ def _flex_api(name: str) -> Callable:
 
 
 def _compiled_fn(name: str) -> Callable:
-    """flex_attention / create_block_mask compiled once, for static shapes: rows are padded to
-    power-of-two buckets, so a run meets a few shapes (at most 6 x 7 per layer kind for
-    4096-token rows and 512 anchors of 16) and each compiles once. The recompile limit is
-    raised above that: past it torch would run flex unfused (full score matrices: out of
-    memory). dynamic=True would avoid the recompiles, but inductor's CPU flex kernel does not
-    compile with dynamic shapes (torch 2.13) and the CUDA one is unverified here."""
+    """flex_attention / create_block_mask compiled once, for static shapes: a training run pads
+    every call to its longest rows and most anchors (`pad_to`), so it compiles once per layer
+    kind (the last batch of an epoch, if smaller, once more); without `pad_to` rows go to
+    power-of-two buckets (at most 6 x 7 per kind for 4096-token rows and 512 anchors of 16).
+    The recompile limit is raised above that: past it torch would run flex unfused (full score
+    matrices: out of memory). dynamic=True would avoid recompiles, but inductor's CPU flex
+    kernel does not compile with dynamic shapes (torch 2.13) and the CUDA one is unverified."""
     if name not in _COMPILED:
         import torch._dynamo
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workload import sharding
+from workload import comm, sharding
 from workload.config import (
     PACKED_ATTENTION,
     RunConfig,
@@ -29,7 +30,7 @@ from workload.config import (
     recipe_layer_ids,
 )
 from workload.data import BatchStream
-from workload.distributed import Dist
+from workload.distributed import Dist, node_group
 from workload.model import (
     DFlashDrafter,
     build_drafter_config,
@@ -132,6 +133,13 @@ def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlas
         intermediate_size=d.intermediate_size,
     )
     return DFlashDrafter(config).float()
+
+
+def flex_pad_to(cfg: RunConfig) -> tuple[int, int]:
+    """The most context rows and block queries a row of this run has (what flex pads to)."""
+    from workload.plan import anchors_per_row
+
+    return cfg.data.max_length, anchors_per_row(cfg) * cfg.drafter.block_size
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -253,15 +261,19 @@ def setup(
     drafter.checkpoint_layers = checkpointing_on(
         cfg.drafter.activation_checkpointing, d.device.type
     )
+    drafter.flex_pad_to = flex_pad_to(cfg)
     step_module = DrafterStep(drafter)
     ddp = DistributedDataParallel(
         step_module,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
     )
+    grad_comm = comm.resolve_grad_comm(cfg.dist.grad_comm_dtype, d.device.type, d.nnodes)
+    comm.install_grad_comm(ddp, grad_comm)
     o = cfg.optim
-    mode = sharding.resolve_sharding(cfg.dist.sharding, d.world)
-    optimizer = sharding.build_optimizer(list(drafter.parameters()), o, mode, d.device)
+    mode = sharding.resolve_sharding(cfg.dist.sharding, d.world, d.nnodes)
+    group = node_group(d, timedelta(seconds=cfg.dist.timeout_s)) if mode == "hybrid" else None
+    optimizer = sharding.build_optimizer(list(drafter.parameters()), o, mode, d.device, group)
     total = count_steps(cfg, stream, d.world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(total, o.warmup_ratio, o.min_lr / o.lr)
@@ -273,7 +285,8 @@ def setup(
     say(
         f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"reads layers {fc_ids}, mask {cfg.drafter.mask_token_id}, {total} steps, "
-        f"{d.world} rank(s) on {d.device.type}, optimizer sharding {mode}"
+        f"{d.world} rank(s) on {d.nnodes} node(s), {d.device.type}, optimizer sharding {mode}, "
+        f"gradients all-reduced in {grad_comm} once per step of {o.grad_accum} micro-batch(es)"
     )
     run = Run(
         cfg, d, target, drafter, ddp, optimizer, scheduler, stream, anchor_gen,

@@ -411,7 +411,7 @@ def save_checkpoint(
     rngs = gather_to_main(_rng_state(run), d)
     interval = {"sums": reduce_sums(interval, run.device), "seconds": seconds}
     params = list(run.drafter.parameters())
-    zero = run.sharding == "zero1"
+    zero = run.sharding in sharding.SHARDED  # hybrid: every rank too (nodes hold copies)
     if not d.main:
         if zero:
             send_state(sharding.local_state(run.optimizer, params), 0, d)

@@ -27,7 +27,8 @@ TEACHERS = ("logits", "last_layer")
 FC_LAYERS = ("all", "all_but_last")
 ATTENTIONS = ("auto", "flex", "chunked", "dense")
 PRECISIONS = ("auto", "bf16", "fp32")
-SHARDINGS = ("auto", "none", "zero1")
+SHARDINGS = ("auto", "none", "zero1", "hybrid")
+GRAD_COMM_DTYPES = ("auto", "fp32", "bf16")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -150,7 +151,12 @@ class CheckpointConfig:
 class DistConfig:
     """How ranks work together (torchrun sets the world; these set how it behaves)."""
 
-    sharding: str = "auto"  # auto | none | zero1 (auto: zero1 when there is more than one rank)
+    # auto | none | zero1 | hybrid (zero1 within each node, replicated across nodes); auto:
+    # hybrid when the ranks span several nodes, zero1 with several ranks on one, else none
+    sharding: str = "auto"
+    # the dtype DDP all-reduces gradients in: auto | fp32 | bf16 (auto: bf16 on GPUs over
+    # several nodes, where the link is slow; fp32 on one node and on CPU)
+    grad_comm_dtype: str = "auto"
     timeout_s: float = 900.0  # process-group timeout: a dead or stuck peer ends the run after this
 
 
@@ -384,6 +390,7 @@ def _check(cfg: RunConfig, src: _Source) -> None:
         ("optim.precision", PRECISIONS),
         ("attention", ATTENTIONS),
         ("dist.sharding", SHARDINGS),
+        ("dist.grad_comm_dtype", GRAD_COMM_DTYPES),
     ]:
         one_of(key, allowed)
     if cfg.log.wandb.mode is not None:

@@ -99,10 +99,22 @@ class Dist:
     local_rank: int
     device: torch.device
     control: Any = None  # the CPU (gloo) group for control traffic; None: the default group
+    nodes: tuple[int, ...] = ()  # the node (torchrun's GROUP_RANK) of each rank; () = one node
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def nnodes(self) -> int:
+        return len(set(self.nodes)) or 1
+
+    def node_ranks(self) -> list[list[int]]:
+        """The ranks of each node, nodes in order of their first rank."""
+        by_node: dict[int, list[int]] = {}
+        for rank, node in enumerate(self.nodes or [0] * self.world):
+            by_node.setdefault(node, []).append(rank)
+        return list(by_node.values())
 
 
 def _device(local_rank: int) -> torch.device:
@@ -136,7 +148,25 @@ def init_distributed(cfg: DistConfig | None = None) -> Dist:
     control = None
     if dist.get_backend() != "gloo":
         control = dist.new_group(backend="gloo", timeout=timeout)
-    return Dist(dist.get_rank(), dist.get_world_size(), local, device, control)
+    d = Dist(dist.get_rank(), dist.get_world_size(), local, device, control)
+    if d.world > 1:
+        nodes: list[Any] = [None] * d.world
+        dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", 0)), group=control)
+        d.nodes = tuple(nodes)
+    return d
+
+
+def node_group(d: Dist, timeout: timedelta | None = None) -> Any:
+    """A process group of this rank's node (every rank creates every node's group, in order,
+    as new_group requires); None when the ranks are all on one node (the default group)."""
+    if d.nnodes == 1:
+        return None
+    mine = None
+    for ranks in d.node_ranks():
+        group = dist.new_group(ranks, timeout=timeout)
+        if d.rank in ranks:
+            mine = group
+    return mine
 
 
 # ---------------------------------------------------------------- control traffic (CPU)

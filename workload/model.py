@@ -164,6 +164,7 @@ def attend_blocks(
     doc_ids,
     impl,
     masks=None,
+    pad_to=None,
 ) -> Tensor:
     q = attn.queries(h, *blk_rope)
     k_blk, v_blk = attn.keys_values(h, *blk_rope)
@@ -183,6 +184,7 @@ def attend_blocks(
         scaling=attn.scaling,
         impl=impl,
         masks=masks,
+        pad_to=pad_to,
     )
     return attn.out(out)
 
@@ -204,6 +206,9 @@ class DFlashDrafter(DFlashDraftModel):
         # training only: recompute each layer in backward instead of keeping its activations
         # (torch.utils.checkpoint; the trainer sets it from drafter.activation_checkpointing)
         self.checkpoint_layers = False
+        # training only: (context rows, block queries) flex attention pads every call to (the
+        # run's longest rows and most anchors x block): one compiled shape per layer kind
+        self.flex_pad_to: tuple[int, int] | None = None
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """As PreTrainedModel's, but config.json names z-lab's class, as published drafters do,
@@ -261,6 +266,7 @@ class DFlashDrafter(DFlashDraftModel):
                     doc_ids=doc_ids,
                     impl=attention,
                     masks=masks,
+                    pad_to=self.flex_pad_to,
                 ),
             )
         return self.norm(x)

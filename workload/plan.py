@@ -10,6 +10,7 @@ real steps of tiny targets on CPU.
 
     python -m workload.plan --config RUN.yaml [--set k=v]... --nproc N [--nnodes K]
         [--device cuda|cpu] [--gpu-memory-gib G] [--target-config PATH] [--json]
+        [--gpu h200|h100|...] [--peak-tflops T] [--mfu F] [--link-gbps G]
 
 `--json` prints one object; the operator (`dflashops launch`) parses it, so it stays stable:
 
@@ -17,7 +18,10 @@ real steps of tiny targets on CPU.
      "per_rank": {"target_weights": B, "drafter_params": B, "gradients": B, "optimizer": B,
                   "activations": B, "overhead": B, "total": B},     # bytes
      "parameters": {"target": n, "drafter": n},
-     "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."]}
+     "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."],
+     "nnodes": K, "comm_bytes": {"intra": B, "inter": B, "grads": B, "params": B},  # per step
+     "step_time": {"gpu", "mfu", "link_gbps", "flops", "compute_s", "comm_s", "step_s",
+                   "one_node_s", "pays", "accum_to_pay"}}       # step_plan.py; null: one node
 
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
@@ -34,6 +38,7 @@ when world > 1; the caching allocator's fragmentation is not modelled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -42,7 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workload import step_plan
 from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
+from workload.step_plan import Comm, StepTime
 
 GIB = 1 << 30
 CUDA_CONTEXT = 1 * GIB  # CUDA context, cuBLAS workspaces, allocator slack
@@ -52,6 +59,7 @@ GREEDY_CHUNK = 1024  # rows per lm_head call in loss.greedy_tokens
 LOSS_CHUNK_BLOCKS = 64  # blocks per lm_head chunk in loss.objective
 METRIC_CHUNK = 1 << 25  # logits elements the draft metrics upcast at a time (metrics.py)
 FP32 = 4
+LINK_ENV = "DFLASHOPS_LINK_GBPS"  # the link between nodes, Gb/s, for the step-time plan
 
 
 class PlanError(ValueError):
@@ -123,6 +131,10 @@ class Plan:
     gpu_memory: int | None = None
     notes: list[str] = field(default_factory=list)
     activation_parts: dict[str, int] = field(default_factory=dict)
+    nnodes: int = 1
+    comm: Comm = field(default_factory=Comm)
+    time: StepTime | None = None
+    accum: int = 1
 
     @property
     def fits(self) -> bool | None:
@@ -139,6 +151,9 @@ class Plan:
             "gpu_memory": self.gpu_memory,
             "fits": self.fits,
             "notes": self.notes,
+            "nnodes": self.nnodes,
+            "comm_bytes": asdict(self.comm),
+            "step_time": None if self.time is None else self.time.to_json(),
         }
 
     def lines(self) -> list[str]:
@@ -160,6 +175,8 @@ class Plan:
                 f"  {verdict} in {gib(self.gpu_memory)} "
                 f"({'margin' if margin >= 0 else 'short by'} {gib(abs(margin))})"
             )
+        if self.time is not None:
+            out += step_plan.lines(self.time, self.comm, self.nnodes, self.accum)
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -260,12 +277,16 @@ def module_bytes(module) -> int:
 # ---------------------------------------------------------------- the static terms
 
 
-def optimizer_bytes(param_sizes: list[int], world: int, sharding: str) -> int:
+def optimizer_bytes(param_sizes: list[int], world: int, sharding: str, nnodes: int = 1) -> int:
     """AdamW moments in fp32; zero1 gives whole parameters, largest first, to the emptiest
-    rank (ZeroRedundancyOptimizer's partition), so a rank holds its largest share."""
-    if sharding != "zero1" or world == 1:
+    rank (ZeroRedundancyOptimizer's partition), so a rank holds its largest share; hybrid does
+    so over the ranks of a node."""
+    from workload.sharding import shard_ranks
+
+    shards = shard_ranks(sharding, world, nnodes)
+    if shards == 1:
         return ADAM_MOMENTS * FP32 * sum(param_sizes)
-    ranks = [0] * world
+    ranks = [0] * shards
     for size in sorted(param_sizes, reverse=True):
         ranks[ranks.index(min(ranks))] += size
     return ADAM_MOMENTS * FP32 * max(ranks)
@@ -555,6 +576,35 @@ def step_shape(cfg: RunConfig, text: Any, drafter, vocab: int, device: str) -> S
     )
 
 
+def flop_counts(target, drafter, text) -> dict[str, int]:
+    """The parameter counts step_plan.step_flops reads."""
+    embeds = {id(m.weight): m.weight.numel()
+              for m in (target.get_input_embeddings(), target.get_output_embeddings())}  # fmt: skip
+    body = sum(p.numel() for p in target.parameters()) - sum(embeds.values())
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    counts = {"target_body": body, "target_q_dim": heads * head_dim, "drafter_block": 0,
+              "target_full_layers": sum(t != "linear_attention" for t in types),
+              "drafter_kv": 0, "fc": drafter.fc.weight.numel()}  # fmt: skip
+    for name, p in drafter.layers.named_parameters():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            counts["drafter_kv"] += p.numel()
+        elif name.endswith("proj.weight"):
+            counts["drafter_block"] += p.numel()
+    return counts
+
+
+@dataclass
+class Hardware:
+    """What the step-time plan assumes (step_plan.py)."""
+
+    gpu: str = "h200"
+    peak_tflops: float | None = None  # overrides the table's
+    mfu: float = step_plan.DEFAULT_MFU
+    link_gbps: float = step_plan.DEFAULT_LINK_GBPS
+
+
 def estimate(
     cfg: RunConfig,
     target_config: Any,
@@ -562,14 +612,18 @@ def estimate(
     *,
     device: str = "cuda",
     gpu_memory: int | None = None,
+    nnodes: int = 1,
+    hardware: Hardware | None = None,
 ) -> Plan:
-    """The memory plan of one rank of a `world`-rank run of `cfg` on `device` (cuda | cpu)."""
+    """The memory plan of one rank of a `world`-rank run of `cfg` on `device` (cuda | cpu)
+    over `nnodes` nodes, with its communication and step time."""
+    from workload.comm import resolve_grad_comm
     from workload.sharding import resolve_sharding
     from workload.targets import text_config
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
-    sharding = resolve_sharding(cfg.dist.sharding, world)
+    sharding = resolve_sharding(cfg.dist.sharding, world, nnodes)
     text = text_config(target_config)
     target = meta_target(target_config, dtype_bytes(cfg.target.dtype, device))
     drafter = meta_drafter(cfg, target_config, fc_layer_ids(cfg, text.num_hidden_layers))
@@ -582,13 +636,23 @@ def estimate(
         target_weights=module_bytes(target),
         drafter_params=module_bytes(drafter),
         gradients=FP32 * sum(sizes),
-        optimizer=optimizer_bytes(sizes, world, sharding),
+        optimizer=optimizer_bytes(sizes, world, sharding, nnodes),
         activations=sum(parts.values()),
         overhead=overhead_bytes(device, world),
     )
     counts = {"target": sum(p.numel() for p in target.parameters()), "drafter": sum(sizes)}
     notes = _notes(cfg, shape, world, device)
-    return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts)
+    grad_dtype = resolve_grad_comm(cfg.dist.grad_comm_dtype, device, nnodes)
+    comm = step_plan.comm_bytes(sum(sizes), world, nnodes, sharding, grad_dtype)
+    hw = hardware or Hardware()
+    time = step_plan.step_time(
+        shape, flop_counts(target, drafter, text), params=sum(sizes), world=world,
+        nnodes=nnodes, sharding=sharding, grad_dtype=grad_dtype, accum=cfg.optim.grad_accum,
+        gpu=hw.gpu, peak_tflops=hw.peak_tflops, mfu=hw.mfu, link_gbps=hw.link_gbps,
+    )  # fmt: skip
+    notes.append(f"gradients all-reduced in {grad_dtype} once per step; {step_plan.NOTE}")
+    return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts, nnodes, comm,
+                time, cfg.optim.grad_accum)  # fmt: skip
 
 
 def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
@@ -628,6 +692,22 @@ def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
 # ---------------------------------------------------------------- command line
 
 
+def hardware_of(device) -> Hardware:
+    """The step-time plan's GPU from the device's name (h200, h100, ...; else the default),
+    and the link from DFLASHOPS_LINK_GBPS when the launcher knows it."""
+    import torch
+
+    hw = Hardware()
+    if getattr(device, "type", device) == "cpu":
+        hw.gpu = "cpu"
+    elif torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device).lower().replace(" ", "")
+        hw.gpu = next((g for g in step_plan.GPUS if g in name), hw.gpu)
+    with contextlib.suppress(ValueError):  # a malformed value keeps the default
+        hw.link_gbps = float(os.environ.get(LINK_ENV, hw.link_gbps))
+    return hw
+
+
 def device_memory(device) -> int | None:
     """Total memory of a CUDA device (None elsewhere)."""
     import torch
@@ -650,6 +730,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="memory of one GPU; the plan says whether it fits")  # fmt: skip
     p.add_argument("--target-config", default=None, metavar="PATH",
                    help="the target's config.json (default: target.path/config.json)")  # fmt: skip
+    p.add_argument("--gpu", choices=sorted(step_plan.GPUS), default="h200",
+                   help="the GPU the step time assumes (its bf16 peak and interconnect)")  # fmt: skip
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                   help="the GPU's dense bf16 peak, instead of the table's")  # fmt: skip
+    p.add_argument("--mfu", type=float, default=step_plan.DEFAULT_MFU, metavar="F",
+                   help="fraction of the peak the step reaches (default 0.5)")  # fmt: skip
+    p.add_argument("--link-gbps", type=float, default=step_plan.DEFAULT_LINK_GBPS, metavar="G",
+                   help="the link between nodes, Gb/s (default 25)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -663,8 +751,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         target_config = load_target_config(args.target_config or cfg.target.path)
         gpu = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
+        if not (0 < args.mfu <= 1) or args.link_gbps <= 0:
+            raise PlanError(f"--mfu must be in (0, 1] and --link-gbps > 0, got {args.mfu}, "
+                            f"{args.link_gbps}")  # fmt: skip
+        hw = Hardware(args.gpu, args.peak_tflops, args.mfu, args.link_gbps)
         plan = estimate(cfg, target_config, args.nproc * args.nnodes, device=args.device,
-                        gpu_memory=gpu)  # fmt: skip
+                        gpu_memory=gpu, nnodes=args.nnodes, hardware=hw)  # fmt: skip
     except (ConfigError, PlanError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,5 +1,11 @@
 """The drafter's optimizer, replicated (`dist.sharding: none`) or with its AdamW states sharded
-over the ranks (`zero1`: torch's ZeroRedundancyOptimizer), and its state in checkpoints.
+over the ranks (`zero1`: torch's ZeroRedundancyOptimizer), or over the ranks of each node and
+replicated across nodes (`hybrid`), and its state in checkpoints.
+
+Under hybrid every node updates all parameters from the same all-reduced gradients (AdamW is
+elementwise: each node computes the same values), so the updated parameters are broadcast
+within the node only and nothing but the gradients crosses the node boundary; a rank keeps
+1/ranks-per-node of the moments instead of 1/world.
 
 A checkpoint holds optimizer state keyed by the parameter's index in `drafter.parameters()`:
 the whole state (none: `optimizer.state_dict()`, as before) or one file per rank holding that
@@ -19,24 +25,39 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from workload.config import OptimConfig
 
+SHARDED = ("zero1", "hybrid")
 
-def resolve_sharding(setting: str, world: int) -> str:
-    """`auto`: zero1 when there is more than one rank (a lone rank has nothing to shard)."""
+
+def resolve_sharding(setting: str, world: int, nnodes: int = 1) -> str:
+    """`auto`: hybrid when the ranks span several nodes, zero1 with several ranks on one node
+    (a lone rank has nothing to shard); hybrid on one node is zero1."""
     if setting == "auto":
-        return "zero1" if world > 1 else "none"
+        setting = "hybrid" if nnodes > 1 else "zero1" if world > 1 else "none"
+    if setting == "hybrid" and nnodes == 1:
+        return "zero1"
     return setting
 
 
+def shard_ranks(sharding: str, world: int, nnodes: int) -> int:
+    """Over how many ranks the AdamW moments are sharded."""
+    if sharding == "zero1":
+        return world
+    return max(1, world // nnodes) if sharding == "hybrid" else 1
+
+
 def build_optimizer(
-    params: Sequence[nn.Parameter], o: OptimConfig, sharding: str, device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW with the config's hyper-parameters (fused on CUDA), sharded for zero1."""
+    params: Sequence[nn.Parameter], o: OptimConfig, sharding: str, device: torch.device,
+    group: Any = None,
+) -> torch.optim.Optimizer:  # fmt: skip
+    """AdamW with the config's hyper-parameters (fused on CUDA), sharded for zero1 (over the
+    default group) and hybrid (over `group`, this rank's node)."""
     kwargs: dict[str, Any] = dict(
         lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay,
         fused=device.type == "cuda",
     )  # fmt: skip
-    if sharding == "zero1":
-        return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.AdamW, **kwargs)
+    if sharding in SHARDED:
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.AdamW,
+                                       process_group=group, **kwargs)  # fmt: skip
     return torch.optim.AdamW(params, **kwargs)
 
 

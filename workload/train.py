@@ -29,12 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from workload import checkpoint as ckpt
 from workload import plan
+from workload.attention import FLEX_SHAPES, flex_compiled, resolve_impl
 from workload.build_run import setup
 from workload.checkpoint import choose_checkpoint, restore, save_checkpoint
+from workload.comm import LINK_PROBE_BYTES, measure_link_gbps
 from workload.config import ConfigError, RunConfig, UsageError, audit_json, dump, load_config
 from workload.distributed import Dist, DistSetupError, any_rank, init_distributed
 from workload.jsonfile import write_json_atomic
@@ -137,11 +140,18 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
         say(f"recipe audit: {item.line()}")
     if not items:
         say("recipe audit: every setting matches the recipe")
+    hardware = plan.hardware_of(d.device)
+    measured = measure_link_gbps(d)  # every rank takes part; None on one node
+    if measured is not None:
+        say(f"link: {measured:.1f} Gb/s between the nodes (a {LINK_PROBE_BYTES >> 20} MiB "
+            "broadcast from rank 0, best of 3); the step-time plan uses it")  # fmt: skip
+        hardware.link_gbps = measured
     if d.main:
         write_json_atomic(run_dir / "audit.json", audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
         memory = plan.estimate(cfg, run.target.config, d.world, device=d.device.type,
-                               gpu_memory=plan.device_memory(d.device))  # fmt: skip
+                               gpu_memory=plan.device_memory(d.device), nnodes=d.nnodes,
+                               hardware=hardware)  # fmt: skip
         for line in memory.lines():
             say(f"memory plan: {line}")
         write_json_atomic(run_dir / "plan.json", memory.to_json())
@@ -161,6 +171,22 @@ def resume_from(run: Run, run_dir: Path, say) -> tuple[int, dict[str, float], fl
     if run.dist.main:
         truncate_log(run_dir / LOG_NAME, step)
     return step, interval, elapsed
+
+
+def first_step_line(run: Run, since: float) -> str:
+    """The first step's time (from `since`), which holds the compiles of flex attention and
+    its block masks (on GPU every rank stalls on them once), and the shapes compiled."""
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    seconds = clock() - since
+    if resolve_impl(run.cfg.attention, run.device) != "flex":
+        return f"first step: {seconds:.1f}s (attention chunked: nothing compiled)"
+    shapes = len(FLEX_SHAPES)
+    how = "compiled" if flex_compiled(run.device) else "run eagerly"
+    return (
+        f"first step: {seconds:.1f}s, with flex attention and block masks {how} for "
+        f"{shapes} shape(s) (one per layer kind; later steps reuse them)"
+    )
 
 
 def _train(
@@ -198,9 +224,13 @@ def _train(
     t_interval = clock() - elapsed
     writer = ckpt.BackgroundWriter()  # rank 0's checkpoint writes
     interval = StepSums(d.device, interval)
+    started = step
     try:
         while step < run.total_steps:
+            t_step = clock()
             loss, grad_norm, lr = train_step(run, step, interval)
+            if step == started:
+                say(first_step_line(run, t_step))
             step += 1
             for key, value in (("loss", loss), ("grad_norm", grad_norm), ("steps", 1.0)):
                 interval.add(key, value)

@@ -38,14 +38,16 @@ if _dist.is_initialized():
 
 
 def on_ranks(script: str, *args: str, world: int = 2, timeout: float = 120,
-             env: dict | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
-    """Run `script` as `world` gloo ranks (torchrun's environment, no agent); their results."""
+             env: dict | None = None, env_of=None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """Run `script` as `world` gloo ranks (torchrun's environment, no agent); their results.
+    `env_of(rank)`: more environment for one rank (e.g. its node, GROUP_RANK)."""
     port = free_port()
     procs = []
     for rank in range(world):
         full = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
+                "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {}),
+                **(env_of(rank) if env_of else {})}  # fmt: skip
         cmd = [sys.executable, "-c", textwrap.dedent(script) + _FINISH, *args]
         procs.append(subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip

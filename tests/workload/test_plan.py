@@ -321,3 +321,31 @@ def test_the_trainer_prints_the_plan_and_writes_plan_json(tiny_dense, group, tmp
     assert written["world"] == 1 and written["device"] == "cpu" and written["fits"] is None
     assert f"total per rank  {plan.gib(written['per_rank']['total'])}" in printed
     assert printed.index("recipe audit") < printed.index("memory plan")
+
+
+def test_qwen36_27b_on_two_nodes_pays_at_100_gbe_not_at_25(capsys):
+    """2 x 8 H200: the step-time plan's verdict for the 27B template. Only bf16 gradients cross
+    the nodes (hybrid sharding keeps ZeRO's broadcast inside each), 4x fewer bytes than
+    fp32 gradients plus zero1's fp32 broadcast over both nodes; at 25 GbE the second node
+    still makes a step slower than one node at twice the accumulation, and the plan names the
+    grad_accum that pays; at 100 GbE it pays as it is."""
+    base = ["--config", str(RUN_27B), "--target-config", str(TARGET_27B), "--nproc", "8",
+            "--nnodes", "2", "--gpu", "h200", "--json"]  # fmt: skip
+    plans = {}
+    for gbps in (25, 100):
+        code, out, err = run_plan(capsys, *base, "--link-gbps", str(gbps))
+        assert code == 0, err
+        plans[gbps] = json.loads(out)
+    code, out, err = run_plan(capsys, *base, "--set", "dist.sharding=zero1", "--set",
+                              "dist.grad_comm_dtype=fp32")  # fmt: skip
+    before = json.loads(out)["comm_bytes"]
+    after = plans[25]["comm_bytes"]
+    drafter = plans[25]["parameters"]["drafter"]
+    assert plans[25]["sharding"] == "hybrid"
+    assert after["inter"] == 2 * drafter and before["inter"] == 8 * drafter
+    slow, fast = plans[25]["step_time"], plans[100]["step_time"]
+    assert 0.5 < slow["compute_s"] < 1.2  # ~0.8 s at 50% of the bf16 peak
+    assert slow["pays"] is False and slow["accum_to_pay"] in (2, 3, 4)
+    assert fast["pays"] is True
+    code, out, _ = run_plan(capsys, *base[:-1], "--link-gbps", "25")
+    assert "SLOWER" in out and f"grad_accum {slow['accum_to_pay']} would make it pay" in out
