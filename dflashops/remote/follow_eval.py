@@ -1,0 +1,262 @@
+"""Runs inside the eval target under remote/launcher.py (stdlib only): a continuous eval, the
+follower of one training run on another target.
+
+argv: JOB_DIR. Reads JOB_DIR/job.json, written by `dflashops eval RUN --every N`: {"run",
+"every": N, "server": {"address", "port"}, "token_file", "argv": the evaluator's command line
+without --checkpoint and --out, "ckpts": <ws>/ckpts/RUN, "results": <ws>/evals/RUN, "lock":
+<ws>/evals/.evaluating, "poll": seconds}. Over and over: it lists the run's complete
+checkpoints on the checkpoint server (remote/ckpt_server.py, on the training target), and takes
+the oldest one not yet evaluated whose step is a multiple of N (and, once the run has ended,
+its last): copies it to <ws>/ckpts/RUN/step_N through .partial-step_N, each file checked
+against the checkpoint's MANIFEST.sha256 as it lands (a file that verified is never fetched
+again), then evaluates it holding the target's evaluation lock (remote/evallock.py: never two
+evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a result there
+(this job's, an earlier one's, or `eval --step`'s) is never evaluated again. When the run has
+ended and its last checkpoint is scored, it tells the server goodbye and finishes.
+
+Every request has a deadline; a server out of reach is asked again (every `poll` seconds) for
+up to an hour before the job fails. It keeps to the contract of every job's program
+(dflashops/runs/job.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
+evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; it resumes by
+the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
+the training target before they were copied, "failed" those whose evaluator failed.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from dflashops.remote.evallock import one_evaluation
+from dflashops.remote.manifest import MANIFEST, file_sha256, manifest_entries, safe_name
+from dflashops.remote.shared import proc_start, read_json, write_json
+
+DEADLINE = 60  # seconds for each request to the server (connect, and each read)
+UNREACHABLE_FOR = 3600  # seconds the server may be out of reach before the job fails
+
+
+def say(text):
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    sys.stdout.write(f"[follow] {stamp}: {text}\n")
+    sys.stdout.flush()
+
+
+class Gone(Exception):
+    """The server has no such checkpoint (any more)."""
+
+
+class Server:
+    def __init__(self, job):
+        where = job["server"]
+        self.base = f"http://{where['address']}:{where['port']}"
+        token = read_json(job["token_file"]).get("token")
+        if not token:
+            raise SystemExit(f"follow: error: no token in {job['token_file']}")
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def open(self, path, method="GET", **query):
+        url = self.base + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        request = urllib.request.Request(url, headers=self.headers, method=method)
+        try:
+            return urllib.request.urlopen(request, timeout=DEADLINE)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                raise Gone(path) from None
+            raise
+
+    def get(self, path, **query):
+        with self.open(path, **query) as answer:
+            return answer.read()
+
+
+def update(job_dir, **keys):
+    path = os.path.join(job_dir, "state.json")
+    write_json(path, {**read_json(path), **keys})
+
+
+def fetch_file(server, step, name, digest, path):
+    """One file into `path` (through path.part), hashed as it lands; True when it verifies."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = path + ".part"
+    with server.open("/file", step=step, name=name) as answer, open(part, "wb") as out:
+        shutil.copyfileobj(answer, out, 1 << 20)
+    if file_sha256(part) != digest:
+        os.unlink(part)
+        return False
+    os.replace(part, path)
+    return True
+
+
+def pull(server, job, step):
+    """<ckpts>/step_N, a verified copy of the server's; what was fetched (files)."""
+    text = server.get("/manifest", step=step).decode()
+    entries = manifest_entries(text)
+    if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
+        raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
+    final = os.path.join(job["ckpts"], f"step_{step}")
+    if read_text(os.path.join(final, MANIFEST)) == text:
+        return 0  # placed by an earlier pull (pull-ckpt's receiver verifies before it places)
+    partial = os.path.join(job["ckpts"], f".partial-step_{step}")
+    fetched = 0
+    for name, digest in sorted(entries.items()):
+        path = os.path.join(partial, name)
+        if file_sha256(path) == digest:
+            continue
+        if not fetch_file(server, step, name, digest, path):
+            raise ValueError(f"step_{step}/{name}: its sha256 differs from {MANIFEST}")
+        fetched += 1
+    with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+        f.write(text)
+    if os.path.isdir(final):
+        shutil.rmtree(final)  # a copy that does not match the server's manifest
+    os.rename(partial, final)
+    return fetched
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def evaluated(job):
+    """The steps with a result on this target."""
+    try:
+        names = os.listdir(job["results"])
+    except OSError:
+        return set()
+    return {int(n[5:-5]) for n in names
+            if n.startswith("step_") and n.endswith(".json") and n[5:-5].isdigit()}  # fmt: skip
+
+
+def next_step(listing, job, settled):
+    """The oldest step to evaluate now, or None."""
+    steps = listing.get("checkpoints") or []
+    wanted = {s for s in steps if s % job["every"] == 0}
+    if listing.get("ended") and steps:
+        wanted.add(max(steps))
+    todo = sorted(wanted - evaluated(job) - settled)
+    return todo[0] if todo else None
+
+
+class Follower:
+    def __init__(self, job_dir):
+        self.dir = job_dir
+        self.job = read_json(os.path.join(job_dir, "job.json"))
+        state = read_json(os.path.join(job_dir, "state.json"))
+        self.done = list(state.get("done") or [])
+        self.skipped = list(state.get("skipped") or [])
+        self.failed = list(state.get("failed") or [])
+        self.stopping, self.child = [], []
+        self.server = Server(self.job)
+
+    def on_term(self, _signum, _frame):
+        self.stopping.append(True)
+        for child in self.child:
+            with contextlib.suppress(OSError):
+                child.terminate()
+
+    def listing(self):
+        """The server's listing; None while it is out of reach (for up to UNREACHABLE_FOR)."""
+        since = None
+        while not self.stopping:
+            try:
+                return json.loads(self.server.get("/list"))
+            except (OSError, ValueError, Gone) as exc:
+                since = since or time.monotonic()
+                if time.monotonic() - since > UNREACHABLE_FOR:
+                    raise SystemExit(f"follow: error: the checkpoint server {self.server.base} "
+                                     f"was out of reach for an hour ({exc})") from None  # fmt: skip
+                say(f"the checkpoint server {self.server.base} is out of reach ({exc}); "
+                    "trying again")  # fmt: skip
+                time.sleep(self.job.get("poll", 5))
+        return None
+
+    def evaluate(self, step):
+        """The evaluator on the copy of `step`, under the target's evaluation lock; its code."""
+        ckpt = os.path.join(self.job["ckpts"], f"step_{step}")
+        out = os.path.join(self.job["results"], f"step_{step}.json")
+        argv = [*self.job["argv"], "--checkpoint", ckpt, "--out", out]
+        with one_evaluation(self.job["lock"], self.stopping, say) as held:
+            if not held:
+                return None
+            try:
+                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                say(f"step {step}: the evaluator could not start: {exc}")
+                return 127
+            self.child.append(child)
+            code = child.wait()
+            self.child.clear()
+        return 128 - code if code < 0 else code
+
+    def one(self, step):
+        """Copy and evaluate `step`."""
+        started = time.time()
+        try:
+            fetched = pull(self.server, self.job, step)
+        except Gone:
+            say(f"step {step}: gone from the training target before it was copied; skipped")
+            self.skipped.append(step)
+            return update(self.dir, skipped=self.skipped)
+        say(f"step {step}: copied ({fetched} file(s) fetched, each verified); evaluating")
+        code = self.evaluate(step)
+        if self.stopping or code is None:
+            return say(f"step {step}: stopped")
+        if code == 0:
+            self.done.append(step)
+            say(f"step {step}: evaluated in {time.time() - started:.1f} s")
+            return update(self.dir, done=self.done, last={"step": step, "at": time.time()})
+        say(f"step {step}: the evaluator failed (exit code {code}); not tried again")
+        self.failed.append(step)
+        update(self.dir, failed=self.failed)
+
+    def run(self):
+        settled = set(self.skipped) | set(self.failed)
+        while not self.stopping:
+            listing = self.listing()
+            if listing is None:
+                break
+            step = next_step(listing, self.job, settled | set(self.done))
+            if step is not None:
+                self.one(step)
+                settled |= set(self.skipped) | set(self.failed)
+                continue
+            if listing.get("ended"):
+                with contextlib.suppress(OSError, Gone):
+                    self.server.open("/bye", method="POST").close()
+                say(f"the run has ended ({listing.get('status')}) and its checkpoints are scored")
+                return True
+            time.sleep(self.job.get("poll", 5))
+        return False
+
+
+def main():
+    job_dir = sys.argv[1]
+    follower = Follower(job_dir)
+    signal.signal(signal.SIGTERM, follower.on_term)
+    update(job_dir, status="running", pid=os.getpid(), pid_start=proc_start(os.getpid()))
+    job = follower.job
+    say(f"following {job['run']} (every {job['every']} steps) at {follower.server.base}")
+    try:
+        ended = follower.run()
+    except (OSError, ValueError) as exc:
+        say(f"error: {exc}")
+        return 1
+    if not ended:
+        update(job_dir, status="stopped")
+        return 0
+    update(job_dir, status="finished", finished=time.time())
+    return 1 if follower.failed else 0
+
+
+sys.exit(main())

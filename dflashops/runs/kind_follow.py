@@ -1,0 +1,78 @@
+"""The continuous eval, a kind of job: `eval RUN --every N --on TARGET` (and `launch ...
+--eval-on TARGET --eval-every N`) starts it (runs/follow.py) in <ws>/evals/RUN/follow/ID/ on
+the eval target, named follow-RUN-ID; its launcher runs remote/follow_eval.py, which follows
+the run through the checkpoint server on the training target (remote/ckpt_server.py): each
+complete checkpoint whose step is a multiple of N, and the run's last, copied (verified) and
+evaluated once, its result <ws>/evals/RUN/step_N.json (what `evals`, `status RUN`, `compare
+--tau` and the plot read). `status`, `logs`, `stop` and `resume` take its name; `stop` ends
+the step being evaluated, `resume` goes on with what is not evaluated yet.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import secrets as random_tokens
+import time
+from typing import Any
+
+from dflashops.errors import UsageError
+from dflashops.remote import source as helper_source
+from dflashops.runs.job import JobKind
+from dflashops.runs.placement import Node, Placement
+from dflashops.runs.view import Progress, RunView
+
+PROGRAM = "follow_eval.py"
+JOB_NAME = re.compile(r"follow-(.+)-(\d{8}-\d{6}-[0-9a-f]{4})")  # follow-RUN-ID
+
+
+class FollowJob(JobKind):
+    name = "follow"
+    noun = "continuous eval"
+    program = "follower"
+    home = "follows"  # a key of the probe's homes; its jobs live by `pattern`
+    pattern = "evals/*/follow"
+    template = "follow-{}-{}"  # follow-RUN-ID
+    listed = False
+    global_names = False  # its id is new: making its directory claims it
+    stop_request = "stop (the steps it evaluated are kept)"
+
+    def new_job(self, run: str) -> tuple[str, str]:
+        job_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + random_tokens.token_hex(2)
+        return self.template.format(run, job_id), job_id
+
+    def parts(self, name: str) -> list[str]:
+        found = JOB_NAME.fullmatch(name)
+        if found is None:
+            raise UsageError(f"{name!r} is not the name of a continuous eval (follow-RUN-ID)")
+        return list(found.groups())
+
+    def argv(self, placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:
+        return ["python3", posixpath.join(rundir, PROGRAM), rundir]  # it resumes by the results
+
+    def helpers(self) -> dict[str, str]:
+        return {PROGRAM: helper_source(PROGRAM)}
+
+    def progress(self, view: RunView) -> Progress:
+        done = len(view.status.get("done") or [])
+        return Progress(done, done, "steps evaluated")
+
+    def details(self, view: RunView) -> list[tuple[str, str]]:
+        s = view.status
+        done = ", ".join(map(str, s.get("done") or [])) or "-"
+        rows = [("of run", f"{s.get('run')} (on {s.get('from')}), every {s.get('every')} steps"),
+                ("evaluated", done)]  # fmt: skip
+        for key in ("skipped", "failed"):
+            if s.get(key):
+                rows.append((key, ", ".join(map(str, s[key]))))
+        return rows + [("results", f"dflashops evals {s.get('run')}")]
+
+    def stopped(self, view: RunView) -> tuple[str, dict[str, Any]]:
+        done = view.status.get("done") or []
+        return f" with {len(done)} step(s) evaluated", {"done": done}
+
+    def resume_note(self, view: RunView) -> str:
+        return f"{view.name}: resuming (the steps evaluated are not evaluated again)"
+
+
+FOLLOW = FollowJob()
