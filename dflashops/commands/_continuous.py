@@ -36,10 +36,10 @@ def said(opts: context.Context, as_json: bool, job: dict[str, Any]) -> None:
     )
 
 
-def with_launch(reader: Any, writer: Any, run: str, dest: Target, every: int) -> None:
+def with_launch(reader: Any, writer: Any, run: str, dest: Target, every: int, extra: Extra) -> None:
     """After `launch` started the run: its continuous eval (a failure leaves the run going)."""
     try:
-        job = start_follow(reader, writer, run, every, dest, Extra(None, None, None, None, []))
+        job = start_follow(reader, writer, run, every, dest, extra)
     except OpsError as exc:
         exc.args = (f"{exc.message} (the run goes on; start its continuous eval with "
                     f"`dflashops eval {run} --every {every} --on {dest.name}`)",)  # fmt: skip

@@ -17,6 +17,7 @@ from dflashops.commands import _options
 from dflashops.commands._continuous import with_launch
 from dflashops.errors import UsageError
 from dflashops.runs.config import resolve_config
+from dflashops.runs.evaljob import Extra
 from dflashops.runs.launch import launch as start_run
 from dflashops.runs.view import check_name
 from dflashops.runs.watch import then_follow
@@ -81,6 +82,12 @@ def register(app: typer.Typer) -> None:
         eval_every: int = typer.Option(
             None, "--eval-every", metavar="N", help="The steps between evaluated checkpoints."
         ),
+        eval_max_new_tokens: int = typer.Option(
+            None, "--eval-max-new-tokens", metavar="N", help="Its evaluator's --max-new-tokens."
+        ),
+        eval_max_prompts: int = typer.Option(
+            None, "--eval-max-prompts", metavar="N", help="Its evaluator's --max-prompts."
+        ),
         follow: bool = _options.FOLLOW_OPTION,
         wait: float = _options.WAIT_OPTION,
         json_out: bool = _options.JSON_OPTION,
@@ -107,7 +114,8 @@ def register(app: typer.Typer) -> None:
                                   nodes=done.placement.record())  # fmt: skip
                 return
             if evaluator is not None:
-                with_launch(reader, writer, run, evaluator, eval_every)
+                extra = Extra(None, None, eval_max_new_tokens, eval_max_prompts, [])
+                with_launch(reader, writer, run, evaluator, eval_every, extra)
             code = then_follow(reader, done.view, follow, opts.emit if opts.json else None)
             if code is not None:
                 raise typer.Exit(code)
