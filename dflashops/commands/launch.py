@@ -96,14 +96,14 @@ def register(app: typer.Typer) -> None:
         opts = context.get(ctx)
         opts.want_json(json_out)
         check_name(run)
-        text = resolve_config(config, sets or [], run)
-        values = _options.secret_values(secrets or [])
-        inventory = opts.inventory()
-        targets = [inventory.target(name) for name in _options.parse_hosts(host)]
         if (eval_on is None) != (eval_every is None):
             raise UsageError("--eval-on TARGET and --eval-every N go together: give both")
         if eval_every is not None and eval_every < 1:
             raise UsageError(f"--eval-every {eval_every}: a number of steps, >= 1")
+        text = resolve_config(config, sets or [], run)
+        values = _options.secret_values(secrets or [])
+        inventory = opts.inventory()
+        targets = [inventory.target(name) for name in _options.parse_hosts(host)]
         evaluator = inventory.target(eval_on) if eval_on is not None else None
         skip = set(_options.parse_hosts(skip_unreadable)) if skip_unreadable else set()
         with opts.sessions() as (reader, writer):

@@ -10,8 +10,8 @@ ended}. It listens on a free port of that address and writes SERVE_DIR/state.jso
 SERVE_DIR/console.log.
 
 Every request carries "Authorization: Bearer TOKEN" (else 403). GET /list: {"ended": bool,
-"status": the run's state.json status, "checkpoints": [step, ...]} (complete checkpoints: a
-step_N directory with its MANIFEST.sha256); GET /manifest?step=N: its MANIFEST.sha256; GET
+"status": the run's state.json status, "checkpoints": [step, ...] (complete checkpoints: a
+step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtime}}; GET /manifest?step=N: its MANIFEST.sha256; GET
 /file?step=N&name=REL: one file the manifest lists (nothing else is ever served); POST /bye:
 the follower is done, the server ends. It also ends on SIGTERM, and once the run has ended and
 nobody asked anything for `linger` seconds. Each connection has a 60 s deadline.
@@ -62,6 +62,13 @@ class Run:
             if m and os.path.isfile(os.path.join(self.root, m.group(0), MANIFEST))
         )
 
+    def landed(self, step):
+        """When the step's manifest was written: when it became complete."""
+        try:
+            return os.path.getmtime(os.path.join(self.root, f"step_{step}", MANIFEST))
+        except OSError:
+            return None
+
     def manifest(self, step):
         try:
             with open(os.path.join(self.root, f"step_{step}", MANIFEST), encoding="utf-8") as f:
@@ -110,7 +117,9 @@ def handler(run, token, seen, bye):
             step = query.get("step", "")
             if url.path == "/list":
                 ended, status = run.ended()
-                doc = {"ended": ended, "status": status, "checkpoints": run.steps()}
+                steps = run.steps()
+                doc = {"ended": ended, "status": status, "checkpoints": steps,
+                       "landed": {str(s): run.landed(s) for s in steps}}  # fmt: skip
                 return self.reply(200, json.dumps(doc).encode())
             if not step.isdigit():
                 return self.reply(404, b"no such thing\n", "text/plain")

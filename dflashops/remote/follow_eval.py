@@ -19,7 +19,9 @@ up to an hour before the job fails. It keeps to the contract of every job's prog
 (dflashops/runs/job.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
 evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; it resumes by
 the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
-the training target before they were copied, "failed" those whose evaluator failed.
+the training target before they were copied, "failed" those whose evaluator failed, "lags"
+the seconds from each checkpoint's manifest written on the training target (its clock) to its
+result stored here (this one's).
 """
 
 import contextlib
@@ -156,6 +158,7 @@ class Follower:
         self.done = list(state.get("done") or [])
         self.skipped = list(state.get("skipped") or [])
         self.failed = list(state.get("failed") or [])
+        self.lags = dict(state.get("lags") or {})
         self.stopping, self.child = [], []
         self.server = Server(self.job)
 
@@ -199,8 +202,14 @@ class Follower:
             self.child.clear()
         return 128 - code if code < 0 else code
 
-    def one(self, step):
-        """Copy and evaluate `step`."""
+    def result_since(self, step, started):
+        path = os.path.join(self.job["results"], f"step_{step}.json")
+        with contextlib.suppress(OSError):
+            return os.path.getmtime(path) >= started
+        return False
+
+    def one(self, step, landed):
+        """Copy and evaluate `step` (complete on the training target since `landed`)."""
         started = time.time()
         try:
             fetched = pull(self.server, self.job, step)
@@ -210,12 +219,16 @@ class Follower:
             return update(self.dir, skipped=self.skipped)
         say(f"step {step}: copied ({fetched} file(s) fetched, each verified); evaluating")
         code = self.evaluate(step)
+        if code == 0 or self.result_since(step, started):  # a stop may come as it ends
+            self.done.append(step)
+            now = time.time()
+            say(f"step {step}: evaluated in {now - started:.1f} s")
+            stored = os.path.getmtime(os.path.join(self.job["results"], f"step_{step}.json"))
+            self.lags[str(step)] = round(stored - landed, 1)
+            return update(self.dir, done=self.done, lags=self.lags,
+                          last={"step": step, "landed": landed, "scored": now})  # fmt: skip
         if self.stopping or code is None:
             return say(f"step {step}: stopped")
-        if code == 0:
-            self.done.append(step)
-            say(f"step {step}: evaluated in {time.time() - started:.1f} s")
-            return update(self.dir, done=self.done, last={"step": step, "at": time.time()})
         say(f"step {step}: the evaluator failed (exit code {code}); not tried again")
         self.failed.append(step)
         update(self.dir, failed=self.failed)
@@ -228,7 +241,7 @@ class Follower:
                 break
             step = next_step(listing, self.job, settled | set(self.done))
             if step is not None:
-                self.one(step)
+                self.one(step, (listing.get("landed") or {}).get(str(step)) or time.time())
                 settled |= set(self.skipped) | set(self.failed)
                 continue
             if listing.get("ended"):
