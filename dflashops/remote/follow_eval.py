@@ -179,8 +179,9 @@ class Follower:
                 if time.monotonic() - since > UNREACHABLE_FOR:
                     raise SystemExit(f"follow: error: the checkpoint server {self.server.base} "
                                      f"was out of reach for an hour ({exc})") from None  # fmt: skip
-                say(f"the checkpoint server {self.server.base} is out of reach ({exc}); "
-                    "trying again")  # fmt: skip
+                say(f"the checkpoint server {self.server.base} is out of reach ({exc}); trying "
+                    f"again (a server gone with its run: `dflashops eval {self.job['run']} "
+                    f"--every {self.job['every']} --on TARGET` starts a new one)")  # fmt: skip
                 time.sleep(self.job.get("poll", 5))
         return None
 

@@ -160,7 +160,9 @@ def test_killing_the_operator_changes_nothing_and_stop_keeps_what_was_scored(fol
     assert followed["before"] == state["done"]  # nothing scored while it was stopped
     server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
     assert json.loads((server / "state.json").read_text())["status"] == "running"  # waits for it
-    lag = ", ".join(f"step {s} {t:.1f} s" for s, t in followed["lag"].items())
+    inside = {s: json.loads(results(bed)[s].read_text())["timing"]["total_s"] for s in (10, 20)}
+    lag = ", ".join(f"step {s} {t:.1f} s (its evaluator {inside[s]:.1f} s of it)"
+                    for s, t in followed["lag"].items())  # fmt: skip
     print(f"lag from a checkpoint landing to its result stored: {lag}")
 
 
@@ -189,6 +191,11 @@ def test_resumed_it_waits_for_the_lock_then_catches_up_once_each(cli, followed, 
     doc = json.loads(cli("--json", "evals", RUN).out)
     assert [(r["step"], r["target"]) for r in doc["evals"]] == [(s, "evalbox") for s in STEPS]
     assert all(r["tau"] >= 1 for r in doc["evals"])
+    shown = cli("status", RUN)
+    assert shown.code == 0, shown.err
+    assert f"at step 40 (on evalbox; 4 result(s): dflashops evals {RUN})" in shown.out
+    job_status = cli("status", followed["name"])
+    assert job_status.code == 0 and "10, 20, 30, 40" in job_status.out, job_status.out
     server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
     assert json.loads((server / "state.json").read_text())["status"] == "finished"  # said bye
     token = json.loads(bed["evalbox"].host_path(
@@ -210,7 +217,12 @@ def test_a_second_follower_of_the_ended_run_evaluates_nothing(cli, followed, bed
     assert {s: p.stat().st_mtime for s, p in results(bed).items()} == stamps
 
 
-def test_bad_usage_is_one_line(cli, followed):
+def test_bad_usage_is_one_line_and_a_dry_run_starts_nothing(cli, followed, bed):
+    before = follow_dirs(bed)
+    dry = cli("--dry-run", "eval", RUN, "--every", "10", "--on", "evalbox")
+    assert dry.code == 0, dry.err
+    assert "ckpt_server.py" in dry.out and "follow_eval.py" in dry.out
+    assert follow_dirs(bed) == before
     both = cli("eval", RUN, "--every", "10", "--step", "10", "--on", "evalbox")
     assert both.code == 2 and "--every and --step" in both.err
     zero = cli("eval", RUN, "--every", "0", "--on", "evalbox")
