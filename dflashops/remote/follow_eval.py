@@ -25,6 +25,7 @@ result stored here (this one's).
 """
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -97,29 +98,69 @@ def fetch_file(server, step, name, digest, path):
 
 
 def pull(server, job, step):
-    """<ckpts>/step_N, a verified copy of the server's; what was fetched (files)."""
+    """<ckpts>/step_N, a verified copy of the server's; how many files were fetched. It keeps
+    to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
+    directory's flock held while it writes, the placing under the parent's flock, a copy at
+    step_N that holds the same manifest taken as it is."""
     text = server.get("/manifest", step=step).decode()
     entries = manifest_entries(text)
     if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
         raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
     final = os.path.join(job["ckpts"], f"step_{step}")
+    partial = os.path.join(job["ckpts"], f".partial-step_{step}")
     if read_text(os.path.join(final, MANIFEST)) == text:
         return 0  # placed by an earlier pull (pull-ckpt's receiver verifies before it places)
-    partial = os.path.join(job["ckpts"], f".partial-step_{step}")
-    fetched = 0
-    for name, digest in sorted(entries.items()):
-        path = os.path.join(partial, name)
-        if file_sha256(path) == digest:
-            continue
-        if not fetch_file(server, step, name, digest, path):
-            raise ValueError(f"step_{step}/{name}: its sha256 differs from {MANIFEST}")
-        fetched += 1
-    with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
-        f.write(text)
-    if os.path.isdir(final):
-        shutil.rmtree(final)  # a copy that does not match the server's manifest
-    os.rename(partial, final)
+    os.makedirs(partial, mode=0o700, exist_ok=True)
+    with held(partial, os.O_DIRECTORY | os.O_NOFOLLOW):
+        if read_text(os.path.join(final, MANIFEST)) == text:
+            return 0  # placed by another copy while we waited
+        fetched = 0
+        for name, digest in sorted(entries.items()):
+            path = os.path.join(partial, name)
+            if file_sha256(path) == digest:
+                continue
+            if not fetch_file(server, step, name, digest, path):
+                raise ValueError(f"step_{step}/{name}: its sha256 differs from {MANIFEST}")
+            fetched += 1
+        only(partial, entries)
+        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+            f.write(text)
+        place(partial, final, text)
     return fetched
+
+
+@contextlib.contextmanager
+def held(path, flags=0):
+    """An exclusive flock on `path` (a directory), waited for while another copy holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def only(base, entries):
+    """Remove what the manifest does not list (a receiver's marker, temporary names)."""
+    for root, _dirs, names in os.walk(base):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), base).replace(os.sep, "/")
+            if rel not in entries:
+                os.unlink(os.path.join(root, name))
+
+
+def place(partial, final, text):
+    """Rename the partial directory to step_N under their parent's lock, swapping out a copy
+    there that does not hold this manifest."""
+    with held(os.path.dirname(final), os.O_DIRECTORY):
+        if read_text(os.path.join(final, MANIFEST)) == text:
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        if os.path.lexists(final):
+            old = f"{os.path.dirname(final)}/.old-step_{os.path.basename(final)[5:]}-{os.getpid()}"
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(partial, final)
 
 
 def read_text(path):

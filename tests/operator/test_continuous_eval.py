@@ -31,6 +31,15 @@ TRAIN_VMID, EVAL_VMID = 975, 976
 RUN = "c-follow"
 STEPS = (10, 20, 30, 40)
 DELAY_S = "5"  # each checkpoint written 5 s late: the run trains while the follower works
+WRONG_TOKEN = """
+import sys, urllib.error, urllib.request
+url = f"http://{sys.argv[1]}:{sys.argv[2]}/list"
+request = urllib.request.Request(url, headers={"Authorization": "Bearer guess"})
+try:
+    print(urllib.request.urlopen(request, timeout=10).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
 SMALL = ["--eval-max-new-tokens", "8", "--eval-max-prompts", "2"]
 
 
@@ -161,6 +170,10 @@ def test_killing_the_operator_changes_nothing_and_stop_keeps_what_was_scored(fol
     server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
     assert json.loads((server / "state.json").read_text())["status"] == "running"  # waits for it
     inside = {s: json.loads(results(bed)[s].read_text())["timing"]["total_s"] for s in (10, 20)}
+    port = state_of(job)["server"]["port"]
+    asked = cli("exec", "evalbox", "--", "python3", "-c", WRONG_TOKEN, bed["train"].address,
+                str(port))  # fmt: skip
+    assert asked.out.strip() == "403", asked.err  # the server answers no one without the token
     lag = ", ".join(f"step {s} {t:.1f} s (its evaluator {inside[s]:.1f} s of it)"
                     for s, t in followed["lag"].items())  # fmt: skip
     print(f"lag from a checkpoint landing to its result stored: {lag}")
@@ -221,7 +234,7 @@ def test_bad_usage_is_one_line_and_a_dry_run_starts_nothing(cli, followed, bed):
     before = follow_dirs(bed)
     dry = cli("--dry-run", "eval", RUN, "--every", "10", "--on", "evalbox")
     assert dry.code == 0, dry.err
-    assert "ckpt_server.py" in dry.out and "follow_eval.py" in dry.out
+    assert "ckpt_server.py" in dry.out
     assert follow_dirs(bed) == before
     both = cli("eval", RUN, "--every", "10", "--step", "10", "--on", "evalbox")
     assert both.code == 2 and "--every and --step" in both.err
