@@ -26,14 +26,12 @@ from dflashops.inventory import Target
 from dflashops.remote import argv as helper_argv
 from dflashops.remote import source as helper_source
 from dflashops.runs.config import parse_config
-from dflashops.runs.evaljob import Extra, eval_argv
+from dflashops.runs.evaljob import Extra, eval_argv, start_on
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import LOOPBACK, Node, Placement, new_run_id
-from dflashops.runs.probe import probe
 from dflashops.runs.pulls import beside
-from dflashops.runs.snapshot import local_code
-from dflashops.runs.start import SECRETS_HOME, TMUX, start_job, write_run_files, write_secrets
+from dflashops.runs.start import SECRETS_HOME, TMUX, write_run_files, write_secrets
 from dflashops.runs.survey import find
 from dflashops.runs.view import RunView, ckpt_copy_dir, tmux_session
 from dflashops.ssh.session import Session
@@ -174,12 +172,8 @@ def start_follower(
             "lock": posixpath.join(ws, "evals", ".evaluating"), "poll": POLL_S}  # fmt: skip
     own = {"kind": FOLLOW.name, "run": run, "job": job_id, "every": every, "from": view.target,
            "server": server, "launched": time.time()}  # fmt: skip
-    placement = Placement(FOLLOW, name, new_run_id(), [Node(0, dest, 1)], state=own)
-    code = local_code()
-    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
-    in_place = have.paths.get(code.path(dest)) == "dir"
-    files = {"job.json": json.dumps(plan, indent=2) + "\n"}
-    start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
+    placement = start_on(reader, writer, Placement(FOLLOW, name, new_run_id(),
+                                                   [Node(0, dest, 1)], state=own), plan)  # fmt: skip
     return {**own, "name": name, "target": dest.name, "tmux": tmux_session(name),
             "dir": placement.dir(placement.nodes[0])}  # fmt: skip
 

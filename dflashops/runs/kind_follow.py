@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import posixpath
 import re
-import secrets as random_tokens
-import time
 from typing import Any
 
-from dflashops.errors import UsageError
 from dflashops.remote import source as helper_source
 from dflashops.runs.job import JobKind
+from dflashops.runs.kind_eval import EvalJob
 from dflashops.runs.placement import Node, Placement
 from dflashops.runs.view import Progress, RunView
 
@@ -26,7 +24,9 @@ PROGRAM = "follow_eval.py"
 JOB_NAME = re.compile(r"follow-(.+)-(\d{8}-\d{6}-[0-9a-f]{4})")  # follow-RUN-ID
 
 
-class FollowJob(JobKind):
+class FollowJob(EvalJob):
+    """Named and started as an eval job is; what it runs and how it is read differ."""
+
     name = "follow"
     noun = "continuous eval"
     program = "follower"
@@ -36,16 +36,8 @@ class FollowJob(JobKind):
     listed = False
     global_names = False  # its id is new: making its directory claims it
     stop_request = "stop (the steps it evaluated are kept)"
-
-    def new_job(self, run: str) -> tuple[str, str]:
-        job_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + random_tokens.token_hex(2)
-        return self.template.format(run, job_id), job_id
-
-    def parts(self, name: str) -> list[str]:
-        found = JOB_NAME.fullmatch(name)
-        if found is None:
-            raise UsageError(f"{name!r} is not the name of a continuous eval (follow-RUN-ID)")
-        return list(found.groups())
+    job_name = JOB_NAME
+    article = "a"
 
     def argv(self, placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:
         return ["python3", posixpath.join(rundir, PROGRAM), rundir]  # it resumes by the results
@@ -70,6 +62,9 @@ class FollowJob(JobKind):
     def stopped(self, view: RunView) -> tuple[str, dict[str, Any]]:
         done = view.status.get("done") or []
         return f" with {len(done)} step(s) evaluated", {"done": done}
+
+    def check_resumable(self, view: RunView) -> None:
+        JobKind.check_resumable(self, view)  # not the eval job's: its steps are not known ahead
 
     def resume_note(self, view: RunView) -> str:
         return f"{view.name}: resuming (the steps evaluated are not evaluated again)"

@@ -162,7 +162,7 @@ def followed(cli, inv, home, config, bed) -> dict:
     return {"job": job, "name": name, "lag": lag, "before": sorted(results(bed))}
 
 
-def test_killing_the_operator_changes_nothing_and_stop_keeps_what_was_scored(followed, bed):
+def test_killing_the_operator_changes_nothing_and_stop_keeps_what_was_scored(cli, followed, bed):
     job = followed["job"]
     state = state_of(job)
     assert 10 in state["done"] and state["done"] == sorted(state["done"])
