@@ -57,6 +57,10 @@ class FollowJob(EvalJob):
         for key in ("skipped", "failed"):
             if s.get(key):
                 rows.append((key, ", ".join(map(str, s[key]))))
+        lags = s.get("lags") or {}
+        if lags:
+            each = ", ".join(f"step {k} {v:.1f} s" for k, v in lags.items())
+            rows.append(("lag", f"{each} (checkpoint complete -> its result stored)"))
         return rows + [("results", f"dflashops evals {s.get('run')}")]
 
     def stopped(self, view: RunView) -> tuple[str, dict[str, Any]]:

@@ -209,6 +209,8 @@ def test_resumed_it_waits_for_the_lock_then_catches_up_once_each(cli, followed, 
     assert f"at step 40 (on evalbox; 4 result(s): dflashops evals {RUN})" in shown.out
     job_status = cli("status", followed["name"])
     assert job_status.code == 0 and "10, 20, 30, 40" in job_status.out, job_status.out
+    assert "step 40 " in job_status.out and "-> its result stored" in job_status.out
+    print(job_status.out)
     server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
     assert json.loads((server / "state.json").read_text())["status"] == "finished"  # said bye
     token = json.loads(bed["evalbox"].host_path(
