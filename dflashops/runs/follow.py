@@ -26,7 +26,7 @@ from dflashops.inventory import Target
 from dflashops.remote import argv as helper_argv
 from dflashops.remote import source as helper_source
 from dflashops.runs.config import parse_config
-from dflashops.runs.evaljob import Extra, eval_argv, start_on
+from dflashops.runs.evaljob import Extra, engine_argv, eval_argv, start_on
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import LOOPBACK, Node, Placement, new_run_id
@@ -56,7 +56,8 @@ def start_follow(
     address = server_address(source, dest)
     refuse_second(reader, run, dest)
     config = parse_config(view, extra.sets)
-    base = eval_argv(reader.machine(dest), writer.machine(dest), run, config, extra)
+    engine = engine_argv(reader.machine(dest), extra.engine)
+    base = eval_argv(reader.machine(dest), writer.machine(dest), run, config, extra) + engine
     beside(writer.machine(dest), ckpt_copy_dir(dest, run, 0),
            (view.raw.get("files") or {}).get("run.yaml"))  # fmt: skip
     name, job_id = FOLLOW.new_job(run)
