@@ -14,6 +14,7 @@ line, exit 2, before anything starts) with the run's run.yaml and keeps its resu
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
 once the job has started (--follow: stay). `eval RUN --follow --on TARGET` attaches to RUN's
 newest job there. Ctrl-C while following only detaches (exit 130): the job goes on.
+`--every N` starts a continuous eval instead (runs/follow.py), and returns once it runs.
 `dflashops evals RUN` lists the results.
 """
 
