@@ -14,6 +14,7 @@ line, exit 2, before anything starts) with the run's run.yaml and keeps its resu
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
 once the job has started (--follow: stay). `eval RUN --follow --on TARGET` attaches to RUN's
 newest job there. Ctrl-C while following only detaches (exit 130): the job goes on.
+`--every N` starts a continuous eval instead (runs/follow.py), and returns once it runs.
 `dflashops evals RUN` lists the results.
 """
 
@@ -25,6 +26,7 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.commands._continuous import continuous
 from dflashops.errors import ExitCode, UsageError
 from dflashops.inventory import Target
 from dflashops.render import console, metric, table
@@ -45,6 +47,13 @@ def register(app: typer.Typer) -> None:
         step: int = typer.Option(None, "--step", metavar="STEP", help="One checkpoint's step."),
         steps: str = typer.Option(
             None, "--steps", metavar="A,B,C", help="Several steps, evaluated one after another."
+        ),
+        every: int = typer.Option(
+            None,
+            "--every",
+            metavar="N",
+            help="Follow the run: each complete checkpoint whose step is a multiple of N, and "
+            "its last, evaluated once as it appears (a continuous eval job on TARGET).",
         ),
         on: str = typer.Option(..., "--on", metavar="TARGET", help="The target to evaluate on."),
         host: str = _options.HOST_OPTION,
@@ -99,16 +108,20 @@ def register(app: typer.Typer) -> None:
         check_name(run)
         if follow and detach:
             raise UsageError("--follow and --detach: choose one")
-        chosen = chosen_steps(step, steps, follow)
+        if every is not None and (step is not None or steps):
+            raise UsageError("--every and --step/--steps: give one")
+        chosen = [] if every is not None else chosen_steps(step, steps, follow)
         if check_real is not None and check_real < 0:
             raise UsageError(f"--check-real {check_real}: a number of prompts, >= 0")
         dest = opts.inventory().target(on)
-        if not chosen:  # --follow alone: the newest job of RUN there
+        if not chosen and every is None:  # --follow alone: the newest job of RUN there
             job = newest_job(opts.session(), run, dest)
             return finish(opts, as_json, dest, job)
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host, engine)  # fmt: skip
+        if every is not None:
+            return continuous(opts, as_json, run, every, dest, extra)
         with opts.sessions() as (reader, writer):
             job = start_eval(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:

@@ -14,7 +14,10 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.commands._continuous import with_launch
+from dflashops.errors import UsageError
 from dflashops.runs.config import resolve_config
+from dflashops.runs.evaljob import Extra
 from dflashops.runs.launch import launch as start_run
 from dflashops.runs.view import check_name
 from dflashops.runs.watch import then_follow
@@ -69,6 +72,22 @@ def register(app: typer.Typer) -> None:
             "where it can be).",
             hidden=True,
         ),
+        eval_on: str = typer.Option(
+            None,
+            "--eval-on",
+            metavar="TARGET",
+            help="Evaluate its checkpoints there as they "
+            "appear (a continuous eval; with --eval-every).",
+        ),
+        eval_every: int = typer.Option(
+            None, "--eval-every", metavar="N", help="The steps between evaluated checkpoints."
+        ),
+        eval_max_new_tokens: int = typer.Option(
+            None, "--eval-max-new-tokens", metavar="N", help="Its evaluator's --max-new-tokens."
+        ),
+        eval_max_prompts: int = typer.Option(
+            None, "--eval-max-prompts", metavar="N", help="Its evaluator's --max-prompts."
+        ),
         follow: bool = _options.FOLLOW_OPTION,
         wait: float = _options.WAIT_OPTION,
         json_out: bool = _options.JSON_OPTION,
@@ -77,10 +96,15 @@ def register(app: typer.Typer) -> None:
         opts = context.get(ctx)
         opts.want_json(json_out)
         check_name(run)
+        if (eval_on is None) != (eval_every is None):
+            raise UsageError("--eval-on TARGET and --eval-every N go together: give both")
+        if eval_every is not None and eval_every < 1:
+            raise UsageError(f"--eval-every {eval_every}: a number of steps, >= 1")
         text = resolve_config(config, sets or [], run)
         values = _options.secret_values(secrets or [])
         inventory = opts.inventory()
         targets = [inventory.target(name) for name in _options.parse_hosts(host)]
+        evaluator = inventory.target(eval_on) if eval_on is not None else None
         skip = set(_options.parse_hosts(skip_unreadable)) if skip_unreadable else set()
         with opts.sessions() as (reader, writer):
             done = start_run(reader, writer, run, targets, text, values, skip=skip, force=force,
@@ -89,6 +113,9 @@ def register(app: typer.Typer) -> None:
                 opts.dry_run_done(run=run, targets=[t.name for t in targets],
                                   nodes=done.placement.record())  # fmt: skip
                 return
+            if evaluator is not None:
+                extra = Extra(None, None, eval_max_new_tokens, eval_max_prompts, [])
+                with_launch(reader, writer, run, evaluator, eval_every, extra)
             code = then_follow(reader, done.view, follow, opts.emit if opts.json else None)
             if code is not None:
                 raise typer.Exit(code)

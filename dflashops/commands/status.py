@@ -13,9 +13,10 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.render import console, duration
+from dflashops.render import console, duration, metric
 from dflashops.runs import kinds
 from dflashops.runs.failure import trainer_lines
+from dflashops.runs.follow import latest_eval
 from dflashops.runs.survey import Survey, find, resolve, survey
 from dflashops.runs.tables import history_table, runs_table, vs_rows, vs_table, warn_logs
 from dflashops.runs.view import VALUE_RULE, RunView, tmux_session
@@ -73,7 +74,7 @@ def register(app: typer.Typer) -> None:
         if run:
             view = find(session, run, host=host, records="recent", checkpoints=True,
                         console=8192)  # fmt: skip
-            show_one(view, as_json, opts)
+            show_one(view, as_json, opts, latest_eval(opts.session(), view))
             return
         if host is not None:
             opts.inventory().target(host)  # a name that is no target: one line, exit 4
@@ -113,10 +114,14 @@ def show_all(
     found.warn_errors()
 
 
-def show_one(view: RunView, as_json: bool, opts: context.Context) -> None:
+def show_one(
+    view: RunView, as_json: bool, opts: context.Context, evaluated: dict[str, Any] | None = None
+) -> None:
     warn_logs([view])
     if as_json:
         doc = view.summary()
+        if evaluated is not None:
+            doc["eval"] = evaluated
         doc["checkpoints"] = [
             {"step": c.step, "complete": c.complete, "bytes": c.bytes} for c in view.checkpoints
         ]
@@ -126,7 +131,7 @@ def show_one(view: RunView, as_json: bool, opts: context.Context) -> None:
     out = console()
     out.print(runs_table([view]))
     out.print()
-    for label, value in details(view):
+    for label, value in details(view) + eval_rows(view, evaluated):
         out.print(f"{label + ':':<13}{value}")
     if view.records:
         out.print()
@@ -154,6 +159,19 @@ def details(view: RunView) -> list[tuple[str, str]]:
     if view.note:
         rows.append(("note", view.note))
     return rows + kinds.by_where(view.where).details(view)  # a run's: wandb, checkpoints
+
+
+def eval_rows(view: RunView, evaluated: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Its newest evaluated step's tau, and the continuous evals that follow it."""
+    if not evaluated:
+        return []
+    rows = []
+    if evaluated.get("step") is not None:
+        rows.append(("tau", f"{metric(evaluated.get('tau'), 'streak')} at step "
+                            f"{evaluated['step']} (on {evaluated['target']}; "
+                            f"{evaluated['results']} result(s): dflashops evals {view.name})"))  # fmt: skip
+    rows += [("evaluating", f"continuous eval {f}") for f in evaluated["following"]]
+    return rows
 
 
 def node_rows(view: RunView) -> list[tuple[str, str]]:

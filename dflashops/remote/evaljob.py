@@ -9,9 +9,11 @@ failure's (0 when every step wrote its result).
 
 It keeps to the contract of every job's program (dflashops/runs/job.py): state.json's "status"
 is "running" while it works, then "finished" (or "stopped"), with its "pid" and "pid_start" so
-that `stop` can signal it. SIGTERM ends the step being evaluated (its evaluator gets SIGTERM)
-and the job, "stopped". The steps that wrote their result are kept in state.json's "done": the
-job started again (`resume`) evaluates only the others.
+that `stop` can signal it. One evaluation at a time on a target: each step waits for the
+target's evaluation lock (remote/evallock.py), which a continuous eval's steps hold too.
+SIGTERM ends the step being evaluated (its evaluator gets SIGTERM) and the job, "stopped".
+The steps that wrote their result are kept in state.json's "done": the job started again
+(`resume`) evaluates only the others.
 """
 
 import contextlib
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from dflashops.remote.evallock import one_evaluation
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 
@@ -36,6 +39,24 @@ def update(job_dir, **keys):
     state = read_json(path)
     state.update(keys)
     write_json(path, state)
+
+
+def lock_path(job_dir):
+    """The target's evaluation lock: <ws>/evals/.evaluating (job_dir: <ws>/evals/RUN/jobs/ID)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(job_dir))), ".evaluating")
+
+
+def run_step(item, current):
+    """The evaluator of one step; its exit code."""
+    try:
+        child = subprocess.Popen(item["argv"], stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        say(f"step {item['step']}: could not start: {exc}")
+        return 127
+    current.append(child)
+    code = child.wait()
+    current.clear()
+    return code
 
 
 def main():
@@ -62,14 +83,8 @@ def main():
         if stopping:
             break
         say(f"step {item['step']} ({i + 1}/{len(evals)}) of {job['run']}")
-        try:
-            child = subprocess.Popen(item["argv"], stdin=subprocess.DEVNULL)
-            current.append(child)
-            code = child.wait()
-        except OSError as exc:
-            say(f"step {item['step']}: could not start: {exc}")
-            code = 127
-        current.clear()
+        with one_evaluation(lock_path(job_dir), stopping, say) as held:
+            code = run_step(item, current) if held else 0
         code = 128 - code if code < 0 else code
         if stopping:
             say(f"step {item['step']}: stopped")

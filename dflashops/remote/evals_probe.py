@@ -5,7 +5,8 @@ stdout: {"now": time, "results": [...], "jobs": [...]}: a result is the summary 
 <ws>/evals/RUN/step_N.json (its keys without the per-prompt records, with run, step, file and
 mtime; the real loop's check, check_real, and vLLM's greedy and simulation checks without their
 per-prompt details; engine, fingerprint and prompt_set as they are); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
-(its tmux session on our server, or its launcher by pid and start time).
+(its tmux session on our server, or its launcher by pid and start time); "follows": the
+continuous evals (<ws>/evals/RUN/follow/ID/) as the jobs.
 """
 
 import json
@@ -73,10 +74,10 @@ def alive(session, job_dir):
     return pid is not None and start is not None and proc_start(pid) == start
 
 
-def jobs(base, run):
+def jobs(base, run, sub="jobs"):
     found = []
-    for job in listdir(os.path.join(base, run, "jobs")):
-        job_dir = os.path.join(base, run, "jobs", job)
+    for job in listdir(os.path.join(base, run, sub)):
+        job_dir = os.path.join(base, run, sub, job)
         state = read_json(os.path.join(job_dir, "state.json"))
         if not state:
             continue
@@ -91,10 +92,11 @@ def main():
     wanted = req.get("runs")
     names = [n for n in listdir(base) if os.path.isdir(os.path.join(base, n))]
     names = [n for n in names if wanted is None or n in wanted]
-    out = {"now": time.time(), "results": [], "jobs": []}
+    out = {"now": time.time(), "results": [], "jobs": [], "follows": []}
     for run in names:
         out["results"] += results(base, run)
         out["jobs"] += jobs(base, run)
+        out["follows"] += jobs(base, run, "follow")
     json.dump(out, sys.stdout)
 
 

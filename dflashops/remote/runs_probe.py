@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 
+from dflashops.remote.manifest import manifest_entries
 from dflashops.remote.shared import read_json, same_process
 
 LOG = "train_log.jsonl"
@@ -362,17 +363,6 @@ def sha256(path):
                 return digest.hexdigest()
             digest.update(chunk)
             HEARTBEAT.beat(len(chunk))
-
-
-def manifest_entries(text):
-    """{name: sha256} of a sha256sum-format manifest; None when it is empty or malformed."""
-    entries = {}
-    for line in text.splitlines():
-        digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64 or not name:
-            return None
-        entries[name.lstrip("*")] = digest
-    return entries or None
 
 
 def verify_dir(path):

@@ -74,16 +74,24 @@ def start_eval(
     }  # fmt: skip
     own = {"kind": EVAL.name, "run": run, "job": job_id, "steps": steps,
            "reference": extra.reference, "engine": extra.engine}  # fmt: skip
-    placement = Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)], state=own)
-    code = local_code()
-    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
-    in_place = have.paths.get(code.path(dest)) == "dir"
-    files = {"job.json": json.dumps(plan, indent=2) + "\n"}
-    start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
+    placement = start_on(reader, writer, Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)],
+                                                   state=own), plan)  # fmt: skip
     job = {**own, "target": dest.name, "tmux": tmux_session(name), "launched": time.time()}
     context.note(f"{dest.name}: eval job {job_id} of {run} started (steps "
                  f"{', '.join(map(str, steps))}; tmux {job['tmux']})")  # fmt: skip
     return {**job, "dir": placement.dir(placement.nodes[0]), "name": name}
+
+
+def start_on(reader: Session, writer: Session, placement: Placement, plan: dict[str, Any]
+             ) -> Placement:  # fmt: skip
+    """Start a one-node job with its job.json (`plan`) and the code as it is here."""
+    code = local_code()
+    dest = placement.nodes[0].target
+    have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
+    in_place = have.paths.get(code.path(dest)) == "dir"
+    files = {"job.json": json.dumps(plan, indent=2) + "\n"}
+    start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
+    return placement
 
 
 def newest_job(session: Session, run: str, dest: Target) -> dict[str, Any]:

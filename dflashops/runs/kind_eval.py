@@ -34,6 +34,8 @@ class EvalJob(JobKind):
     listed = False  # `evals` lists them
     global_names = False  # its id is new: making its directory claims it
     stop_request = "stop (the steps it finished are kept)"
+    job_name = JOB_NAME
+    article = "an"
 
     def new_job(self, run: str) -> tuple[str, str]:
         """(name, id) of a new job evaluating run `run`: the id is the time and 4 random hex."""
@@ -41,9 +43,10 @@ class EvalJob(JobKind):
         return self.template.format(run, job_id), job_id
 
     def parts(self, name: str) -> list[str]:
-        found = JOB_NAME.fullmatch(name)
+        found = self.job_name.fullmatch(name)
         if found is None:
-            raise UsageError(f"{name!r} is not the name of an eval job (eval-RUN-ID)")
+            shape = self.template.format("RUN", "ID")
+            raise UsageError(f"{name!r} is not the name of {self.article} {self.noun} ({shape})")
         return list(found.groups())
 
     def argv(self, placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:

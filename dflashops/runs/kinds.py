@@ -6,9 +6,10 @@ from typing import Any
 
 from dflashops.runs.job import JobKind
 from dflashops.runs.kind_eval import EVAL
+from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 
-KINDS: tuple[JobKind, ...] = (TRAINING, EVAL)
+KINDS: tuple[JobKind, ...] = (TRAINING, EVAL, FOLLOW)
 LISTED = tuple(k for k in KINDS if k.listed)
 
 

@@ -1,0 +1,190 @@
+"""Runs inside the training target in a tmux session of ours (stdlib only): the checkpoint
+server a continuous eval's follower (remote/follow_eval.py, on the eval target) reads a run's
+complete checkpoints from, over HTTP on the training target's own address.
+
+argv: SERVE_DIR. Reads SERVE_DIR/serve.json, written by `dflashops eval --every`:
+{"run_dir": the run's directory (node 0), "address": where to listen, "token_file": a 0600
+JSON file {"token": ...} (never on a command line), "linger": seconds to stay once the run has
+ended}. It listens on a free port of that address and writes SERVE_DIR/state.json
+{"status": "running", "pid", "pid_start", "address", "port"}; what it says goes to
+SERVE_DIR/console.log.
+
+Every request carries "Authorization: Bearer TOKEN" (else 403). GET /list: {"ended": bool,
+"status": the run's state.json status, "checkpoints": [step, ...] (complete checkpoints: a
+step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtime}}; GET /manifest?step=N: its MANIFEST.sha256; GET
+/file?step=N&name=REL: one file the manifest lists (nothing else is ever served); POST /bye:
+the follower is done, the server ends. It also ends on SIGTERM, and once the run has ended and
+nobody asked anything for `linger` seconds. Each connection has a 60 s deadline.
+"""
+
+import hmac
+import http.server
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.parse
+
+from dflashops.remote.manifest import MANIFEST, manifest_entries, safe_name
+from dflashops.remote.shared import proc_start, read_json, write_json
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+ENDED = ("finished", "stopped", "failed")
+
+
+def say(text):
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    sys.stdout.write(f"[ckpt server] {stamp}: {text}\n")
+    sys.stdout.flush()
+
+
+class Run:
+    def __init__(self, run_dir):
+        self.dir = run_dir
+        self.root = os.path.join(run_dir, "checkpoints")
+
+    def ended(self):
+        status = read_json(os.path.join(self.dir, "state.json")).get("status")
+        return status in ENDED or os.path.exists(os.path.join(self.dir, "exit_code")), status
+
+    def steps(self):
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        found = [STEP_DIR.match(n) for n in names]
+        return sorted(
+            int(m.group(1))
+            for m in found
+            if m and os.path.isfile(os.path.join(self.root, m.group(0), MANIFEST))
+        )
+
+    def landed(self, step):
+        """When the step's manifest was written: when it became complete."""
+        try:
+            return os.path.getmtime(os.path.join(self.root, f"step_{step}", MANIFEST))
+        except OSError:
+            return None
+
+    def manifest(self, step):
+        try:
+            with open(os.path.join(self.root, f"step_{step}", MANIFEST), encoding="utf-8") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def file(self, step, name):
+        """The path of a file the step's manifest lists, inside its directory; else None."""
+        text = self.manifest(step)
+        entries = manifest_entries(text or "") or {}
+        if name not in entries or not safe_name(name):
+            return None
+        base = os.path.realpath(os.path.join(self.root, f"step_{step}"))
+        path = os.path.realpath(os.path.join(base, name))
+        return path if path.startswith(base + os.sep) and os.path.isfile(path) else None
+
+
+def handler(run, token, seen, bye):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = 60  # a deadline on every connection
+
+        def log_message(self, *args):
+            pass  # the URLs are no secret, but a console full of them helps nobody
+
+        def allowed(self):
+            seen[0] = time.monotonic()
+            given = self.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return True
+            self.reply(403, b"not allowed\n", "text/plain")
+            return False
+
+        def reply(self, code, body, kind="application/json"):
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if not self.allowed():
+                return
+            url = urllib.parse.urlsplit(self.path)
+            query = dict(urllib.parse.parse_qsl(url.query))
+            step = query.get("step", "")
+            if url.path == "/list":
+                ended, status = run.ended()
+                steps = run.steps()
+                doc = {"ended": ended, "status": status, "checkpoints": steps,
+                       "landed": {str(s): run.landed(s) for s in steps}}  # fmt: skip
+                return self.reply(200, json.dumps(doc).encode())
+            if not step.isdigit():
+                return self.reply(404, b"no such thing\n", "text/plain")
+            if url.path == "/manifest":
+                text = run.manifest(int(step))
+                if text is None:
+                    return self.reply(404, b"no such checkpoint\n", "text/plain")
+                return self.reply(200, text.encode(), "text/plain")
+            if url.path == "/file":
+                return self.send_file(run.file(int(step), query.get("name", "")))
+            self.reply(404, b"no such thing\n", "text/plain")
+
+        def send_file(self, path):
+            if path is None:
+                return self.reply(404, b"not in that checkpoint's manifest\n", "text/plain")
+            with open(path, "rb") as f:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
+                self.end_headers()
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    self.wfile.write(chunk)
+
+        def do_POST(self):
+            if not self.allowed():
+                return
+            if urllib.parse.urlsplit(self.path).path != "/bye":
+                return self.reply(404, b"no such thing\n", "text/plain")
+            self.reply(200, b"{}")
+            bye.set()
+
+    return Handler
+
+
+def main():
+    serve_dir = sys.argv[1]
+    log = os.open(os.path.join(serve_dir, "console.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    conf = read_json(os.path.join(serve_dir, "serve.json"))
+    token = read_json(conf["token_file"]).get("token")
+    if not token:
+        say(f"no token in {conf['token_file']}; not serving")
+        return 2
+    run, seen, bye = Run(conf["run_dir"]), [time.monotonic()], threading.Event()
+    server = http.server.ThreadingHTTPServer((conf["address"], 0), handler(run, token, seen, bye))
+    server.daemon_threads = True
+    signal.signal(signal.SIGTERM, lambda *_: bye.set())
+    port = server.server_address[1]
+    write_json(os.path.join(serve_dir, "state.json"), {
+        "status": "running", "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
+        "address": conf["address"], "port": port, "started": time.time()})  # fmt: skip
+    say(f"serving the checkpoints of {run.dir} on {conf['address']}:{port}")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    linger = float(conf.get("linger", 600))
+    while not bye.wait(5):
+        if run.ended()[0] and time.monotonic() - seen[0] > linger:
+            say(f"the run has ended and nothing was asked for {linger:.0f} s")
+            break
+    server.shutdown()
+    state = read_json(os.path.join(serve_dir, "state.json"))
+    write_json(os.path.join(serve_dir, "state.json"), {**state, "status": "finished",
+                                                       "finished": time.time()})  # fmt: skip
+    say("stopped" if bye.is_set() else "done")
+    return 0
+
+
+sys.exit(main())

@@ -1,0 +1,317 @@
+"""Runs inside the eval target under remote/launcher.py (stdlib only): a continuous eval, the
+follower of one training run on another target.
+
+argv: JOB_DIR. Reads JOB_DIR/job.json, written by `dflashops eval RUN --every N`: {"run",
+"every": N, "server": {"address", "port"}, "token_file", "argv": the evaluator's command line
+without --checkpoint and --out, "ckpts": <ws>/ckpts/RUN, "results": <ws>/evals/RUN, "lock":
+<ws>/evals/.evaluating, "poll": seconds}. Over and over: it lists the run's complete
+checkpoints on the checkpoint server (remote/ckpt_server.py, on the training target), and takes
+the oldest one not yet evaluated whose step is a multiple of N (and, once the run has ended,
+its last): copies it to <ws>/ckpts/RUN/step_N through .partial-step_N, each file checked
+against the checkpoint's MANIFEST.sha256 as it lands (a file that verified is never fetched
+again), then evaluates it holding the target's evaluation lock (remote/evallock.py: never two
+evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a result there
+(this job's, an earlier one's, or `eval --step`'s) is never evaluated again. When the run has
+ended and its last checkpoint is scored, it tells the server goodbye and finishes.
+
+Every request has a deadline; a server out of reach is asked again (every `poll` seconds) for
+up to an hour before the job fails. It keeps to the contract of every job's program
+(dflashops/runs/job.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
+evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; it resumes by
+the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
+the training target before they were copied, "failed" those whose evaluator failed, "lags"
+the seconds from each checkpoint's manifest written on the training target (its clock) to its
+result stored here (this one's).
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from dflashops.remote.evallock import one_evaluation
+from dflashops.remote.manifest import MANIFEST, file_sha256, manifest_entries, safe_name
+from dflashops.remote.shared import proc_start, read_json, write_json
+
+DEADLINE = 60  # seconds for each request to the server (connect, and each read)
+UNREACHABLE_FOR = 3600  # seconds the server may be out of reach before the job fails
+
+
+def say(text):
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    sys.stdout.write(f"[follow] {stamp}: {text}\n")
+    sys.stdout.flush()
+
+
+class Gone(Exception):
+    """The server has no such checkpoint (any more)."""
+
+
+class Server:
+    def __init__(self, job):
+        where = job["server"]
+        self.base = f"http://{where['address']}:{where['port']}"
+        token = read_json(job["token_file"]).get("token")
+        if not token:
+            raise SystemExit(f"follow: error: no token in {job['token_file']}")
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def open(self, path, method="GET", **query):
+        url = self.base + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        request = urllib.request.Request(url, headers=self.headers, method=method)
+        try:
+            return urllib.request.urlopen(request, timeout=DEADLINE)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                raise Gone(path) from None
+            raise
+
+    def get(self, path, **query):
+        with self.open(path, **query) as answer:
+            return answer.read()
+
+
+def update(job_dir, **keys):
+    path = os.path.join(job_dir, "state.json")
+    write_json(path, {**read_json(path), **keys})
+
+
+def fetch_file(server, step, name, digest, path):
+    """One file into `path` (through path.part), hashed as it lands; True when it verifies."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = path + ".part"
+    with server.open("/file", step=step, name=name) as answer, open(part, "wb") as out:
+        shutil.copyfileobj(answer, out, 1 << 20)
+    if file_sha256(part) != digest:
+        os.unlink(part)
+        return False
+    os.replace(part, path)
+    return True
+
+
+def pull(server, job, step):
+    """<ckpts>/step_N, a verified copy of the server's; how many files were fetched. It keeps
+    to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
+    directory's flock held while it writes, the placing under the parent's flock, a copy at
+    step_N that holds the same manifest taken as it is."""
+    text = server.get("/manifest", step=step).decode()
+    entries = manifest_entries(text)
+    if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
+        raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
+    final = os.path.join(job["ckpts"], f"step_{step}")
+    partial = os.path.join(job["ckpts"], f".partial-step_{step}")
+    if read_text(os.path.join(final, MANIFEST)) == text:
+        return 0  # placed by an earlier pull (pull-ckpt's receiver verifies before it places)
+    os.makedirs(partial, mode=0o700, exist_ok=True)
+    with held(partial, os.O_DIRECTORY | os.O_NOFOLLOW):
+        if read_text(os.path.join(final, MANIFEST)) == text:
+            return 0  # placed by another copy while we waited
+        fetched = 0
+        for name, digest in sorted(entries.items()):
+            path = os.path.join(partial, name)
+            if file_sha256(path) == digest:
+                continue
+            if not fetch_file(server, step, name, digest, path):
+                raise ValueError(f"step_{step}/{name}: its sha256 differs from {MANIFEST}")
+            fetched += 1
+        only(partial, entries)
+        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+            f.write(text)
+        place(partial, final, text)
+    return fetched
+
+
+@contextlib.contextmanager
+def held(path, flags=0):
+    """An exclusive flock on `path` (a directory), waited for while another copy holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def only(base, entries):
+    """Remove what the manifest does not list (a receiver's marker, temporary names)."""
+    for root, _dirs, names in os.walk(base):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), base).replace(os.sep, "/")
+            if rel not in entries:
+                os.unlink(os.path.join(root, name))
+
+
+def place(partial, final, text):
+    """Rename the partial directory to step_N under their parent's lock, swapping out a copy
+    there that does not hold this manifest."""
+    with held(os.path.dirname(final), os.O_DIRECTORY):
+        if read_text(os.path.join(final, MANIFEST)) == text:
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        if os.path.lexists(final):
+            old = f"{os.path.dirname(final)}/.old-step_{os.path.basename(final)[5:]}-{os.getpid()}"
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(partial, final)
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def evaluated(job):
+    """The steps with a result on this target."""
+    try:
+        names = os.listdir(job["results"])
+    except OSError:
+        return set()
+    return {int(n[5:-5]) for n in names
+            if n.startswith("step_") and n.endswith(".json") and n[5:-5].isdigit()}  # fmt: skip
+
+
+def next_step(listing, job, settled):
+    """The oldest step to evaluate now, or None."""
+    steps = listing.get("checkpoints") or []
+    wanted = {s for s in steps if s % job["every"] == 0}
+    if listing.get("ended") and steps:
+        wanted.add(max(steps))
+    todo = sorted(wanted - evaluated(job) - settled)
+    return todo[0] if todo else None
+
+
+class Follower:
+    def __init__(self, job_dir):
+        self.dir = job_dir
+        self.job = read_json(os.path.join(job_dir, "job.json"))
+        state = read_json(os.path.join(job_dir, "state.json"))
+        self.done = list(state.get("done") or [])
+        self.skipped = list(state.get("skipped") or [])
+        self.failed = list(state.get("failed") or [])
+        self.lags = dict(state.get("lags") or {})
+        self.stopping, self.child = [], []
+        self.server = Server(self.job)
+
+    def on_term(self, _signum, _frame):
+        self.stopping.append(True)
+        for child in self.child:
+            with contextlib.suppress(OSError):
+                child.terminate()
+
+    def listing(self):
+        """The server's listing; None while it is out of reach (for up to UNREACHABLE_FOR)."""
+        since = None
+        while not self.stopping:
+            try:
+                return json.loads(self.server.get("/list"))
+            except (OSError, ValueError, Gone) as exc:
+                since = since or time.monotonic()
+                if time.monotonic() - since > UNREACHABLE_FOR:
+                    raise SystemExit(f"follow: error: the checkpoint server {self.server.base} "
+                                     f"was out of reach for an hour ({exc})") from None  # fmt: skip
+                say(f"the checkpoint server {self.server.base} is out of reach ({exc}); trying "
+                    f"again (a server gone with its run: `dflashops eval {self.job['run']} "
+                    f"--every {self.job['every']} --on TARGET` starts a new one)")  # fmt: skip
+                time.sleep(self.job.get("poll", 5))
+        return None
+
+    def evaluate(self, step):
+        """The evaluator on the copy of `step`, under the target's evaluation lock; its code."""
+        ckpt = os.path.join(self.job["ckpts"], f"step_{step}")
+        out = os.path.join(self.job["results"], f"step_{step}.json")
+        argv = [*self.job["argv"], "--checkpoint", ckpt, "--out", out]
+        with one_evaluation(self.job["lock"], self.stopping, say) as held:
+            if not held:
+                return None
+            try:
+                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                say(f"step {step}: the evaluator could not start: {exc}")
+                return 127
+            self.child.append(child)
+            code = child.wait()
+            self.child.clear()
+        return 128 - code if code < 0 else code
+
+    def result_since(self, step, started):
+        path = os.path.join(self.job["results"], f"step_{step}.json")
+        with contextlib.suppress(OSError):
+            return os.path.getmtime(path) >= started
+        return False
+
+    def one(self, step, landed):
+        """Copy and evaluate `step` (complete on the training target since `landed`)."""
+        started = time.time()
+        try:
+            fetched = pull(self.server, self.job, step)
+        except Gone:
+            say(f"step {step}: gone from the training target before it was copied; skipped")
+            self.skipped.append(step)
+            return update(self.dir, skipped=self.skipped)
+        say(f"step {step}: copied ({fetched} file(s) fetched, each verified); evaluating")
+        code = self.evaluate(step)
+        if code == 0 or self.result_since(step, started):  # a stop may come as it ends
+            self.done.append(step)
+            now = time.time()
+            say(f"step {step}: evaluated in {now - started:.1f} s")
+            stored = os.path.getmtime(os.path.join(self.job["results"], f"step_{step}.json"))
+            self.lags[str(step)] = round(stored - landed, 1)
+            return update(self.dir, done=self.done, lags=self.lags,
+                          last={"step": step, "landed": landed, "scored": now})  # fmt: skip
+        if self.stopping or code is None:
+            return say(f"step {step}: stopped")
+        say(f"step {step}: the evaluator failed (exit code {code}); not tried again")
+        self.failed.append(step)
+        update(self.dir, failed=self.failed)
+
+    def run(self):
+        settled = set(self.skipped) | set(self.failed)
+        while not self.stopping:
+            listing = self.listing()
+            if listing is None:
+                break
+            step = next_step(listing, self.job, settled | set(self.done))
+            if step is not None:
+                self.one(step, (listing.get("landed") or {}).get(str(step)) or time.time())
+                settled |= set(self.skipped) | set(self.failed)
+                continue
+            if listing.get("ended"):
+                with contextlib.suppress(OSError, Gone):
+                    self.server.open("/bye", method="POST").close()
+                say(f"the run has ended ({listing.get('status')}) and its checkpoints are scored")
+                return True
+            time.sleep(self.job.get("poll", 5))
+        return False
+
+
+def main():
+    job_dir = sys.argv[1]
+    follower = Follower(job_dir)
+    signal.signal(signal.SIGTERM, follower.on_term)
+    update(job_dir, status="running", pid=os.getpid(), pid_start=proc_start(os.getpid()))
+    job = follower.job
+    say(f"following {job['run']} (every {job['every']} steps) at {follower.server.base}")
+    try:
+        ended = follower.run()
+    except (OSError, ValueError) as exc:
+        say(f"error: {exc}")
+        return 1
+    if not ended:
+        update(job_dir, status="stopped")
+        return 0
+    update(job_dir, status="finished", finished=time.time())
+    return 1 if follower.failed else 0
+
+
+sys.exit(main())

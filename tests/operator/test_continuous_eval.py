@@ -1,0 +1,246 @@
+"""Continuous evaluation on the fake Proxmox bed: a tiny run trained in one container (`train`,
+CT 975 on pve1) and followed from another (`evalbox`, CT 976 on pve2), the two on a bridge with
+static addresses (no DNS), as Proxmox CTs are. `launch --eval-on evalbox --eval-every 10` starts
+the follower with the run; its checkpoints come over the checkpoint server of the training
+container, each evaluated once with the sim engine.
+
+One run, in order: the operator killed while the run trains; the follower stopped, the
+evaluation lock held by someone else, then resumed: it waits, then catches up without repeating
+a step; a second `eval --every` of the ended run evaluates nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.operator.cli import Ran, dflashops, finished, start
+from tests.operator.tiny_target import tiny_build
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+TRAIN_VMID, EVAL_VMID = 975, 976
+RUN = "c-follow"
+STEPS = (10, 20, 30, 40)
+DELAY_S = "5"  # each checkpoint written 5 s late: the run trains while the follower works
+WRONG_TOKEN = """
+import sys, urllib.error, urllib.request
+url = f"http://{sys.argv[1]}:{sys.argv[2]}/list"
+request = urllib.request.Request(url, headers={"Authorization": "Bearer guess"})
+try:
+    print(urllib.request.urlopen(request, timeout=10).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+SMALL = ["--eval-max-new-tokens", "8", "--eval-max-prompts", "2"]
+
+
+@pytest.fixture(scope="module")
+def bed(testbed):
+    if testbed.mode != "netns":
+        pytest.skip("container networks need the test bed's netns mode")
+    train = testbed["pve1"].add_container(TRAIN_VMID, "ns", network=True)
+    evalbox = testbed["pve2"].add_container(EVAL_VMID, "ns", network=True)
+    try:
+        yield {"train": train, "evalbox": evalbox}
+    finally:
+        testbed["pve1"].remove_container(TRAIN_VMID)
+        testbed["pve2"].remove_container(EVAL_VMID)
+
+
+@pytest.fixture(scope="module")
+def inv(testbed, bed, tmp_path_factory) -> Path:
+    train, evalbox = bed["train"], bed["evalbox"]
+    slow = {"DFLASHOPS_TEST_CHECKPOINT_DELAY_S": DELAY_S}
+    targets = {
+        "train": ("pve1", TRAIN_VMID, {"address": train.address, "env": slow}),
+        "evalbox": ("pve2", EVAL_VMID, {"address": evalbox.address}),
+    }
+    where = tmp_path_factory.mktemp("inv")
+    return testbed.write_inventory(
+        where / "hosts.yaml", targets, extra_defaults={"python": sys.executable}
+    )
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def cli(inv, home):
+    def run(*args: str, timeout: float = 300) -> Ran:
+        return dflashops(*args, inventory=inv, home=home, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def config(cli, tmp_path_factory) -> Path:
+    """40 steps, a checkpoint every 10 (all four kept); the tiny target in both containers."""
+    tiny = tiny_build()
+    for target in ("train", "evalbox"):
+        pushed = cli("push", target, str(tiny), "/workspace/tiny")
+        assert pushed.code == 0, pushed.err
+    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
+    cfg["target"]["path"] = "/workspace/tiny/target"
+    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
+    cfg["data"]["max_length"] = 128
+    cfg["optim"].update(max_steps=40, batch_size=2)
+    cfg["log"]["log_every"] = 10
+    cfg["checkpoint"].update(every=10, keep_last=4)
+    path = tmp_path_factory.mktemp("cfg") / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def follow_dirs(bed) -> list[Path]:
+    return sorted(bed["evalbox"].host_path(f"/workspace/evals/{RUN}/follow").glob("*"))
+
+
+def state_of(job: Path) -> dict:
+    try:
+        return json.loads((job / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(what: str, check, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+def results(bed) -> dict[int, Path]:
+    base = bed["evalbox"].host_path(f"/workspace/evals/{RUN}")
+    return {int(p.stem.removeprefix("step_")): p for p in base.glob("step_*.json")}
+
+
+def landed(bed, step: int) -> float:
+    """When checkpoint `step` became complete on the training target (its manifest written)."""
+    path = f"/workspace/runs/{RUN}/checkpoints/step_{step}/MANIFEST.sha256"
+    return bed["train"].host_path(path).stat().st_mtime
+
+
+@pytest.fixture(scope="module")
+def followed(cli, inv, home, config, bed) -> dict:
+    """The run launched with its continuous eval (--follow), the operator killed once the
+    follower runs and step 10 is scored; then, once step 20 is, the follower stopped, and the run
+    left to end."""
+    proc = start("launch", RUN, "--host", "train", "--config", str(config), "--eval-on",
+                 "evalbox", "--eval-every", "10", *SMALL, "--follow", inventory=inv, home=home)  # fmt: skip
+    try:
+        job = wait_for("the follower running", lambda: [
+            j for j in follow_dirs(bed) if state_of(j).get("status") == "running"])[0]  # fmt: skip
+        wait_for("step 10 scored", lambda: 10 in results(bed))
+    finally:
+        proc.send_signal(signal.SIGKILL)  # the operator gone, as a closed laptop
+        finished(proc)
+    wait_for("step 20 scored", lambda: 20 in (state_of(job).get("done") or []))
+    lag = {s: results(bed)[s].stat().st_mtime - landed(bed, s) for s in (10, 20)}
+    print(f"mtimes: {[(s, landed(bed, s), results(bed)[s].stat().st_mtime) for s in (10, 20)]}")
+    print(json.dumps(state_of(job)))
+    print((job / "console.log").read_text())
+    name = f"follow-{RUN}-{job.name}"
+    stopped = cli("stop", name)
+    assert stopped.code == 0, stopped.err
+    wait_for("the follower stopped", lambda: state_of(job).get("status") == "stopped", 60)
+    ran = cli("status", RUN, "--follow", "--interval", "1")
+    assert ran.code == 0, ran.err
+    return {"job": job, "name": name, "lag": lag, "before": sorted(results(bed))}
+
+
+def test_killing_the_operator_changes_nothing_and_stop_keeps_what_was_scored(cli, followed, bed):
+    job = followed["job"]
+    state = state_of(job)
+    assert 10 in state["done"] and state["done"] == sorted(state["done"])
+    assert followed["before"] == state["done"]  # nothing scored while it was stopped
+    server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
+    assert json.loads((server / "state.json").read_text())["status"] == "running"  # waits for it
+    inside = {s: json.loads(results(bed)[s].read_text())["timing"]["total_s"] for s in (10, 20)}
+    port = state_of(job)["server"]["port"]
+    asked = cli("exec", "evalbox", "--", "python3", "-c", WRONG_TOKEN, bed["train"].address,
+                str(port))  # fmt: skip
+    assert asked.out.strip() == "403", asked.err  # the server answers no one without the token
+    lag = ", ".join(f"step {s} {t:.1f} s (its evaluator {inside[s]:.1f} s of it)"
+                    for s, t in followed["lag"].items())  # fmt: skip
+    print(f"lag from a checkpoint landing to its result stored: {lag}")
+
+
+def test_resumed_it_waits_for_the_lock_then_catches_up_once_each(cli, followed, bed):
+    job = followed["job"]
+    lock = bed["evalbox"].host_path("/workspace/evals/.evaluating")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another evaluation holds this target
+        resumed = cli("resume", followed["name"])
+        assert resumed.code == 0, resumed.err
+        log = job / "console.log"
+        wait_for("the follower waiting for the lock", lambda: "waiting for it to end" in
+                 log.read_text(), 60)  # fmt: skip
+        time.sleep(2)
+        assert sorted(results(bed)) == followed["before"]  # nothing evaluated meanwhile
+    finally:
+        os.close(fd)
+    wait_for("the follower finished", lambda: state_of(job).get("status") == "finished", 240)
+    state = state_of(job)
+    assert state["done"] == list(STEPS) and sorted(results(bed)) == list(STEPS)
+    text = log.read_text()
+    for step in STEPS:
+        assert text.count(f"step {step}: evaluated in") == 1, text
+    doc = json.loads(cli("--json", "evals", RUN).out)
+    assert [(r["step"], r["target"]) for r in doc["evals"]] == [(s, "evalbox") for s in STEPS]
+    assert all(r["tau"] >= 1 for r in doc["evals"])
+    shown = cli("status", RUN)
+    assert shown.code == 0, shown.err
+    assert f"at step 40 (on evalbox; 4 result(s): dflashops evals {RUN})" in shown.out
+    job_status = cli("status", followed["name"])
+    assert job_status.code == 0 and "10, 20, 30, 40" in job_status.out, job_status.out
+    assert "step 40 " in job_status.out and "-> its result stored" in job_status.out
+    print(job_status.out)
+    server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
+    assert json.loads((server / "state.json").read_text())["status"] == "finished"  # said bye
+    token = json.loads(bed["evalbox"].host_path(
+        f"/workspace/dflashops/secrets/ckpt-{RUN}-{job.name}.json").read_text())["token"]  # fmt: skip
+    for path in [*job.iterdir(), *server.iterdir()]:
+        assert token not in path.read_text(errors="replace"), path  # never in a log or a file
+
+
+def test_a_second_follower_of_the_ended_run_evaluates_nothing(cli, followed, bed):
+    stamps = {s: p.stat().st_mtime for s, p in results(bed).items()}
+    ran = cli("eval", RUN, "--every", "10", "--on", "evalbox", "--max-new-tokens", "8")
+    assert ran.code == 0, ran.err
+    assert "continuous eval follow-" in ran.out
+    again = [j for j in follow_dirs(bed) if j != followed["job"]]
+    assert len(again) == 1
+    wait_for("the second follower finished",
+             lambda: state_of(again[0]).get("status") == "finished", 60)  # fmt: skip
+    assert state_of(again[0]).get("done") in (None, [])
+    assert {s: p.stat().st_mtime for s, p in results(bed).items()} == stamps
+
+
+def test_bad_usage_is_one_line_and_a_dry_run_starts_nothing(cli, followed, bed):
+    before = follow_dirs(bed)
+    dry = cli("--dry-run", "eval", RUN, "--every", "10", "--on", "evalbox")
+    assert dry.code == 0, dry.err
+    assert "ckpt_server.py" in dry.out
+    assert follow_dirs(bed) == before
+    both = cli("eval", RUN, "--every", "10", "--step", "10", "--on", "evalbox")
+    assert both.code == 2 and "--every and --step" in both.err
+    zero = cli("eval", RUN, "--every", "0", "--on", "evalbox")
+    assert zero.code == 2 and "--every 0" in zero.err
+    half = cli("launch", "c-other", "--host", "train", "--eval-every", "10")
+    assert half.code == 2 and "go together" in half.err
