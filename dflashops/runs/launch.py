@@ -14,7 +14,7 @@ from dflashops import context
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.render import human_bytes
-from dflashops.runs.claim import take_back, taken_error, warn_unread
+from dflashops.runs.claim import sweep_abandoned, take_back, taken_error, warn_unread
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
@@ -49,6 +49,8 @@ def launch(
     code = local_code()
     seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc)
     placement = seen.placement
+    if not writer.dry_run:
+        sweep_abandoned(writer, seen.abandoned)
     text = f"{config_text.rstrip()}\n# workload snapshot {code.digest}\n"
     context.note(f"{run}: {placement.describe()}")
     if writer.dry_run:
@@ -77,9 +79,12 @@ def launch(
 class Preflight:
     """What one read of the targets said: where the run goes and what each target has."""
 
-    def __init__(self, placement: Placement, probes: dict[str, Probe]) -> None:
+    def __init__(
+        self, placement: Placement, probes: dict[str, Probe], abandoned: list[RunView]
+    ) -> None:
         self.placement = placement
         self.probes = probes
+        self.abandoned = abandoned  # launches of this name cut short: swept before the claim
 
     def have_code(self, target: Target, code: Code) -> bool:
         return self.probes[target.name].paths.get(code.path(target)) == "dir"
@@ -130,6 +135,8 @@ def preflight(
     warn_unread(run, unread)
     probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
     places = [v for p in probes.values() for v in group(p.runs) if v.name == run]
+    cut = [v for v in places if v.state == "abandoned"]
+    places = [v for v in places if v.state != "abandoned"]
     if places:
         raise taken_error(run, places)
     for target in targets:
@@ -142,7 +149,7 @@ def preflight(
             f"{run}: rank 0 (the log and checkpoints) runs on {first.name}: torchrun's "
             "rendezvous orders the nodes by address"
         )
-    return Preflight(placement, probes)
+    return Preflight(placement, probes, cut)
 
 
 def order_nodes(targets: list[Target]) -> list[Target]:

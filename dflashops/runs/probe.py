@@ -56,7 +56,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
         if "error" in raw:
             context.note(f"{target.name}: {raw['where']}/{raw['name']}: {raw['error']}")
             continue
-        state, note = derive_state(raw)
+        state, note = derive_state(raw, doc["now"])
         view = RunView(raw["name"], target.name, raw["where"], raw["dir"], state, doc["now"],
                        raw, note, kind=kinds.by_where(raw["where"]))  # fmt: skip
         if state == "failed" and root_cause(view):

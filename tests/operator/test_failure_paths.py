@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -210,3 +212,86 @@ def test_a_probe_lost_while_the_run_starts_is_tried_again(testbed, make_containe
     run = Path(train.host_path("/workspace/runs/blip"))
     assert json.loads((run / "state.json").read_text())["status"] == "running", err
     assert dflashops("stop", "blip", "--kill", inventory=inv, home=tmp_path).code == 0
+
+
+# ---------------------------------------------------------------- item 3: a launch cut short
+
+
+def kill_when(proc: subprocess.Popen, seen: Callable[[], bool], sig: int) -> None:
+    """`sig` to the operator as soon as `seen()` (polled every millisecond), once."""
+    deadline = time.monotonic() + 60
+    while not seen():
+        assert proc.poll() is None and time.monotonic() < deadline, "never got there"
+        time.sleep(0.001)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+
+
+def status_is(path: Path, status: str) -> Callable[[], bool]:
+    def seen() -> bool:
+        try:
+            return json.loads(path.read_text()).get("status") == status
+        except (OSError, ValueError):
+            return False
+
+    return seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+@pytest.mark.parametrize("when", ["claiming", "secret written"])
+def test_a_launch_cut_short_leaves_its_name_to_the_next(here, sig, when):
+    """The operator killed while it claims the name, or once it wrote the secret: SIGTERM and
+    SIGHUP take the claim back; after SIGKILL the next launch finds the holder gone (same
+    machine, its pid dead) and sweeps the directory and the secrets file at once."""
+    run_dir = here.ws / "runs" / "cut3"
+    secrets = here.ws / "dflashops" / "secrets"
+    env = {**os.environ, "HOME": str(here.root), "CUT_TOKEN": "s3cret"}
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(here.inventory), "launch",
+            "cut3", "--host", "local", "--config", str(here.config), "--secret", "CUT_TOKEN"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    if when == "claiming":
+        seen = status_is(run_dir / "state.json", "claiming")
+    else:
+        seen = lambda: secrets.is_dir() and any(secrets.iterdir())  # noqa: E731
+    kill_when(proc, seen, sig)
+    err = proc.stderr.read().decode()
+    if sig == signal.SIGKILL:
+        shown = json.loads(here.cli("--json", "status", "cut3").out)
+        assert shown["state"] == "abandoned" and "interrupted" in shown["note"], shown
+    else:
+        assert proc.returncode == 130 and "interrupted" in err, err
+        assert not run_dir.exists(), err
+    assert not list(secrets.glob("cut3-*")) or sig == signal.SIGKILL
+    again = here.launch("cut3", "--secret", "CUT_TOKEN", env={"CUT_TOKEN": "s3cret"})
+    assert again.code == 0, again.err
+    assert json.loads(here.cli("--json", "status", "cut3").out)["state"] == "running"
+    assert not list(secrets.glob("cut3-*")), "a secrets file was left behind"
+    assert here.cli("stop", "cut3", "--kill").code == 0
+
+
+def test_a_claim_whose_lease_passed_is_taken_over(here):
+    """A claim of another machine's operator (its pid means nothing here) is free once its
+    lease has passed, not before."""
+    run_dir = here.ws / "runs" / "lease3"
+    run_dir.mkdir(parents=True)
+    hold = {
+        "verb": "launch",
+        "host": "elsewhere",
+        "machine": "another-boot/pid:[1]",
+        "pid": 1,
+        "start": 1,
+        "token": "t0",
+        "lease_s": 300,
+        "until": time.time() + 300,
+    }
+    state = {"status": "claiming", "run_id": "r0", "launched": time.time(), "hold": hold}
+    (run_dir / "state.json").write_text(json.dumps(state))
+    held = here.launch("lease3")
+    assert held.code == 2 and "is taken" in one_line(held), held.err
+    state["hold"]["until"] = time.time() - 1
+    (run_dir / "state.json").write_text(json.dumps(state))
+    assert json.loads(here.cli("--json", "status", "lease3").out)["state"] == "abandoned"
+    taken = here.launch("lease3")
+    assert taken.code == 0, taken.err
+    assert here.cli("stop", "lease3", "--kill").code == 0
