@@ -295,3 +295,34 @@ def test_a_claim_whose_lease_passed_is_taken_over(here):
     taken = here.launch("lease3")
     assert taken.code == 0, taken.err
     assert here.cli("stop", "lease3", "--kill").code == 0
+
+
+# ---------------------------------------------------------------- item 4: resume --secret fails
+
+
+def test_a_resume_that_fails_after_its_secret_leaves_nothing(here):
+    """`resume --secret` fails once the secret is written (tmux is not on the target's PATH):
+    the secrets file is gone, state.json is as it was, and the next `resume --secret` works."""
+    assert here.launch("sec4").code == 0
+    assert here.cli("stop", "sec4").code == 0
+    run_dir = here.ws / "runs" / "sec4"
+    secrets = here.ws / "dflashops" / "secrets"
+    before = (run_dir / "state.json").read_bytes()
+    bare = here.root / "bin"  # /usr/bin without tmux
+    bare.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name != "tmux":
+            (bare / tool.name).symlink_to(tool)
+    here.write_inventory({"TMUX_TMPDIR": str(here.tmux), "PATH": str(bare)})
+    env = {"S4_TOKEN": "s3cret"}
+    failed = here.cli("resume", "sec4", "--secret", "S4_TOKEN", env=env)
+    assert failed.code == 1 and "tmux is not installed" in failed.err, failed.err
+    assert not secrets.is_dir() or not list(secrets.iterdir()), list(secrets.iterdir())
+    assert (run_dir / "state.json").read_bytes() == before
+    assert json.loads(here.cli("--json", "status", "sec4").out)["state"] == "stopped"
+    here.write_inventory({"TMUX_TMPDIR": str(here.tmux)})
+    again = here.cli("resume", "sec4", "--secret", "S4_TOKEN", env=env)
+    assert again.code == 0, again.err
+    assert json.loads((run_dir / "env.json").read_text())["S4_TOKEN"] == "s3cret"
+    assert not list(secrets.iterdir())
+    assert here.cli("stop", "sec4", "--kill").code == 0
