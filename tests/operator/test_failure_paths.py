@@ -3,6 +3,8 @@ containers), with the stand-in trainer (test_runs_local) so each case takes seco
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -16,7 +18,7 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.rundirs import STAND_IN_TRAINER, make_run
+from tests.operator.rundirs import STAND_IN_TRAINER, make_run, write_checkpoint
 from tests.operator.sshd_faults import frozen_sshd
 from workload.config import ConfigError, load_config
 
@@ -326,3 +328,78 @@ def test_a_resume_that_fails_after_its_secret_leaves_nothing(here):
     assert json.loads((run_dir / "env.json").read_text())["S4_TOKEN"] == "s3cret"
     assert not list(secrets.iterdir())
     assert here.cli("stop", "sec4", "--kill").code == 0
+
+
+# ---------------------------------------------------------------- item 7: archive
+
+
+def manifest_holds(step_dir: Path) -> bool:
+    for line in (step_dir / "MANIFEST.sha256").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        if hashlib.sha256((step_dir / name).read_bytes()).hexdigest() != digest:
+            return False
+    return True
+
+
+@pytest.fixture
+def archive_elsewhere(here):
+    """The workspace's archive/ on a filesystem of its own (a tmpfs), as a separate disk."""
+    mount = here.ws / "archive"
+    mount.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_archive_to_another_filesystem_keeps_what_it_does_not_prune(here, archive_elsewhere):
+    make_run(here.ws, "xfs7", ckpts=(10, 20, 30))
+    write_checkpoint(here.ws / "runs" / "xfs7" / "checkpoints" / "step_35", 35, complete=False)
+    ran = here.cli("archive", "xfs7", "--keep-last", "2")
+    assert ran.code == 0, ran.err
+    moved = archive_elsewhere / "xfs7"
+    kept = sorted(p.name for p in (moved / "checkpoints").iterdir())
+    assert kept == ["step_20", "step_30"], kept
+    assert all(manifest_holds(moved / "checkpoints" / k) for k in kept)
+    assert (moved / "train_log.jsonl").read_text().count("\n") == 3
+    assert not (here.ws / "runs" / "xfs7").exists()
+    assert not [p for p in archive_elsewhere.iterdir() if p.name != "xfs7"]  # no temporary
+    assert json.loads(here.cli("--json", "status", "xfs7", "--all").out)["state"] == "archived"
+
+
+def test_a_resume_between_archives_check_and_move_wins(here):
+    """archive reads the run (stopped), and is held there (its plan's output blocks on a full
+    pipe) while a resume starts the run: archive's move then refuses in one line, and the
+    running run keeps its directory."""
+    run = make_run(here.ws, "race7", status="stopped", ckpts=tuple(range(1, 401)))
+    reader, writer = os.pipe()
+    fcntl.fcntl(writer, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    env = {**os.environ, "HOME": str(here.root), "COLUMNS": "80"}
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(here.inventory),
+            "archive", "race7"]  # fmt: skip
+    archive = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=writer,
+                               stderr=subprocess.PIPE, env=env)  # fmt: skip
+    os.close(writer)
+    with os.fdopen(reader, "rb") as out:
+        first = out.read(16)  # the plan is being written: the run was read
+        assert first, archive.stderr.read()
+        resumed = here.cli("resume", "race7")
+        assert resumed.code == 0, resumed.err
+        rest = out.read()
+    archive.wait(timeout=60)
+    err = archive.stderr.read().decode()
+    assert archive.returncode == 1, (first + rest).decode()[-300:] + err
+    assert len(err.strip().splitlines()) == 1 and "changed by another command" in err, err
+    assert run.is_dir() and not (here.ws / "archive" / "race7").exists()
+    assert json.loads(here.cli("--json", "status", "race7").out)["state"] == "running"
+    assert here.cli("stop", "race7", "--kill").code == 0
+
+
+def test_a_run_being_changed_is_refused_at_once(here):
+    """Another command holds the run's lock (here: this test): archive refuses, in one line."""
+    run = make_run(here.ws, "busy7", ckpts=(10,))
+    with open(run / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ran = here.cli("archive", "busy7", timeout=30)
+    assert ran.code == 1 and "busy" in one_line(ran), ran.err
+    assert run.is_dir()
+    assert here.cli("archive", "busy7").code == 0
