@@ -173,7 +173,8 @@ def check_free(target: Target, probe: Probe, *, force: bool) -> None:
     if holders:
         v = holders[0]
         step = f", step {v.step}" if v.step is not None else ""
-        why = f"run {v.name} ({v.state}{step}) holds its GPUs; stop it first"
+        uses = "holds its GPUs" if gpu_count(probe) else "runs on its CPU (no GPUs there)"
+        why = f"run {v.name} ({v.state}{step}) {uses}; stop it first"
     elif apps:
         shown = ", ".join(
             f"pid {a.get('pid')} {a.get('name')} on GPU {a.get('gpu')} ({a.get('used_mib')} MiB)"
@@ -236,7 +237,8 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     ]
     total = per.get("total")
     room = plan.get("gpu_memory")
-    fits = {True: "fits", False: "DOES NOT FIT", None: "no GPU reading"}[plan.get("fits")]
+    cpu = "on CPU: no GPU memory to fit" if plan.get("device") == "cpu" else "no GPU reading"
+    fits = {True: "fits", False: "DOES NOT FIT", None: cpu}[plan.get("fits")]
     head = f"memory plan per rank ({plan.get('world')} ranks, sharding {plan.get('sharding')}): "
     head += f"{human_bytes(total)}" + (f" of {human_bytes(room)}" if room else "") + f": {fits}"
     return [head, "  " + ", ".join(parts)] + [f"  {n}" for n in plan.get("notes") or []]

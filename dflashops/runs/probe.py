@@ -40,7 +40,8 @@ def probe(machine: Machine, **request: Any) -> Probe:
     every = request.get("names") is not None
     request = {"ws": target.workspace, "homes": kinds.homes(every=every), **request}
     argv = helper_argv("runs_probe.py")
-    result = machine.run(argv, stdin=json.dumps(request).encode())
+    cwd = "/" if target.kind == "local" else None  # a read makes no workspace there
+    result = machine.run(argv, stdin=json.dumps(request).encode(), cwd=cwd)
     if machine.dry_run:
         return Probe({where: [] for where in request["homes"]}, [], {}, {})
     if result.returncode == 127:

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,9 +21,10 @@ import yaml
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import STAND_IN_TRAINER, make_run, write_checkpoint
 from tests.operator.sshd_faults import frozen_sshd
-from workload.config import ConfigError, load_config
+from workload.config import ConfigError, audit, load_config
 
 pytestmark = pytest.mark.testbed
+REPO = Path(__file__).resolve().parents[2]
 
 
 def stand_in(ct) -> str:
@@ -403,3 +405,46 @@ def test_a_run_being_changed_is_refused_at_once(here):
     assert ran.code == 1 and "busy" in one_line(ran), ran.err
     assert run.is_dir()
     assert here.cli("archive", "busy7").code == 0
+
+
+# ---------------------------------------------------------------- item 13: first-hour edges
+
+
+def test_no_runs_names_the_workspace_it_read_and_makes_none(tmp_path):
+    """A copy of the shipped hosts.yaml in another folder: `local`'s relative workspace is
+    beside that file; `status` says so, and a read creates no workspace there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shipped = REPO / "hosts.yaml"
+    (elsewhere / "hosts.yaml").write_text(shipped.read_text())
+    ran = dflashops("status", inventory=elsewhere / "hosts.yaml", cwd=tmp_path, home=tmp_path)
+    assert ran.code == 0, ran.err
+    ws = elsewhere / ".dflashops" / "workspace"
+    assert ran.out.strip() == f"no runs in local:{ws} (not there yet)", ran.out
+    assert not (elsewhere / ".dflashops").exists()
+
+
+def test_compare_refuses_a_metric_no_run_logged(here):
+    make_run(here.ws, "cmp13")
+    ran = here.cli("compare", "cmp13", "--metrics", "accuracy,loss", timeout=30)
+    assert ran.code == 2, ran.err
+    assert one_line(ran) == ("dflashops: error: --metrics accuracy: not in the logs of cmp13; "
+                             "they have: acc, loss"), ran.err  # fmt: skip
+    assert here.cli("compare", "cmp13", timeout=30).code == 0  # the default keys: no refusal
+
+
+def test_words_a_cpu_only_target_and_a_new_user_understand(here):
+    """A CPU-only local target: the plan and a busy target say CPU, not GPUs; the recipe
+    audit names no run the user never had."""
+    first = here.launch("cpu13")
+    assert first.code == 0, first.err
+    assert "on CPU" in first.err and "GPU reading" not in first.err, first.err
+    busy = here.launch("cpu13b")
+    assert busy.code == 2, busy.err
+    assert "run cpu13 (" in busy.err and "runs on its CPU (no GPUs there)" in busy.err, busy.err
+    assert here.cli("stop", "cpu13", "--kill").code == 0
+    cfg = load_config(REPO / "templates" / "runs" / "tiny.yaml",
+                      ["target.path=/t", "data.path=/d", "loss.type=kl", "loss.gamma=10",
+                       "loss.weighting=dpace"])  # fmt: skip
+    notes = "\n".join(item.line() for item in audit(cfg))
+    assert "soft targets" in notes and not re.search(r"\bv[0-9]\b", notes), notes
