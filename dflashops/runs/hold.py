@@ -37,12 +37,20 @@ def mine(verb: str) -> dict[str, Any]:
             "lease_s": LEASE_S}  # fmt: skip
 
 
+def is_mine(hold: dict[str, Any]) -> bool:
+    """The hold of this very process (which knows how far it got: past its launcher's start,
+    a launch with nothing running has failed)."""
+    return hold.get("pid") == os.getpid() and hold.get("machine") == machine_id()
+
+
 def gone(hold: dict[str, Any], now: float) -> str | None:
     """Why the holder is gone (None while it may still be at work); `now`: the target's clock."""
+    if is_mine(hold):
+        return None
     until = hold.get("until")
     where = f"{hold.get('verb', 'launch')} by pid {hold.get('pid')} on {hold.get('host')}"
     here = machine_id()
-    if here and hold.get("machine") == here and hold.get("pid") != os.getpid():
+    if here and hold.get("machine") == here:
         start = proc_start(hold["pid"]) if isinstance(hold.get("pid"), int) else None
         if start is None or start != hold.get("start"):
             return f"its {where} was interrupted (that process is gone)"

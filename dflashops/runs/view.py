@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from dflashops.errors import UsageError
 from dflashops.inventory import NAME_RE, Target
-from dflashops.runs.hold import abandoned
+from dflashops.runs.hold import abandoned, is_mine
 
 TERMINAL = ("finished", "failed", "stopped", "archived")
 
@@ -290,8 +290,9 @@ def derive_state(raw: dict[str, Any], now: float) -> tuple[str, str | None]:
     cut = None if alive else abandoned(raw, now)
     if cut:
         return ("failed" if (st.get("hold") or {}).get("verb") == "resume" else "abandoned"), cut
-    held = status == "launching" and st.get("hold") and not raw.get("node")
-    if status == "claiming" or (held and not alive):
+    hold = st.get("hold")
+    held = status == "launching" and isinstance(hold, dict) and not raw.get("node")
+    if status == "claiming" or (held and not alive and not is_mine(hold)):
         return "starting", "being resumed" if st.get("resumed") else "being launched"
     if alive:
         agent = (raw.get("node") or {}).get("agent") or {}
