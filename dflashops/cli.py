@@ -26,6 +26,7 @@ from dflashops.commands import (
     shell,
     status,
     stop,
+    watch,
 )
 from dflashops.context import Context
 
@@ -111,6 +112,7 @@ for module in (
     pull_ckpt,
     eval_cmd,
     evals,
+    watch,
 ):
     module.register(app)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflashops.errors import OpsError, UsageError
 from dflashops.runs.evals import tau_value
+from dflashops.runs.settings import differs
 from dflashops.runs.view import RunView
 
 FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
@@ -64,8 +65,37 @@ def tau_points(evals: list[dict[str, Any]], run: str, key: str) -> tuple[list[in
     return sorted(by_step), [by_step[s] for s in sorted(by_step)]
 
 
+def unlike(views: list[RunView], evals: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
+    """(run, step) -> the differing keys ('prompts', '?' unknown) of each result measured with
+    other settings than the first row's (the first run's first result)."""
+    order = {v.name: i for i, v in enumerate(views)}
+    rows = sorted(evals, key=lambda r: (order.get(r["run"], len(order)), r["step"]))
+    if not rows:
+        return {}
+    out = {}
+    for r in rows:
+        found = differs(r, rows[0])
+        if found != []:
+            out[(r["run"], r["step"])] = "?" if found is None else ",".join(found)
+    return out
+
+
+def mark_unlike(ax: Any, views: list[RunView], evals: list[dict[str, Any]]) -> None:
+    """A red x over each chain tau measured with other settings than the first row's."""
+    marked = unlike(views, evals)
+    for view in views:
+        xs, ys = tau_points(evals, view.name, "tau")
+        hits = [(x, y, marked[(view.name, x)]) for x, y in zip(xs, ys, strict=True)
+                if (view.name, x) in marked]  # fmt: skip
+        if hits:
+            keys = ", ".join(dict.fromkeys(k for _, _, k in hits))
+            ax.plot([h[0] for h in hits], [h[1] for h in hits], "x", color="red", markersize=10,
+                    label=f"{view.name}: settings differ ({keys})")  # fmt: skip
+
+
 def draw_tau(ax: Any, views: list[RunView], evals: list[dict[str, Any]]) -> None:
     budgets = sorted({b for r in evals for b in (r.get("ddtree") or {})}, key=int)
+    mark_unlike(ax, views, evals)
     for view in views:
         line = None
         series = [("tau", "-o", "tau chain")]

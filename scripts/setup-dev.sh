@@ -14,7 +14,7 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
 fi
-# never the gpu extra here: causal-conv1d does not build without CUDA (README, GPU targets)
+# never the gpu extra here: causal-conv1d does not build without CUDA (docs/operator-design.md, GPU targets)
 pip install -e ".[train,dev]"
 # z-lab's reference drafter and decode loop, used by the tests as an outside reference.
 "$VENV/bin/python" -c "import dflash" 2>/dev/null || pip install --no-deps dflash==0.1.0

@@ -6,7 +6,9 @@ step S is the record with the largest step <= S ("@N" marks a record from an ear
 "-" means the run never got to S.
 
 --tau adds the stored evaluations (`eval`, listed by `evals`): tau chain and tau per DDTree
-budget at each evaluated step (exactly that checkpoint's; "-": not evaluated). --plot draws tau
+budget at each evaluated step (exactly that checkpoint's; "-": not evaluated); a tau measured
+with other settings than the first run's at that step is marked with the differing keys
+(≠prompts; ?: no fingerprint), and no gap to the first run is computed for it. --plot draws tau
 against step below the training metrics whenever the runs have stored evaluations.
 """
 
@@ -24,6 +26,7 @@ from dflashops.errors import UsageError
 from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
 from dflashops.runs.evals import Stored, stored, tau_value
+from dflashops.runs.settings import differs, mark
 from dflashops.runs.survey import pick, survey
 from dflashops.runs.tables import warn_logs
 from dflashops.runs.view import VALUE_RULE, RunView, check_name, value_at
@@ -101,25 +104,34 @@ def check_logged(views: list[RunView], keys: list[str]) -> None:
 
 def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:
     """The runs' stored taus in compare's shape: {"steps", "metrics", "runs": [{"run",
-    "values": {key: {step: {"value", "step", "target"} or None}}}]}; keys "tau" (chain),
-    "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated)."""
+    "values": {key: {step: {"value", "step", "target", "settings"} or None}}}]}; keys "tau"
+    (chain), "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated).
+    "settings": the fingerprint keys where the result differs from the first run's at that step
+    (the first run's: from its first result); null when unknown (runs/settings.py)."""
     steps = sorted({r["step"] for r in evals.results})
     keys = ["tau", *(f"ddtree{b}" for b in evals.budgets()), "ref_tau"]
+    chosen = [newest_by_step(evals.of(v.name)) for v in views]
+    first = next((by[s] for by in chosen[:1] for s in sorted(by)), None)
     rows = []
-    for v in views:
-        by_step = {r["step"]: r for r in sorted(evals.of(v.name), key=lambda r: r["mtime"])}
+    for i, (v, by_step) in enumerate(zip(views, chosen, strict=True)):
         table_of: dict[str, dict[str, Any]] = {k: {} for k in keys}
         for s in steps:
             found = by_step.get(s)
+            base = (chosen[0].get(s) if i else None) or first
             for k in keys:
                 value = None if found is None else tau_value(found, k)
                 table_of[k][str(s)] = (
                     None
                     if value is None
-                    else {"value": value, "step": s, "target": found["target"]}
-                )
+                    else {"value": value, "step": s, "target": found["target"],
+                          "settings": differs(found, base)}
+                )  # fmt: skip
         rows.append({"run": v.name, "values": table_of})
     return {"steps": steps, "metrics": keys, "runs": rows}
+
+
+def newest_by_step(results: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in sorted(results, key=lambda r: r["mtime"])}
 
 
 def show_tau(doc: dict[str, Any]) -> None:
@@ -134,7 +146,9 @@ def show_tau(doc: dict[str, Any]) -> None:
             out.print(metric_table(doc["runs"], k, doc["steps"], bold))
             out.print()
     out.print("tau: from stored evaluations of each step's checkpoint (dflashops evals); "
-              "-: not evaluated")  # fmt: skip
+              "-: not evaluated; ≠KEY: measured with settings that differ from the first run's "
+              "(its first result's for the first run) in KEY, ?: settings unknown (no "
+              "fingerprint); (+N%) only between equal settings")  # fmt: skip
 
 
 def default_steps(views: list[RunView]) -> list[int]:
@@ -212,15 +226,20 @@ def best_per_step(doc: list[dict], key: str, steps: list[int]) -> dict[int, floa
     best = {}
     for s in steps:
         found = [row["values"][key][str(s)] for row in doc]
-        nums = [c["value"] for c in found if c is not None]
+        nums = [c["value"] for c in found if c is not None and c.get("settings", []) == []]
         if len(nums) >= 2:
             best[s] = max(nums) if higher else min(nums)
     return best
 
 
 def relative(cell: dict | None, base: dict | None) -> str:
-    """' (+12%)': how far a value is from the first run's at the same step."""
-    if cell is None or base is None or not base["value"]:
+    """' (+12%)': how far a value is from the first run's at the same step; a tau measured
+    with other settings than the first run's has none."""
+    if cell is None or base is None:
+        return ""
+    if "settings" in cell and cell["settings"] != []:
+        return ""  # measured differently: its mark (format_cell) says how; no gap
+    if not base["value"]:
         return ""
     return f" ({100 * (cell['value'] - base['value']) / abs(base['value']):+.0f}%)"
 
@@ -234,4 +253,6 @@ def format_cell(cell: dict | None, key: str, step: int, best: float | None, bold
     text = metric(cell["value"], key) + ("*" if is_best and not bold else "")
     if cell["step"] != step:
         text += f" @{cell['step']}"
+    if "settings" in cell and cell["settings"] != []:
+        text += " " + mark(cell["settings"])
     return styled(text, "bold" if is_best and bold else None)

@@ -1,12 +1,14 @@
-"""`eval RUN (--step N | --steps A,B,C) --on TARGET [--reference PATH] [--check-real N]
-[--budgets B,B] [--follow | --detach]`
+"""`eval RUN (--step N | --steps A,B,C) --on TARGET [--engine sim|vllm] [--reference PATH]
+[--check-real N] [--budgets B,B] [--follow | --detach]`
 
 An eval job: pulls each checkpoint TARGET lacks (pull-ckpt), then evaluates them one after the
 other in a detached tmux session on TARGET (remote/launcher.py running remote/evaljob.py, as
 `launch` runs a trainer: it survives a closed laptop). Each step runs `python -m workload.eval`
-with the run's run.yaml and keeps its result in <ws>/evals/RUN/step_N.json there (with the
-reference drafter's under "reference" when --reference is given; --check-real N adds the real
-draft-and-verify loop's check on N prompts, --budgets more DDTree budgets). The job lives in
+(--engine vllm: with the eval target's vLLM environment, engines.python_of; none there: one
+line, exit 2, before anything starts) with the run's run.yaml and keeps its result in
+<ws>/evals/RUN/step_N.json there (with the reference drafter's under "reference" when
+--reference is given; --check-real N adds the real draft-and-verify loop's check on N prompts,
+--budgets more DDTree budgets). The job lives in
 <ws>/evals/RUN/jobs/ID/ (launch.json, job.json, state.json, console.log, exit_code).
 
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
@@ -28,7 +30,7 @@ from dflashops.inventory import Target
 from dflashops.render import console, metric, table
 from dflashops.runs.evaljob import Extra, newest_job, read_result, start_eval
 from dflashops.runs.evaljob import follow as follow_job
-from dflashops.runs.evals import gap, real_rounds
+from dflashops.runs.evals import engine_note, gap, real_rounds
 from dflashops.runs.view import check_name, eval_result_path
 
 
@@ -59,6 +61,13 @@ def register(app: typer.Typer) -> None:
             metavar="PATH",
             help="A reference drafter directory on the target (e.g. z-lab's), evaluated on the "
             "same prompts in the same job.",
+        ),
+        engine: str = typer.Option(
+            "sim",
+            "--engine",
+            metavar="sim|vllm",
+            help="sim: the simulation (default); vllm: the checkpoint served by the eval "
+            "target's vLLM as the target's DFlash speculator (`setup TARGET --engine vllm`).",
         ),
         max_new_tokens: int = typer.Option(None, "--max-new-tokens", metavar="N"),
         max_prompts: int = typer.Option(None, "--max-prompts", metavar="N"),
@@ -99,7 +108,7 @@ def register(app: typer.Typer) -> None:
             return finish(opts, as_json, dest, job)
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
-                      host)  # fmt: skip
+                      host, engine)  # fmt: skip
         with opts.sessions() as (reader, writer):
             job = start_eval(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:
@@ -188,6 +197,8 @@ def show(run: str, step: int, dest: Target, out: str, result: dict[str, Any]) ->
         f"tokens; tau = mean accepted + 1 per round; Pk = acceptance of draft slot k; "
         f"result: {dest.name}:{out}"
     )
+    if engine_note(result):
+        c.print(engine_note(result))
     if isinstance(result.get("check_real"), dict):
         show_real(result["check_real"])
 

@@ -1,9 +1,11 @@
 """`evals [RUN] [--json]`: the stored evaluation results, wherever they are.
 
-Every target's <ws>/evals/RUN/step_N.json (written by `eval`), one row each: run, step, target,
-prompts, tau (chain), tau per DDTree budget, the reference drafter's tau (and the gap) when the
-job had one, the real loop's rounds as simulated / checked (eval --check-real) when any result
-has them, and the date; eval jobs still running are listed below.
+Every target's <ws>/evals/RUN/step_N.json (written by `eval`), one row each, grouped by prompt
+set (the prompts' sha256 in the result's fingerprint, and their name): run, step, target,
+prompts, engine, tau (chain), tau per DDTree budget, the reference drafter's tau (and the gap)
+when the job had one, the real loop's rounds as simulated / checked (eval --check-real) when any
+result has them, SETTINGS (the fingerprint's keys that differ from the first row's: runs/
+settings.py; "?": a result without one) and the date; eval jobs still running are listed below.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, metric, table
-from dflashops.runs.evals import Stored, gap, real_rounds, stored
+from dflashops.runs.evals import Stored, engine_name, gap, real_rounds, stored
+from dflashops.runs.settings import differs, mark, prompt_group
 from dflashops.runs.survey import not_found, survey
 from dflashops.runs.view import check_name
 from dflashops.tables import Col
@@ -44,6 +47,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             opts.dry_run_done(run=run)
             return
+        found.results = grouped(found.results)
         if as_json:
             opts.emit({"evals": found.results, "jobs": found.jobs})
         else:
@@ -58,31 +62,29 @@ def date(seconds: float | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M")
 
 
+def grouped(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results by prompt set (in order of first appearance), each with "prompt_group" and
+    "settings": {"vs": the first row, "differs": keys, or null when unknown}."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        key, label = prompt_group(r)
+        groups.setdefault(key, []).append({**r, "prompt_group": {"prompts_sha256": key or None,
+                                                                 "label": label}})  # fmt: skip
+    out = [r for rows in groups.values() for r in rows]
+    if out:
+        first = out[0]
+        vs = {k: first[k] for k in ("run", "step", "target")}
+        for r in out:
+            r["settings"] = {"vs": vs, "differs": differs(r, first)}
+    return out
+
+
 def show(found: Stored, run: str | None) -> None:
     out = console()
     if not found.results:
         out.print(f"no stored eval results{f' of {run}' if run else ''}")
     else:
-        budgets = found.budgets()
-        checked = any("check_real" in r for r in found.results)
-        grid = table(
-            Col("RUN", keep=True), Col("STEP", keep=True), Col("TARGET", keep=True), "PROMPTS",
-            Col("TAU", keep=True), *(Col(f"DDTREE {b}", priority=1) for b in budgets),
-            Col("REF TAU", priority=2), *([Col("REAL ROUNDS", priority=1)] if checked else []),
-            Col("DATE", priority=0),
-        )  # fmt: skip
-        for r in found.results:
-            ref = r.get("reference") or {}
-            cells = [r["run"], str(r["step"]), r["target"], metric(r.get("n_prompts")),
-                     metric(r.get("tau"), "streak")]  # fmt: skip
-            cells += [metric((r.get("ddtree") or {}).get(b), "streak") for b in budgets]
-            cells += [gap(r.get("tau"), ref.get("tau"))]
-            cells += [real_rounds(r.get("check_real"))] if checked else []
-            grid.add_row(*cells, date(r.get("mtime")))
-        out.print(grid)
-        out.print("tau = mean accepted + 1 per round; REF TAU: the reference drafter's, "
-                  "(ours - reference)" + ("; REAL ROUNDS: the real loop's rounds as simulated / "
-                  "rounds run (eval --check-real)" if checked else ""))  # fmt: skip
+        show_grid(found)
     for job in newest_jobs(found.jobs):
         steps = ",".join(str(s) for s in job.get("steps") or [])
         what = f"eval job {job['job']} of {job['run']} (steps {steps}) on {job['target']}"
@@ -93,6 +95,40 @@ def show(found: Stored, run: str | None) -> None:
             code = job.get("exit_code")
             ended = "ended without an exit code" if code is None else f"failed (exit {code})"
             out.print(f"{ended}: {what}; see {job['dir']}/console.log there")
+
+
+def show_grid(found: Stored) -> None:
+    """A table per prompt set, each headed by the set's name, sha256 and size."""
+    out = console()
+    budgets = found.budgets()
+    checked = any("check_real" in r for r in found.results)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in found.results:
+        groups.setdefault(r["prompt_group"]["label"], []).append(r)
+    for label, rows in groups.items():
+        grid = table(
+            Col("RUN", keep=True), Col("STEP", keep=True), Col("TARGET", keep=True), "PROMPTS",
+            Col("TAU", keep=True), *(Col(f"DDTREE {b}", priority=1) for b in budgets),
+            Col("REF TAU", priority=2), *([Col("REAL ROUNDS", priority=1)] if checked else []),
+            Col("ENGINE", priority=2), Col("SETTINGS", keep=True), Col("DATE", priority=0),
+            title=f"prompts: {label}",
+        )  # fmt: skip
+        for r in rows:
+            ref = r.get("reference") or {}
+            cells = [r["run"], str(r["step"]), r["target"], metric(r.get("n_prompts")),
+                     metric(r.get("tau"), "streak")]  # fmt: skip
+            cells += [metric((r.get("ddtree") or {}).get(b), "streak") for b in budgets]
+            cells += [gap(r.get("tau"), ref.get("tau"))]
+            cells += [real_rounds(r.get("check_real"))] if checked else []
+            cells += [engine_name(r), mark(r["settings"]["differs"]) or "="]
+            grid.add_row(*cells, date(r.get("mtime")))
+        out.print(grid)
+    first = found.results[0]
+    out.print("tau = mean accepted + 1 per round; REF TAU: the reference drafter's, "
+              "(ours - reference)" + ("; REAL ROUNDS: the real loop's rounds as simulated / "
+              "rounds run (eval --check-real)" if checked else "") + f"; SETTINGS: against "
+              f"{first['run']} step {first['step']} on {first['target']} (=: the same; "
+              "≠KEY: measured differently; ?: no fingerprint)")  # fmt: skip
 
 
 def newest_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

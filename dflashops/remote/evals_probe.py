@@ -3,7 +3,8 @@
 stdin: {"ws": workspace, "runs": [run, ...] or null for all}.
 stdout: {"now": time, "results": [...], "jobs": [...]}: a result is the summary of
 <ws>/evals/RUN/step_N.json (its keys without the per-prompt records, with run, step, file and
-mtime; the real loop's check, check_real, without its per-prompt details); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
+mtime; the real loop's check, check_real, and vLLM's greedy and simulation checks without their
+per-prompt details; engine, fingerprint and prompt_set as they are); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
 (its tmux session on our server, or its launcher by pid and start time).
 """
 
@@ -18,7 +19,11 @@ from dflashops.remote.shared import proc_start, read_json
 
 STEP_FILE = re.compile(r"^step_(\d+)\.json$")
 SUMMARY = ("tau", "ddtree", "per_position", "n_prompts", "max_new_tokens", "checkpoint",
-           "budgets", "prompts_file", "timing", "check_real", "real_loop_rounds_checked")  # fmt: skip
+           "budgets", "prompts_file", "timing", "check_real", "real_loop_rounds_checked",
+           "engine", "fingerprint", "prompt_set", "checkpoint_sha256",
+           "engine_mean_acceptance_length", "tokens_per_s", "speedup", "greedy",
+           "simulation")  # fmt: skip
+DETAILS = ("details", "differ", "differences", "running_tau")  # per-prompt lists: left out
 
 
 def listdir(path):
@@ -30,8 +35,9 @@ def listdir(path):
 
 def summary(doc):
     out = {k: doc[k] for k in SUMMARY if k in doc}
-    if isinstance(out.get("check_real"), dict):
-        out["check_real"] = {k: v for k, v in out["check_real"].items() if k != "details"}
+    for key in ("check_real", "greedy", "simulation"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if k not in DETAILS}
     ref = doc.get("reference")
     if isinstance(ref, dict):
         out["reference"] = {k: ref[k] for k in SUMMARY if k in ref}

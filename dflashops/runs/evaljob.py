@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashops import context, transfer
+from dflashops import context, engines, transfer
 from dflashops.errors import NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.runs.config import parse_config
@@ -34,6 +34,8 @@ from dflashops.runs.view import RunView, ckpt_copy_dir, eval_result_path, tmux_s
 from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
+EVAL_ENGINES = ("sim", "vllm")
+
 
 @dataclass
 class Extra:
@@ -47,16 +49,18 @@ class Extra:
     check_real: int | None = None  # prompts checked against the real loop
     budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
     host: str | None = None  # --host: the run's target where its name is on several
+    engine: str = "sim"  # --engine: sim (the simulation) or vllm (the serving engine)
 
 
 def start_eval(
     reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
 ) -> dict[str, Any]:
     """Check what the evaluation needs, pull the missing checkpoints, start the job."""
+    engine = engine_argv(reader.machine(dest), extra.engine)  # before anything starts
     view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
     config = parse_config(view, extra.sets)
     machine = writer.machine(dest)
-    base = eval_argv(reader.machine(dest), machine, run, config, extra)
+    base = eval_argv(reader.machine(dest), machine, run, config, extra) + engine
     for s in steps:
         pull(reader, writer, view, s, dest)
     name, job_id = EVAL.new_job(run)
@@ -69,7 +73,7 @@ def start_eval(
         ],
     }  # fmt: skip
     own = {"kind": EVAL.name, "run": run, "job": job_id, "steps": steps,
-           "reference": extra.reference}  # fmt: skip
+           "reference": extra.reference, "engine": extra.engine}  # fmt: skip
     placement = Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)], state=own)
     code = local_code()
     have = probe(reader.machine(dest), names=[], paths=[code.path(dest)])
@@ -175,6 +179,19 @@ def eval_argv(
             "config elsewhere with --set target.path=PATH / --prompts FILE)"
         )
     return argv
+
+
+def engine_argv(machine: Machine, engine: str) -> list[str]:
+    """The evaluator's engine options; refuses an engine the eval target does not have."""
+    if engine not in EVAL_ENGINES:
+        raise UsageError(f"--engine {engine}: expected one of {', '.join(EVAL_ENGINES)}")
+    if engine == "sim":
+        return []
+    name, python = machine.target.name, engines.python_of(machine.target, engine)
+    if probe(machine, paths=[python]).paths.get(python) == "missing" and not machine.dry_run:
+        raise UsageError(f"no vLLM engine on {name}: run `dflashops setup {name} --engine vllm` "
+                         "or set engines.vllm in hosts.yaml")  # fmt: skip
+    return ["--engine", engine, "--vllm-python", python]
 
 
 def _resolve(path: Any, base: str) -> str | None:

@@ -75,6 +75,35 @@ def gap(ours: float | None, ref: float | None) -> str:
     return metric(ref, "streak") + ("" if ours is None else f" ({ours - ref:+.2f})")
 
 
+def engine_name(result: dict[str, Any]) -> str:
+    """'sim', 'vllm 0.32.0', or '-' for a result that does not say (before engines)."""
+    engine = result.get("engine") if isinstance(result.get("engine"), dict) else {}
+    name = engine.get("name")
+    if name is None:
+        return "-"
+    return f"{name} {engine['version']}" if engine.get("version") and name != "sim" else name
+
+
+def engine_note(result: dict[str, Any]) -> str | None:
+    """What the serving engine said beside its tau (eval --engine vllm); None for sim."""
+    if (result.get("engine") or {}).get("name") != "vllm":
+        return None
+    rates, sim = result.get("tokens_per_s") or {}, result.get("simulation") or {}
+    greedy, speedup = result.get("greedy") or {}, result.get("speedup")
+    first = sim.get("first_difference")
+    where = "" if not first else f" (first difference: prompt {first.get('where')}, round "
+    where += f"{first.get('round')})" if first else ""
+    return (
+        f"{engine_name(result)}: tau from its per-step accepted counts; its own pooled mean "
+        f"acceptance length {metric(result.get('engine_mean_acceptance_length'), 'streak')}; "
+        f"simulated tau {metric(sim.get('tau'), 'streak')}, rounds as simulated on "
+        f"{sim.get('prompts_identical', '?')}/{sim.get('prompts', '?')} prompts{where}; output "
+        f"equals greedy on {greedy.get('equal', '?')}/{greedy.get('prompts', '?')}; tokens/s "
+        f"{metric(rates.get('spec'), 'tok_s')} against {metric(rates.get('plain'), 'tok_s')} "
+        f"plain ({'-' if speedup is None else f'{speedup:.2f}x'})"
+    )
+
+
 def real_rounds(check: dict[str, Any] | None) -> str:
     """'38/40': of the rounds the real loop ran (--check-real), those as simulated."""
     if not check:

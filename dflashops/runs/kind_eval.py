@@ -60,7 +60,8 @@ class EvalJob(JobKind):
         done = set(view.status.get("done") or [])
         steps = ", ".join(f"{s}" + (" (done)" if s in done else "")
                           for s in view.status.get("steps") or [])  # fmt: skip
-        rows = [("of run", str(view.status.get("run"))), ("steps", steps or "-")]
+        rows = [("of run", str(view.status.get("run"))), ("steps", steps or "-"),
+                ("engine", str(view.status.get("engine") or "sim"))]  # fmt: skip
         return rows + [("results", "dflashops evals " + str(view.status.get("run")))]
 
     def stopped(self, view: RunView) -> tuple[str, dict[str, Any]]:

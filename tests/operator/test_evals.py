@@ -113,7 +113,8 @@ def test_a_sweep_stores_three_results_listed_tabled_and_drawn(cli, trained, bed,
     print(f"three-step sweep: {seconds:.1f}s in all; each step's evaluator: {inside}")
     listing = cli("evals")
     assert listing.code == 0, listing.err
-    header = listing.out.splitlines()[0].split()
+    assert listing.out.startswith("prompts: prompts (sha256 ")  # one prompt set
+    header = listing.out.splitlines()[1].split()
     assert header[:5] == ["RUN", "STEP", "TARGET", "PROMPTS", "TAU"] and "REF" in header
     rows = [line.split() for line in listing.out.splitlines() if line.startswith(RUN)]
     assert [r[1] for r in rows] == ["2", "4", "6"]
@@ -253,7 +254,7 @@ def test_a_real_loop_check_and_an_extra_budget_are_kept_and_shown(cli, trained, 
     assert listed["check_real"]["rounds_checked"] == listed["real_loop_rounds_checked"]
     assert "3" in listed["ddtree"] and "details" not in listed["check_real"]
     text = cli("evals", RUN).out
-    assert "REAL ROUNDS" in text.splitlines()[0] and "DDTREE 3" in text.splitlines()[0]
+    assert "REAL ROUNDS" in text.splitlines()[1] and "DDTREE 3" in text.splitlines()[1]
     row = next(line for line in text.splitlines() if line.split()[:2] == [RUN, "4"])
     assert f"{check['rounds_equal']}/{check['rounds_checked']}" in row.split()
 
@@ -283,3 +284,34 @@ def test_a_failed_job_is_said_by_evals_and_by_follow(cli, trained):
     listing = cli("evals", RUN)
     assert listing.code == 0, listing.err
     assert "failed (exit 2): eval job" in listing.out and "console.log" in listing.out
+
+
+def test_eval_with_vllm_serves_the_checkpoint_in_the_targets_engine(
+    trained, bed, inv, home, tmp_path, vllm_python
+):
+    """The one engine start of the operator's tests (~1 min): the eval target's vLLM (the
+    inventory's engines.vllm) serves step 6 as the tiny target's DFlash speculator."""
+    doc = yaml.safe_load(inv.read_text())
+    doc["targets"]["evalbox"]["engines"] = {"vllm": vllm_python}
+    with_engine = tmp_path / "hosts.yaml"
+    with_engine.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def cli(*args: str) -> Ran:
+        return dflashops(*args, inventory=with_engine, home=home, timeout=900)
+
+    if not bed["evalbox"].host_path(f"/workspace/evals/{RUN}/step_2.json").is_file():
+        assert cli("eval", RUN, "--step", "2", "--on", "evalbox", *SMALL).code == 0  # simulated
+    ran = cli("eval", RUN, "--step", "6", "--on", "evalbox", "--engine", "vllm", *SMALL)
+    assert ran.code == 0, ran.err[-3000:]
+    kept = json.loads(bed["evalbox"].host_path(f"/workspace/evals/{RUN}/step_6.json").read_text())
+    assert kept["engine"]["name"] == "vllm" and kept["fingerprint"]["engine"]["name"] == "vllm"
+    assert kept["n_prompts"] == 2 and kept["greedy"]["prompts"] == 2
+    version = kept["engine"]["version"]
+    assert f"vllm {version}: tau from its per-step accepted counts" in ran.out
+    assert f"equals greedy on {kept['greedy']['equal']}/2" in ran.out
+    listed = {r["step"]: r for r in json.loads(cli("--json", "evals", RUN).out)["evals"]}
+    assert listed[6]["engine"]["name"] == "vllm" and listed[6]["tokens_per_s"]["spec"] > 0
+    assert "engine" in listed[6]["settings"]["differs"]  # against step 2's, simulated
+    row = next(line for line in cli("evals", RUN).out.splitlines()
+               if line.split()[:2] == [RUN, "6"])  # fmt: skip
+    assert f"vllm {version}" in row and "≠" in row
