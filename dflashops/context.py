@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -143,8 +144,27 @@ def get(ctx: typer.Context) -> Context:
     return obj if isinstance(obj, Context) else Context()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a closed terminal, a killed operator): handled as Ctrl-C is, so what
+    a command made so far is taken back (a launch's claim, a resume's changes, a copy)."""
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the taking back is not cut short again
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signal.Signals(signum).name)
+
+
+def take_termination() -> None:
+    """SIGTERM and SIGHUP raise Terminated, unless they are ignored (nohup keeps SIGHUP so)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _terminated)
+
+
 def command(fn: F) -> F:
-    """Turn OpsError into one line and its exit code; Ctrl-C into 130; close connections."""
+    """Turn OpsError into one line and its exit code; Ctrl-C, SIGTERM and SIGHUP into 130;
+    close connections."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -152,11 +172,13 @@ def command(fn: F) -> F:
         if ctx is not None and isinstance(ctx.find_root().obj, Context):
             ctx.find_root().obj.command = ctx.info_name or ""
         try:
+            take_termination()
             return fn(*args, **kwargs)
         except OpsError as exc:
             fail(exc.message, int(exc.code))
-        except KeyboardInterrupt:
-            fail("interrupted", int(ExitCode.INTERRUPTED))
+        except KeyboardInterrupt as exc:
+            got = f" ({exc.args[0]})" if isinstance(exc, Terminated) else ""
+            fail(f"interrupted{got}", int(ExitCode.INTERRUPTED))
         except BrokenPipeError:
             _quiet_broken_pipe()
         except (typer.Exit, typer.Abort, _CLICK_EXCEPTION):

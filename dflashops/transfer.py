@@ -1,7 +1,11 @@
-"""Files in and out of any target over `Machine.run`: a tar stream in, sha256 checked after.
+"""Files in and out of any target over `Machine.run`: a tar stream in, checked after.
 
 Nothing is trusted on an exit code alone (a failed `pct push` may exit 0): every file that
-goes in is hashed while it is read here and hashed again inside the target as it is written.
+goes in is hashed while it is read here and hashed again inside the target as it is written,
+and the two must agree, with the size. The in-flight digest of a copy is CRC-32 (a tenth of
+sha256's CPU: a copy of a GB on two shared cores was CPU-bound by its two sha256 passes; the
+bytes travel over SSH, which authenticates them), sha256 with `checksum` (push --checksum);
+checkpoints are checked with sha256 against their own manifest (runs/pulls.py).
 Every bulk byte stream (a tar in, a file out, one target's tar into another) runs through
 `stream`, the one place that says how bulk bytes travel.
 """
@@ -17,6 +21,7 @@ import secrets
 import stat
 import tarfile
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +48,8 @@ class Entry:
     size: int = 0
     mode: int = 0o644
     link: str = ""
-    sha256: str = ""
+    sha256: str = ""  # with a checksum copy (push --checksum), before and while it is sent
+    crc32: str = ""  # as it was sent
 
 
 @dataclass
@@ -109,8 +115,11 @@ def _entry(path: Path, rel: str, st: os.stat_result) -> Entry:
     return Entry(rel, path, "f", size=st.st_size, mode=mode)
 
 
-def tar_stream(entries: list[Entry], progress: Progress | None = None) -> Iterator[bytes]:
-    """A POSIX tar of `entries`, hashing each file as it is read."""
+def tar_stream(
+    entries: list[Entry], progress: Progress | None = None, *, sha256: bool = False
+) -> Iterator[bytes]:
+    """A POSIX tar of `entries`, each file's CRC-32 (and with `sha256` its sha256) taken as it
+    is read."""
     for entry in entries:
         info = tarfile.TarInfo(entry.rel)
         info.mode = entry.mode
@@ -123,24 +132,30 @@ def tar_stream(entries: list[Entry], progress: Progress | None = None) -> Iterat
             info.size = entry.size
         yield info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
         if entry.kind == "f":
-            yield from _file_blocks(entry, progress)
+            yield from _file_blocks(entry, progress, sha256)
     yield b"\0" * (2 * BLOCK)
 
 
-def _file_blocks(entry: Entry, progress: Progress | None) -> Iterator[bytes]:
-    digest = hashlib.sha256()
+def _file_blocks(entry: Entry, progress: Progress | None, sha256: bool) -> Iterator[bytes]:
+    digest = hashlib.sha256() if sha256 else None
+    crc = 0
     left = entry.size
     with open(entry.path, "rb") as f:
         while left > 0:
             chunk = f.read(min(CHUNK, left))
             if not chunk:
                 raise TransferError(f"{entry.path}: file shrank while being sent; try again")
-            digest.update(chunk)
+            if digest is not None:
+                digest.update(chunk)
+            else:
+                crc = zlib.crc32(chunk, crc)
             left -= len(chunk)
             if progress:
                 progress(len(chunk))
             yield chunk
-    entry.sha256 = digest.hexdigest()
+    if digest is not None:
+        entry.sha256 = digest.hexdigest()
+    entry.crc32 = f"{crc:08x}"
     pad = -entry.size % BLOCK
     if pad:
         yield b"\0" * pad
@@ -232,7 +247,7 @@ def push(
         for e in entries:
             if e.kind == "f":
                 e.sha256 = _sha256(e.path)
-    receive = helpers.argv("receive.py", base, "--offer")
+    receive = helpers.argv("receive.py", base, "--offer", *(["--sha256"] if checksum else []))
     if machine.dry_run:
         stream(machine, receive)  # shown, not run
         return _changes(dest, entries, {}, checksum), Sent(entries, sum(e.size for e in entries))
@@ -247,7 +262,7 @@ def push(
         todo.append(_changes(dest, entries, theirs, checksum))
         if progress is not None:
             progress.set_total(sum(e.size for e in todo[0].changed))
-        yield from prefetch(tar_stream(todo[0].changed, progress))
+        yield from prefetch(tar_stream(todo[0].changed, progress, sha256=checksum))
 
     result = stream(machine, receive, stdin=offer_then_tar(), stdout=answer, watch_sink=True)
     helpers.check(machine, result, f"copy into {base}", TransferError)
@@ -367,19 +382,25 @@ def prefetch(chunks: Iterator[bytes], depth: int = 8) -> Iterator[bytes]:
 def check_arrived(machine: Machine, base: str, entries: list[Entry], found: dict) -> None:
     """Compare what was sent with what the target read back from its own disk."""
     bad = [e.rel for e in entries if not _matches(e, found.get(e.rel, {"t": "-"}))]
+    digest = (
+        "crc32" if any("crc32" in f for f in found.values() if isinstance(f, dict)) else "sha256"
+    )
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise TransferError(
             f"{machine.name}: {len(bad)} of {len(entries)} paths under {base} differ after the "
-            f"copy (sha256): {shown}; the copy is not trustworthy: run it again"
+            f"copy ({digest}): {shown}; the copy is not trustworthy: run it again"
         )
 
 
 def _matches(entry: Entry, found: dict) -> bool:
+    """`found` (the receiver's report, or hashtree's description) is `entry`: for a file its
+    size and digest (the receiver's CRC-32 or sha256, hashtree's sha256)."""
     if found.get("t") != entry.kind:
         return False
     if entry.kind == "f":
-        return found.get("sha256") == entry.sha256 and found.get("size") == entry.size
+        digest = ("crc32", entry.crc32) if "crc32" in found else ("sha256", entry.sha256)
+        return found.get(digest[0]) == digest[1] and found.get("size") == entry.size
     if entry.kind == "l":
         return found.get("to") == entry.link
     return True
@@ -460,7 +481,7 @@ def sync(
     dest = remote_path(machine, remote)
     entries = [e for e in scan(local) if not skip(e.rel)]
     # rsync's quick check: a file of the same size and mtime is taken as unchanged; what is
-    # sent is verified by sha256 as always
+    # sent is verified as always
     theirs = describe_remote(machine, dest, None, quick=True)
     todo = _changes(dest, entries, theirs, checksum=False)
     changed = todo.changed

@@ -6,8 +6,12 @@
 #
 # Needs root and debootstrap on this machine. FRESH_DIR (default /var/tmp/dflashops-fresh) holds
 # the chroot, rebuilt on every call. FRESH_BIND: colon-separated paths of this machine bound at
-# the same place inside, or PATH=INSIDE elsewhere (e.g. a local pip mirror, its pip.conf, a CA
-# bundle for a proxy); PIP_* variables pass through.
+# the same place inside, or PATH=INSIDE elsewhere (e.g. a local pip mirror, its pip.conf); PIP_*
+# variables pass through. A CA bundle (a file named *.crt or *.pem, e.g. a proxy's,
+# FRESH_BIND=/etc/ssl/certs/ca-certificates.crt) is bound at a path of its own inside
+# (/opt/fresh-ca/NAME: apt's ca-certificates rewrites /etc/ssl/certs, which a bind mount there
+# would break), and SSL_CERT_FILE, REQUESTS_CA_BUNDLE, PIP_CERT, GIT_SSL_CAINFO and apt's
+# Acquire::https::CAInfo name it.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DIR=${FRESH_DIR:-/var/tmp/dflashops-fresh}
@@ -41,9 +45,16 @@ bind sysfs /sys -t sysfs
 bind /dev /dev --rbind
 bind tmpfs /run -t tmpfs
 IFS=: read -r -a extra <<<"${FRESH_BIND:-}"
+ca=()
 for entry in "${extra[@]}"; do
   path=${entry%%=*} inside=${entry#*=}  # PATH, or PATH=WHERE-INSIDE
   [ -e "$path" ] || continue
+  case "$path" in
+    *.crt|*.pem) [ -f "$path" ] || continue
+      inside=/opt/fresh-ca/$(basename "$path")
+      ca=(SSL_CERT_FILE="$inside" REQUESTS_CA_BUNDLE="$inside" PIP_CERT="$inside" GIT_SSL_CAINFO="$inside")
+      echo "Acquire::https::CAInfo \"$inside\";" >"$DIR/etc/apt/apt.conf.d/99fresh-ca" ;;
+  esac
   if [ -d "$path" ]; then mkdir -p "$DIR$inside"; else mkdir -p "$(dirname "$DIR$inside")"; touch "$DIR$inside"; fi
   mount --bind "$path" "$DIR$inside"; mounts+=("$DIR$inside")
 done
@@ -51,6 +62,7 @@ git clone -q "$REPO" "$DIR/root/dflashops"
 pass=(HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
       TERM="${TERM:-dumb}" LANG=C.UTF-8)
 while IFS= read -r var; do pass+=("$var"); done < <(env | grep -E '^(PIP_|TORCH_INDEX=)' || true)
+pass+=("${ca[@]}")  # after PIP_*: an outside PIP_CERT names a path that inside is apt's bundle
 echo "fresh-debian: running $COMMAND in the chroot" >&2
 t1=$SECONDS
 set +e

@@ -483,12 +483,12 @@ def _check_layers(cfg: RunConfig, fail: typing.Callable[[str, str], None]) -> No
 
 
 def _check_bug_combinations(cfg: RunConfig, fail: typing.Callable[[str, str], None]) -> None:
-    """Combinations that trained the v3/v4 runs into a plateau: refused, with the reason."""
+    """Combinations known to train a drafter into a plateau: refused, with the reason."""
     if cfg.loss.teacher == "last_layer" and cfg.drafter.fc_layers == "all":
         fail(
             "loss.teacher",
             "last_layer with drafter.fc_layers: all puts the teacher layer inside the drafter's "
-            "input (the v4 bug); set drafter.fc_layers: all_but_last or loss.teacher: logits",
+            "input (it trains into a plateau); set drafter.fc_layers: all_but_last or loss.teacher: logits",
         )
 
 
@@ -501,7 +501,7 @@ _REMOVED = {
     "noise.scope": (
         "fc_inputs",
         "was removed: noise goes on the fc inputs only, after the teacher, so labels never see "
-        "noise (all_layers, the v3/v4 bug with loss.teacher: last_layer, was never implemented); "
+        "noise (all_layers, with loss.teacher: last_layer, was never implemented); "
         "delete the key",
     ),
 }
@@ -612,10 +612,18 @@ _RECIPE: list[tuple[str, Any, str]] = [
     ("drafter.block_size", 16, "published drafters use block 16"),
     ("drafter.num_layers", 5, "published Qwen3 drafters have 5 layers"),
     ("drafter.fc_layers", "all", "old-run ablation: the last configured layer is not an fc input"),
-    ("loss.type", "ce", "soft targets reproduce v3/v4; the recipe trains hard CE on greedy tokens"),
+    (
+        "loss.type",
+        "ce",
+        "soft targets (an older recipe); the recipe trains hard CE on greedy tokens",
+    ),
     ("loss.teacher", "logits", "old-run teacher: lm_head(norm(last configured layer)), clean"),
-    ("loss.gamma", 7.0, "decay exp(-(k-1)/gamma); v3/v4 used 10"),
-    ("loss.weighting", "decay", "dpace reproduces v3/v4's streak-aware weights"),
+    ("loss.gamma", 7.0, "decay exp(-(k-1)/gamma); an older recipe used 10"),
+    (
+        "loss.weighting",
+        "decay",
+        "streak-aware weights (an older recipe); the recipe decays by slot",
+    ),
     (
         "loss.on_trajectory",
         True,

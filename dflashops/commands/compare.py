@@ -33,6 +33,7 @@ from dflashops.runs.view import VALUE_RULE, RunView, check_name, value_at
 from dflashops.tables import Col, Grid
 
 DEFAULT_STEP_COUNT = 6
+DEFAULT_METRICS = "acc,dds8,loss,streak"
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +46,9 @@ def register(app: typer.Typer) -> None:
             None, "--steps", help="Comma-separated steps (default: a few spread over the runs)."
         ),
         metrics: str = typer.Option(
-            "acc,dds8,loss,streak", "--metrics", help="Comma-separated train_log.jsonl keys."
+            None,
+            "--metrics",
+            help=f"Comma-separated train_log.jsonl keys [default: {DEFAULT_METRICS}].",
         ),
         plot: Path = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw the curves."),
         tau: bool = typer.Option(False, "--tau", help="Add tau rows from stored evaluations."),
@@ -58,7 +61,7 @@ def register(app: typer.Typer) -> None:
         if plot is not None:
             plotting.check(plot)
         wanted = _options.parse_steps(steps)
-        keys = [k.strip() for k in metrics.split(",") if k.strip()]
+        keys = [k.strip() for k in (metrics or DEFAULT_METRICS).split(",") if k.strip()]
         if not keys:
             raise UsageError("--metrics: name at least one key, e.g. acc,dds8,loss,streak")
         for name in names:
@@ -70,6 +73,8 @@ def register(app: typer.Typer) -> None:
             return
         views = pick(session, found, names, host=host)
         warn_logs(views)
+        if metrics is not None:
+            check_logged(views, keys)
         chosen = wanted or default_steps(views)
         table_doc = values(views, chosen, keys)
         evals = stored(session, list(names)) if tau or plot is not None else Stored()
@@ -85,6 +90,16 @@ def register(app: typer.Typer) -> None:
         if plot is not None:
             plotting.draw(views, keys, chosen, plot, evals=evals.results)
             context.note(f"wrote {plot}")
+
+
+def check_logged(views: list[RunView], keys: list[str]) -> None:
+    """A --metrics key that none of the runs logged is refused, naming the keys they have."""
+    have = sorted({k for v in views for r in v.records for k in r if k not in ("step", "time")})
+    unknown = [k for k in keys if k not in have]
+    if unknown:
+        runs = ", ".join(v.name for v in views)
+        raise UsageError(f"--metrics {','.join(unknown)}: not in the logs of {runs}; they have: "
+                         f"{', '.join(have) or 'no metrics'}")  # fmt: skip
 
 
 def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:

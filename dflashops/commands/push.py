@@ -1,4 +1,5 @@
-"""`push TARGET LOCAL REMOTE`: copy a file or a directory in, verified by sha256.
+"""`push TARGET LOCAL REMOTE`: copy a file or a directory in, verified there (CRC-32 and size
+of each file against what was read here; sha256 with --checksum).
 
 Like `sync` (but deleting nothing there), only what differs is sent: files whose size, mtime or
 mode differ (rsync's quick check), or, with --checksum, whose sha256 differs.
@@ -31,12 +32,12 @@ def register(app: typer.Typer) -> None:
             False,
             "--checksum",
             help="Compare files by sha256 on both sides (reads them all) instead of by size, "
-            "mtime and mode.",
+            "mtime and mode, and check what is sent by sha256 (not CRC-32).",
         ),
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
-        """Copy a file or a directory into TARGET (only what differs there), then check every
-        sent file's sha256 there."""
+        """Copy a file or a directory into TARGET (only what differs there), every sent file
+        checked there against what was read here (CRC-32 and size; sha256 with --checksum)."""
         opts = context.get(ctx)
         opts.want_json(json_out)
         machine = opts.session().machine(target)
@@ -49,6 +50,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             return
         seconds = clock.seconds
+        verified = "sha256" if checksum else "crc32"
         if opts.json:
             opts.emit(
                 {
@@ -58,7 +60,7 @@ def register(app: typer.Typer) -> None:
                     "bytes": bytes_,
                     "unchanged": todo.unchanged,
                     "seconds": round(seconds, 3),
-                    "verified": "sha256",
+                    "verified": verified,
                 }  # fmt: skip
             )
             return
@@ -66,5 +68,5 @@ def register(app: typer.Typer) -> None:
         same = f", {todo.unchanged} unchanged" if todo.unchanged else ""
         context.say(
             f"{target}:{todo.dest}: {files} files, {human_bytes(bytes_)} in {seconds:.1f}s"
-            f"{rate}{same}, sha256 verified"
+            f"{rate}{same}, {verified} verified"
         )

@@ -7,6 +7,7 @@ failed. Ctrl-C only detaches (the run goes on) and exits 130, as every interrupt
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import typer
@@ -108,10 +109,22 @@ def show_all(
         if shown:
             out.print(runs_table(shown))
         else:
-            out.print("no runs" + (" running" if hidden else ""))
+            out.print("no runs" + (" running" if hidden else "") + read_where(found, opts))
         if hidden:
             out.print(f"({hidden} finished or archived run(s) not shown: --all shows them)")
     found.warn_errors()
+
+
+def read_where(found: Survey, opts: context.Context, shown: int = 4) -> str:
+    """' in local:/path/ws (not there yet), ct200:/workspace': the workspaces read."""
+    targets = opts.inventory().targets
+    places = []
+    for name in list(found.probes)[:shown]:
+        ws = targets[name].workspace
+        missing = targets[name].kind == "local" and not os.path.isdir(ws)
+        places.append(f"{name}:{ws}" + (" (not there yet)" if missing else ""))
+    more = " ..." if len(found.probes) > shown else ""
+    return f" in {', '.join(places)}{more}" if places else ""
 
 
 def show_one(

@@ -2,8 +2,15 @@
 
 argv: ACTION RUN_DIR, and stdin: a JSON object for the action. stdout: one JSON object.
 
+Every action that changes an existing run directory takes the run's lock first (flock on
+RUN_DIR/.lock, never waited for: a second command refuses at once) and checks there what its
+operator saw: a run changed meanwhile by another command is refused, never torn.
+
 - claim: create RUN_DIR (and its parents); it must not exist: {"taken": state.json's content}
-  when it does. state.json starts as stdin's object (status "claiming", the run's id, ...).
+  when it does. state.json starts as stdin's object (status "claiming", the run's id, its
+  "hold": who launches it, until when at the latest: "until" on this target's clock).
+- sweep: delete RUN_DIR, a launch that was cut short (its holder gone), only if state.json
+  still has stdin's "run_id" and hold "token"; and its secrets files (stdin's "secrets_dir").
 - commit: the claim holds (status "launching") if state.json still has stdin's "run_id".
 - remove: delete RUN_DIR, only if its state.json has stdin's "run_id" (a launch that failed
   takes back only what it made); {"removed": bool}.
@@ -12,18 +19,26 @@ argv: ACTION RUN_DIR, and stdin: a JSON object for the action. stdout: one JSON 
   exists already (then "from" is deleted): snapshots are written once, never changed.
 - secrets: write stdin's "values" (JSON) to RUN_DIR, a new file of mode 0600 (its directory
   0700): RUN_DIR is the secrets file's path here.
-- relaunch: merge stdin's keys into state.json (atomically) and remove exit_code and node.json's
-  end, before the launcher starts again.
+- relaunch: if state.json is still stdin's "expect", merge stdin's "state" into it (atomically)
+  and remove exit_code, node.json and the ranks' records, before the launcher starts again;
+  older secrets files of this run are swept. {"state": ..., "before": {file: its text}}.
+- restore: put back relaunch's "before" files (a resume that failed leaves the run as it was),
+  only if state.json still has stdin's hold "token".
 - signal: send stdin's "signal" (a name such as "TERM") to the trainer whose pid (and start
   time) state.json holds, only if it is still that process; {"pid": pid} or {"pid": null}.
 - kill: SIGKILL to this node's torchrun agent and ranks (each its own process group), each only
   if still the process recorded (pid and start time); {"killed": [pid, ...]}.
-- archive: delete the checkpoint directories named in stdin's "delete" (manifest first, so an
-  interrupted deletion leaves an incomplete checkpoint, never a complete-looking broken one),
-  then rename RUN_DIR to stdin's "to"; {"removed": [...], "freed": bytes}.
+- archive: if state.json is still stdin's "expect", move RUN_DIR to stdin's "to" first (a
+  rename; across filesystems a copy under a temporary name, verified byte for byte, renamed into
+  place, then the original removed), then delete the checkpoint directories named in "delete"
+  (manifest first, so an interrupted deletion leaves an incomplete checkpoint, never a
+  complete-looking broken one); {"removed": [...], "freed": bytes, "dir": to}.
 """
 
 import contextlib
+import errno
+import fcntl
+import filecmp
 import json
 import os
 import shutil
@@ -32,6 +47,8 @@ import sys
 import time
 
 from dflashops.remote.shared import read_json, same_process, write_json
+
+LOCK = ".lock"
 
 
 def load_state(run_dir):
@@ -42,18 +59,99 @@ def save_state(run_dir, state):
     write_json(os.path.join(run_dir, "state.json"), state)
 
 
-def relaunch(run_dir, req):
+@contextlib.contextmanager
+def run_lock(run_dir):
+    """The run's lock for one change, held until it is done; refused when another command
+    holds it, or when RUN_DIR is gone (moved by an archive, removed by a take-back)."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    except FileNotFoundError:
+        raise ValueError(f"{run_dir} is not there (moved or removed meanwhile)") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{run_dir} is busy: another dflashops command is changing it; "
+                             "try again when it is done") from None  # fmt: skip
+        with contextlib.suppress(OSError):
+            if os.stat(os.path.join(run_dir, LOCK)).st_ino == os.fstat(fd).st_ino:
+                yield
+                return
+        raise ValueError(f"{run_dir} is not there (moved or removed meanwhile)")
+    finally:
+        os.close(fd)
+
+
+def expect_unchanged(run_dir, req):
+    """The run is as its operator read it (stdin's "expect": state.json's content)."""
+    if "expect" not in req:
+        return
     state = load_state(run_dir)
-    state.update(req)
-    save_state(run_dir, state)
-    stale = ["exit_code", "node.json"]
+    if state != req["expect"]:
+        raise ValueError(f"{run_dir} was changed by another command meanwhile (now: status "
+                         f"{state.get('status')}); read it again (dflashops status)")  # fmt: skip
+
+
+def held(hold):
+    """`hold` with its lease's end on this target's clock."""
+    return {**hold, "until": time.time() + float(hold.get("lease_s") or 0)}
+
+
+def sweep_secrets(req, run_id):
+    """Secrets files of this run and run id that no launcher took (a start cut short)."""
+    directory = req.get("secrets_dir")
+    prefix = f"{os.path.basename(req.get('run') or '')}-{run_id}-"
+    if not directory or not run_id or prefix.startswith("-"):
+        return
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith(prefix) and name.endswith(".json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+
+
+def read_files(run_dir, names):
+    out = {}
+    for name in names:
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(run_dir, name)) as f:
+            out[name] = f.read()
+    return out
+
+
+def relaunch(run_dir, req):
+    expect_unchanged(run_dir, req)
+    stale = ["state.json", "exit_code", "node.json"]
     ranks = os.path.join(run_dir, "ranks")
     if os.path.isdir(ranks):
         stale += [os.path.join("ranks", n) for n in os.listdir(ranks) if n.endswith(".json")]
-    for name in stale:
+    before = read_files(run_dir, stale)
+    state = load_state(run_dir)
+    sweep_secrets({**req, "run": run_dir}, state.get("run_id"))
+    state.update(req.get("state", {}))
+    if req.get("hold"):
+        state["hold"] = held(req["hold"])
+    save_state(run_dir, state)
+    for name in stale[1:]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(run_dir, name))
-    return {"state": state}
+    return {"state": state, "before": before}
+
+
+def restore(run_dir, req):
+    for path in req.get("files") or []:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    if (load_state(run_dir).get("hold") or {}).get("token") != req["token"]:
+        return {"restored": False}
+    for name in ("exit_code", "node.json"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(run_dir, name))
+    for name, text in sorted(req["before"].items(), key=lambda kv: kv[0] == "state.json"):
+        path = os.path.join(run_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.restore", "w") as f:
+            f.write(text)
+        os.replace(f"{path}.restore", path)
+    return {"restored": True}
 
 
 def send(run_dir, req):
@@ -99,9 +197,26 @@ def claim(run_dir, req):
     try:
         os.mkdir(run_dir)
     except FileExistsError:
-        return {"taken": load_state(run_dir)}
+        started = os.path.exists(os.path.join(run_dir, "node.json"))
+        return {"taken": load_state(run_dir), "now": time.time(), "started": started}
+    if req.get("hold"):
+        req = {**req, "hold": held(req["hold"])}
     save_state(run_dir, req)
     return {"taken": None}
+
+
+def sweep(run_dir, req):
+    state = load_state(run_dir)
+    token = (state.get("hold") or {}).get("token")
+    if state.get("run_id") != req["run_id"] or token != req.get("token"):
+        return {"swept": False}
+    if state.get("status") not in ("claiming", "launching") or os.path.exists(
+        os.path.join(run_dir, "node.json")
+    ):
+        return {"swept": False}
+    sweep_secrets({**req, "run": run_dir}, req["run_id"])
+    shutil.rmtree(run_dir)
+    return {"swept": True}
 
 
 def commit(run_dir, req):
@@ -109,6 +224,8 @@ def commit(run_dir, req):
     if state.get("run_id") != req["run_id"]:
         raise ValueError(f"{run_dir} is no longer this launch's (run id {state.get('run_id')})")
     state["status"] = "launching"
+    if state.get("hold"):
+        state["hold"] = held(state["hold"])
     save_state(run_dir, state)
     return {"state": state}
 
@@ -166,12 +283,71 @@ def tree_bytes(path):
     return total
 
 
-def archive(run_dir, req):
+class Progress:
+    """A line on stderr every half second: the life that the caller's deadline counts."""
+
+    def __init__(self):
+        self.done, self.said = 0, time.monotonic()
+
+    def beat(self, size):
+        self.done += size
+        if time.monotonic() - self.said >= 0.5:
+            self.said = time.monotonic()
+            sys.stderr.write(f"copied {self.done >> 20} MiB\n")
+            sys.stderr.flush()
+
+
+def copy_file(src, dst, progress):
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(1 << 20):
+            fout.write(chunk)
+            progress.beat(len(chunk))
+        fout.flush()
+        os.fsync(fout.fileno())
+    shutil.copystat(src, dst)
+    if not filecmp.cmp(src, dst, shallow=False):
+        raise OSError(errno.EIO, f"{dst}: the copy differs from {src}")
+
+
+def copy_tree(src, dst, skip):
+    """`src` to `dst` (a new directory), each file read back and compared; the checkpoints
+    named in `skip` (about to be pruned) are left out."""
+    progress = Progress()
+    for root, dirs, names in os.walk(src):
+        rel = os.path.relpath(root, src)
+        if rel == "checkpoints":
+            dirs[:] = [d for d in dirs if d not in skip]
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for name in names:
+            here, there = os.path.join(root, name), os.path.join(dst, rel, name)
+            if os.path.islink(here):
+                os.symlink(os.readlink(here), there)
+            else:
+                copy_file(here, there, progress)
+
+
+def move(run_dir, dest, skip):
+    """RUN_DIR to `dest`: a rename, or across filesystems copy, verify, rename, remove."""
+    try:
+        os.rename(run_dir, dest)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.tmp-{os.getpid()}")
+    try:
+        copy_tree(run_dir, tmp, skip)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(run_dir)
+
+
+def prune(run_dir, names):
     removed, freed = [], 0
     base = os.path.join(run_dir, "checkpoints")
-    for name in req.get("delete", []):
-        if "/" in name or name in ("", ".", ".."):
-            raise ValueError(f"refusing to delete {name!r}")
+    for name in names:
         path = os.path.join(base, name)
         if not os.path.isdir(path):
             continue
@@ -180,33 +356,53 @@ def archive(run_dir, req):
             os.unlink(os.path.join(path, "MANIFEST.sha256"))
         shutil.rmtree(path)
         removed.append(name)
+    return removed, freed
+
+
+def archive(run_dir, req):
+    names = req.get("delete", [])
+    for name in names:
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"refusing to delete {name!r}")
+    expect_unchanged(run_dir, req)
     dest = req["to"]
     if os.path.lexists(dest):
         raise FileExistsError(f"{dest} already exists")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    os.rename(run_dir, dest)
-    return {"removed": removed, "freed": freed, "dir": dest}
+    before = {n: tree_bytes(os.path.join(run_dir, "checkpoints", n)) for n in names}
+    move(run_dir, dest, set(names))
+    removed, freed = prune(dest, names)
+    gone = [n for n in names if n not in removed and before[n]]  # left out of a copy
+    return {"removed": removed + gone, "freed": freed + sum(before[n] for n in gone),
+            "dir": dest}  # fmt: skip
 
 
 ACTIONS = {
     "claim": claim,
+    "sweep": sweep,
     "commit": commit,
     "remove": remove,
     "discard": discard,
     "publish": publish,
     "secrets": secrets,
     "relaunch": relaunch,
+    "restore": restore,
     "signal": send,
     "kill": kill,
     "archive": archive,
 }
+LOCKED = ("sweep", "commit", "remove", "relaunch", "restore", "signal", "kill", "archive")
 
 
 def main():
     action, run_dir = sys.argv[1], sys.argv[2]
     req = json.load(sys.stdin)
     try:
-        out = ACTIONS[action](run_dir, req)
+        if action in LOCKED and not (action == "remove" and not os.path.isdir(run_dir)):
+            with run_lock(run_dir):
+                out = ACTIONS[action](run_dir, req)
+        else:
+            out = ACTIONS[action](run_dir, req)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"runctl {action}: {exc}\n")
         sys.exit(1)

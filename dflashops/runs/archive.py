@@ -44,13 +44,15 @@ def archive_dir(writer: Session, view: RunView) -> str:
 
 
 def archive(writer: Session, view: RunView, plan: Plan) -> dict[str, Any]:
-    """Prune and move the run on node 0, then move the other nodes' directories; node 0's
+    """Move the run on node 0, then prune there (runctl: under the run's lock, only if its
+    state.json is still as it was read), then move the other nodes' directories; node 0's
     answer ({"removed", "freed", "dir"}; empty under --dry-run)."""
     done = control(
-        writer.machine(view.target), "archive", view.dir,
+        writer.machine(view.target), "archive", view.dir, expect=view.status,
         delete=[c.name for c in plan.remove], to=archive_dir(writer, view),
     )  # fmt: skip
     for node in view.nodes[1:]:  # the other nodes of a run over several targets
         other = writer.machine(node.target)
-        control(other, "archive", node.dir, to=run_dir(other.target, view.name, "archive"))
+        control(other, "archive", node.dir, expect=node.status,
+                to=run_dir(other.target, view.name, "archive"))  # fmt: skip
     return done

@@ -4,13 +4,16 @@ both win; and taking back what a launch made when it fails."""
 
 from __future__ import annotations
 
+import posixpath
 import secrets as random_tokens
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from dflashops import context
+from dflashops import bundle, context
 from dflashops.errors import OpsError, UnreachableError, UsageError
+from dflashops.inventory import Target
+from dflashops.runs import hold
 from dflashops.runs.control import control
 from dflashops.runs.placement import Node, Placement
 from dflashops.runs.survey import place, survey
@@ -18,6 +21,11 @@ from dflashops.runs.view import RunView, tmux_session
 from dflashops.ssh.session import Session
 
 CLAIM_WAIT_S = 30.0
+SECRETS_HOME = "secrets"  # <ws>/dflashops/secrets/: read and deleted by the launcher
+
+
+def secrets_home(target: Target) -> str:
+    return posixpath.join(target.workspace, bundle.REMOTE_HOME, SECRETS_HOME)
 
 
 def claim_key(view: RunView) -> tuple[float, str] | None:
@@ -41,19 +49,23 @@ def claim(reader: Session, writer: Session, placement: Placement) -> None:
 
     A rival that has committed wins; of two rivals still claiming, the earlier claim (time,
     then a random nonce: both sides order the pair the same way) waits for the later to back
-    off, and the later backs off at once. A failed claim takes back what it made."""
+    off, and the later backs off at once. A claim carries its holder (runs/hold.py): a launch
+    cut short before its launcher started is swept by the next one. A failed claim, or one
+    interrupted (Ctrl-C, SIGTERM, SIGHUP), takes back what it made."""
     mine = {"t": time.time(), "nonce": random_tokens.token_hex(4)}
     made: list[Node] = []
+    holder = hold.mine("launch")
     try:
         for node in placement.nodes:
-            state = initial_state(placement, node, status="claiming", claim=mine)
-            answer = control(writer.machine(node.target), "claim", placement.dir(node), **state)
+            state = initial_state(placement, node, status="claiming", claim=mine, hold=holder)
+            made.append(node)  # before its answer: cut short, the take-back checks the run id
+            answer = claim_node(writer, placement, node, state)
             if answer.get("taken") is not None:
+                made.pop()  # another's: never taken back
                 raise UsageError(
                     f"{placement.kind.noun} name {placement.run!r} is taken: {node.target.name}:"
                     f"{placement.dir(node)} exists; choose another name"
                 )
-            made.append(node)
         if not writer.dry_run and placement.kind.global_names:
             settle(reader, placement, (mine["t"], mine["nonce"]))
         for node in placement.nodes:
@@ -66,6 +78,36 @@ def claim(reader: Session, writer: Session, placement: Placement) -> None:
     except BaseException:
         take_back(writer, placement, made)
         raise
+
+
+def claim_node(
+    writer: Session, placement: Placement, node: Node, state: dict[str, Any]
+) -> dict[str, Any]:
+    """runctl's claim on one node; a launch cut short found there is swept, and claimed again."""
+    machine = writer.machine(node.target)
+    answer = control(machine, "claim", placement.dir(node), **state)
+    taken = answer.get("taken")
+    raw = {"state": taken, "node": answer.get("started")}
+    if taken is None or not hold.abandoned(raw, float(answer.get("now", 0))):
+        return answer
+    sweep(writer, node.target, placement.dir(node), taken)
+    return control(machine, "claim", placement.dir(node), **state)
+
+
+def sweep(writer: Session, target: Target, path: str, state: dict[str, Any]) -> None:
+    """Delete a launch cut short (its run directory and secrets files), if still that one."""
+    token = (state.get("hold") or {}).get("token")
+    done = control(writer.machine(target), "sweep", path, run_id=state.get("run_id"),
+                   token=token, secrets_dir=secrets_home(target))  # fmt: skip
+    if done.get("swept"):
+        context.note(f"{target.name}: removed {path}, a launch cut short")
+
+
+def sweep_abandoned(writer: Session, views: Iterable[RunView]) -> None:
+    """The launches cut short found by a read (every node of each)."""
+    for view in views:
+        for node in view.nodes or [view]:
+            sweep(writer, writer.inventory.target(node.target), node.dir, node.status)
 
 
 def refuse_unread(run: str, unread: dict[str, OpsError]) -> None:
@@ -90,7 +132,8 @@ def settle(reader: Session, placement: Placement, mine: tuple[float, str]) -> No
         found = survey(reader, names=[run], archive=True, records="none")
         own = {n.target.name for n in placement.nodes}
         refuse_unread(run, {t: e for t, e in found.errors.items() if t in own})
-        rivals = [v for v in found.runs() if v.name == run and v.run_id != placement.run_id]
+        rivals = [v for v in found.runs() if v.name == run and v.run_id != placement.run_id
+                  and v.state != "abandoned"]  # fmt: skip
         if not rivals:
             return
         settled = [v for v in rivals if v.status.get("status") != "claiming" and v.status]

@@ -110,6 +110,8 @@ class JobKind:
             raise UsageError(
                 f"{view.name} is archived ({view.target}:{view.dir}); it cannot resume"
             )
+        if view.state == "abandoned":
+            raise UsageError(f"{view.name} never started ({view.note}); launch it again")
         if view.running or any(v.running for v in view.nodes):
             raise UsageError(f"{view.name} is {view.state} on {view.target}; nothing to resume")
         if view.multi and len(view.nodes) < len(view.node_targets):

@@ -14,7 +14,7 @@ from dflashops import context
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.render import human_bytes
-from dflashops.runs.claim import take_back, taken_error, warn_unread
+from dflashops.runs.claim import sweep_abandoned, take_back, taken_error, warn_unread
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
@@ -49,6 +49,8 @@ def launch(
     code = local_code()
     seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc)
     placement = seen.placement
+    if not writer.dry_run:
+        sweep_abandoned(writer, seen.abandoned)
     text = f"{config_text.rstrip()}\n# workload snapshot {code.digest}\n"
     context.note(f"{run}: {placement.describe()}")
     if writer.dry_run:
@@ -77,9 +79,12 @@ def launch(
 class Preflight:
     """What one read of the targets said: where the run goes and what each target has."""
 
-    def __init__(self, placement: Placement, probes: dict[str, Probe]) -> None:
+    def __init__(
+        self, placement: Placement, probes: dict[str, Probe], abandoned: list[RunView]
+    ) -> None:
         self.placement = placement
         self.probes = probes
+        self.abandoned = abandoned  # launches of this name cut short: swept before the claim
 
     def have_code(self, target: Target, code: Code) -> bool:
         return self.probes[target.name].paths.get(code.path(target)) == "dir"
@@ -130,6 +135,8 @@ def preflight(
     warn_unread(run, unread)
     probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
     places = [v for p in probes.values() for v in group(p.runs) if v.name == run]
+    cut = [v for v in places if v.state == "abandoned"]
+    places = [v for v in places if v.state != "abandoned"]
     if places:
         raise taken_error(run, places)
     for target in targets:
@@ -142,7 +149,7 @@ def preflight(
             f"{run}: rank 0 (the log and checkpoints) runs on {first.name}: torchrun's "
             "rendezvous orders the nodes by address"
         )
-    return Preflight(placement, probes)
+    return Preflight(placement, probes, cut)
 
 
 def order_nodes(targets: list[Target]) -> list[Target]:
@@ -166,7 +173,8 @@ def check_free(target: Target, probe: Probe, *, force: bool) -> None:
     if holders:
         v = holders[0]
         step = f", step {v.step}" if v.step is not None else ""
-        why = f"run {v.name} ({v.state}{step}) holds its GPUs; stop it first"
+        uses = "holds its GPUs" if gpu_count(probe) else "runs on its CPU (no GPUs there)"
+        why = f"run {v.name} ({v.state}{step}) {uses}; stop it first"
     elif apps:
         shown = ", ".join(
             f"pid {a.get('pid')} {a.get('name')} on GPU {a.get('gpu')} ({a.get('used_mib')} MiB)"
@@ -229,7 +237,8 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     ]
     total = per.get("total")
     room = plan.get("gpu_memory")
-    fits = {True: "fits", False: "DOES NOT FIT", None: "no GPU reading"}[plan.get("fits")]
+    cpu = "on CPU: no GPU memory to fit" if plan.get("device") == "cpu" else "no GPU reading"
+    fits = {True: "fits", False: "DOES NOT FIT", None: cpu}[plan.get("fits")]
     head = f"memory plan per rank ({plan.get('world')} ranks, sharding {plan.get('sharding')}): "
     head += f"{human_bytes(total)}" + (f" of {human_bytes(room)}" if room else "") + f": {fits}"
     return [head, "  " + ", ".join(parts)] + [f"  {n}" for n in plan.get("notes") or []]

@@ -40,7 +40,8 @@ def probe(machine: Machine, **request: Any) -> Probe:
     every = request.get("names") is not None
     request = {"ws": target.workspace, "homes": kinds.homes(every=every), **request}
     argv = helper_argv("runs_probe.py")
-    result = machine.run(argv, stdin=json.dumps(request).encode())
+    cwd = "/" if target.kind == "local" else None  # a read makes no workspace there
+    result = machine.run(argv, stdin=json.dumps(request).encode(), cwd=cwd)
     if machine.dry_run:
         return Probe({where: [] for where in request["homes"]}, [], {}, {})
     if result.returncode == 127:
@@ -56,7 +57,7 @@ def probe(machine: Machine, **request: Any) -> Probe:
         if "error" in raw:
             context.note(f"{target.name}: {raw['where']}/{raw['name']}: {raw['error']}")
             continue
-        state, note = derive_state(raw)
+        state, note = derive_state(raw, doc["now"])
         view = RunView(raw["name"], target.name, raw["where"], raw["dir"], state, doc["now"],
                        raw, note, kind=kinds.by_where(raw["where"]))  # fmt: skip
         if state == "failed" and root_cause(view):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from dflashops import context
-from dflashops.runs import kinds
+from dflashops.errors import OpsError
+from dflashops.runs import hold, kinds
+from dflashops.runs.claim import secrets_home
 from dflashops.runs.control import control
 from dflashops.runs.placement import Node, Placement, new_run_id
 from dflashops.runs.probe import probe
@@ -37,20 +40,65 @@ def resume(
     code_dirs = {} if update_code else recorded_code(view)
     have = {n.target.name: n.target.name in code_dirs for n in placement.nodes}
     made = Started(placement)
-    for node in placement.nodes:
-        reset = {"status": "launching", "exit_code": None, "finished": None,
-                 "resumed": time.time()}  # fmt: skip
-        control(writer.machine(node.target), "relaunch", placement.dir(node), **reset)
-    prepare(
-        writer, placement, code, lambda t, c: have.get(t.name, False), {}, values, made,
-        resume=True, code_dirs=code_dirs,
-    )  # fmt: skip
-    start_all(writer, placement)
+    holder = hold.mine("resume")
+    before: dict[str, dict[str, str]] = {}
+    try:
+        relaunch(writer, view, placement, holder, before)
+        prepare(
+            writer, placement, code, lambda t, c: have.get(t.name, False), {}, values, made,
+            resume=True, code_dirs=code_dirs,
+        )  # fmt: skip
+        start_all(writer, placement)
+    except BaseException:
+        if not writer.dry_run:
+            put_back(writer, placement, holder, before, made.secrets)
+        raise
     if writer.dry_run:
         context.note("dry run: nothing was changed")
         return None
     context.note(kind.resume_note(view))
     return wait_for_life(reader, placement, timeout=wait)
+
+
+def relaunch(
+    writer: Session,
+    view: RunView,
+    placement: Placement,
+    holder: dict[str, Any],
+    before: dict[str, dict[str, str]],
+) -> None:
+    """Every node's state.json made ready for the launcher, only if it is still as it was read
+    (another command that changed it meanwhile wins); what each had is kept in `before`."""
+    read = {v.target: v.status for v in view.nodes or [view]}
+    for node in placement.nodes:
+        reset = {"status": "launching", "exit_code": None, "finished": None,
+                 "resumed": time.time()}  # fmt: skip
+        answer = control(writer.machine(node.target), "relaunch", placement.dir(node),
+                         state=reset, hold=holder, expect=read.get(node.target.name, {}),
+                         secrets_dir=secrets_home(node.target))  # fmt: skip
+        before[node.target.name] = answer.get("before") or {}
+
+
+def put_back(
+    writer: Session,
+    placement: Placement,
+    holder: dict[str, Any],
+    before: dict[str, dict[str, str]],
+    secrets: list[str],
+) -> None:
+    """A resume that failed: what it started stopped, its secrets files deleted, and each
+    node's state.json (node.json, ranks) as before, where this resume still holds it."""
+    for node in placement.nodes:
+        machine = writer.machine(node.target)
+        mine = [p for p in secrets if p.startswith(secrets_home(node.target) + "/")]
+        try:
+            if node.target.name in before:
+                control(machine, "kill", placement.dir(node))
+            control(machine, "restore", placement.dir(node), token=holder["token"], files=mine,
+                    before=before.get(node.target.name, {}))  # fmt: skip
+        except OpsError as exc:
+            context.note(f"{node.target.name}: could not put back {placement.dir(node)}: "
+                         f"{exc.message}")  # fmt: skip
 
 
 def placement_of(reader: Session, view: RunView) -> Placement:

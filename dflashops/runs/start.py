@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import secrets as random_tokens
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops import bundle, context, transfer
+from dflashops import context, transfer
 from dflashops.errors import NotFoundError, OpsError, UnreachableError
 from dflashops.inventory import Target
 from dflashops.remote import source as helper_source
 from dflashops.render import Stopwatch, duration
-from dflashops.runs.claim import claim, take_back
+from dflashops.runs.claim import claim, secrets_home, take_back
 from dflashops.runs.control import control
 from dflashops.runs.failure import trainer_failure, trainer_lines
 from dflashops.runs.placement import LOOPBACK, Node, Placement
@@ -35,7 +36,6 @@ from dflashops.targets.base import Machine
 
 TMUX = ["tmux", "-L", "dflashops", "-f", "/dev/null"]  # our own server, never the user's
 LAUNCHER = "launcher.py"
-SECRETS_HOME = "secrets"  # <ws>/dflashops/secrets/: read and deleted by the launcher
 
 
 def launch_env(target: Target, code_dir: str, node_address: str | None) -> dict[str, str]:
@@ -78,8 +78,10 @@ def launch_doc(
 
 
 def secrets_path(placement: Placement, node: Node) -> str:
-    name = f"{placement.run}-{placement.run_id}-{node.index}.json"
-    return posixpath.join(node.target.workspace, bundle.REMOTE_HOME, SECRETS_HOME, name)
+    """A new name at every start (a file left by a start cut short never blocks the next);
+    the run's name and id come first, so that a later start can sweep it."""
+    name = f"{placement.run}-{placement.run_id}-{node.index}-{random_tokens.token_hex(4)}.json"
+    return posixpath.join(secrets_home(node.target), name)
 
 
 def write_run_files(

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from dflashops.errors import UsageError
 from dflashops.inventory import NAME_RE, Target
+from dflashops.runs.hold import abandoned, is_mine
 
 TERMINAL = ("finished", "failed", "stopped", "archived")
 
@@ -98,7 +99,7 @@ class RunView:
     target: str
     where: str  # its kind's home ("runs", "evals", ...) or "archive"
     dir: str
-    state: str  # starting | running | finished | stopped | failed | archived | unknown
+    state: str  # starting | running | finished | stopped | failed | archived | abandoned | unknown
     now: float  # the target's clock when it was read
     raw: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
@@ -274,8 +275,10 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 1)
 
 
-def derive_state(raw: dict[str, Any]) -> tuple[str, str | None]:
-    """(state, note) from what the probe saw: state.json, exit code, tmux and the trainer's pid."""
+def derive_state(raw: dict[str, Any], now: float) -> tuple[str, str | None]:
+    """(state, note) from what the probe saw: state.json, exit code, tmux and the trainer's pid;
+    a launch cut short before its launcher started is "abandoned" (its name is free again), a
+    resume cut short "failed" (`now`: the target's clock when it was read)."""
     if raw.get("where") == "archive":
         return "archived", None
     st = raw.get("state") or {}
@@ -284,8 +287,13 @@ def derive_state(raw: dict[str, Any]) -> tuple[str, str | None]:
     if code is None:
         code = raw.get("exit_file")
     alive = node_alive(raw)
-    if status == "claiming":
-        return "starting", "being launched"
+    cut = None if alive else abandoned(raw, now)
+    if cut:
+        return ("failed" if (st.get("hold") or {}).get("verb") == "resume" else "abandoned"), cut
+    hold = st.get("hold")
+    held = status == "launching" and isinstance(hold, dict) and not raw.get("node")
+    if status == "claiming" or (held and not alive and not is_mine(hold)):
+        return "starting", "being resumed" if st.get("resumed") else "being launched"
     if alive:
         agent = (raw.get("node") or {}).get("agent") or {}
         if st.get("node", 0) != 0 and status == "launching" and agent.get("alive"):

@@ -82,7 +82,8 @@ class LocalMachine(Machine):
     def spawn(
         self, argv: list[str], env: dict[str, str], cwd: str | None, *, bulk: bool = False
     ) -> Process:
-        Path(self.target.workspace).mkdir(parents=True, exist_ok=True)
+        if cwd is None:  # the workspace is where commands run (a read names its own cwd)
+            Path(self.target.workspace).mkdir(parents=True, exist_ok=True)
         workdir = cwd or self.target.workspace
         if not Path(workdir).is_dir():  # as `env -C` reports it on the other kinds
             return LocalProcess.failed_start(125, f"env: cannot change directory to '{workdir}'")

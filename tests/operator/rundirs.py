@@ -17,7 +17,7 @@ STAND_IN_TRAINER = """\
 # rewound to it), so the launch machinery can be tried for real in a second.
 import hashlib, json, os, signal, sys, time
 if "workload.plan" in sys.argv:  # the memory plan, answered as workload.plan would
-    print(json.dumps({"world": 1, "sharding": "none", "per_rank": {"total": 1 << 20},
+    print(json.dumps({"world": 1, "sharding": "none", "device": "cpu", "per_rank": {"total": 1 << 20},
                       "gpu_memory": None, "fits": None, "notes": []}))
     sys.exit(0)
 run = sys.argv[sys.argv.index("--run-dir") + 1]

@@ -110,8 +110,10 @@ def test_plot_has_a_title_and_a_log_scale_for_a_loss_over_decades(cli, ws, tmp_p
     assert any("10^{-1}" in t for t in texts), texts  # log ticks on the loss panel
     assert "loss" in texts and "acc" in texts and "step" in texts
     assert "no run logged streak" not in texts
-    ran = cli("compare", "dec-a", "dec-b", "--metrics", "loss,streak", "--plot", str(out))
+    ran = cli("compare", "dec-a", "dec-b", "--plot", str(out))  # the default keys have streak
     assert ran.code == 0 and "no run logged streak" in svg_texts(out), ran.err
+    ran = cli("compare", "dec-a", "dec-b", "--metrics", "loss,streak", "--plot", str(out))
+    assert ran.code == 2 and "--metrics streak: not in the logs" in ran.err, ran.err
 
 
 def test_plot_stays_linear_when_the_loss_does_not_span_decades(cli, ws, tmp_path):

@@ -97,7 +97,7 @@ def test_push_tree_arrives_identical(tmp_path, inventory):
     src = make_tree(tmp_path / "src")
     ran = dflashops("push", "local", str(src), "data/copy", inventory=inventory)
     assert ran.code == 0, ran.err
-    assert "sha256 verified" in ran.out
+    assert "crc32 verified" in ran.out
     assert fingerprint(tmp_path / "ws" / "data" / "copy") == fingerprint(src)
 
 
@@ -121,7 +121,9 @@ def test_push_json_reports_counts(tmp_path, inventory):
     src = make_tree(tmp_path / "src", big=1000)
     ran = dflashops("--json", "push", "local", str(src), "d", inventory=inventory)
     doc = json.loads(ran.out)
-    assert doc["files"] == 6 and doc["verified"] == "sha256"
+    assert doc["files"] == 6 and doc["verified"] == "crc32"
+    again = dflashops("--json", "push", "local", str(src), "e", "--checksum", inventory=inventory)
+    assert json.loads(again.out)["verified"] == "sha256", again.err
 
 
 def test_dry_run_prints_argv_and_changes_nothing(tmp_path, inventory):
