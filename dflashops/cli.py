@@ -11,6 +11,7 @@ from dflashops.commands import (
     attach,
     ckpts,
     compare,
+    datagen,
     diff,
     eval_cmd,
     evals,
@@ -111,6 +112,7 @@ for module in (
     pull_ckpt,
     eval_cmd,
     evals,
+    datagen,
 ):
     module.register(app)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from dflashops.runs.job import JobKind
+from dflashops.runs.kind_datagen import DATAGEN
 from dflashops.runs.kind_eval import EVAL
 from dflashops.runs.kind_training import TRAINING
 
-KINDS: tuple[JobKind, ...] = (TRAINING, EVAL)
+KINDS: tuple[JobKind, ...] = (TRAINING, EVAL, DATAGEN)
 LISTED = tuple(k for k in KINDS if k.listed)
 
 

@@ -243,7 +243,7 @@ def test_manifest_reconciles_and_records_failures_with_their_reason(tf_run, corp
     assert m["source"] == {"path": str(corpus.resolve()),
                            "sha256": hashlib.sha256(corpus.read_bytes()).hexdigest()}  # fmt: skip
     state = json.loads((tf_run / "state.json").read_text())
-    assert state["status"] == "done" and state["total"] == 24 and state["exit_code"] == 0
+    assert state["status"] == "finished" and state["total"] == 24 and state["exit_code"] == 0
     beat = json.loads((tf_run / "ranks" / "rank_0.json").read_text())
     assert (beat["status"], beat["assigned"], beat["done"], beat["failed"], beat["skipped"]) == (
         "done", 24, 22, 1, 1)  # fmt: skip
