@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests import engines
+from tests.greedy import Greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_vllm = pytest.mark.usefixtures("vllm_python")  # skipped without one (tests/engines.py)
@@ -122,41 +123,9 @@ def vllm_run(tiny_dense, corpus, tmp_path_factory, vllm_python) -> Path:
 # ---------------------------------------------------------------- the greedy reference
 
 
-class Greedy:
-    """The tiny target's own greedy continuation of a chat, one prompt at a time (no padding)."""
-
-    def __init__(self, target: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.set_num_threads(1)
-        self.tok = AutoTokenizer.from_pretrained(target)
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        self.cache: dict[str, str] = {}
-
-    def __call__(self, messages: list[dict]) -> str:
-        import torch
-
-        key = json.dumps(messages)
-        if key not in self.cache:
-            text = self.tok.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=True)  # fmt: skip
-            ids = self.tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            eos = self.tok.eos_token_id
-            with torch.no_grad():
-                out = self.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos,
-                    pad_token_id=self.tok.pad_token_id,
-                    max_new_tokens=min(MAX_NEW, MAX_LEN - ids.shape[1]),
-                )[0, ids.shape[1] :].tolist()  # fmt: skip
-            out = out[: out.index(eos)] if eos in out else out
-            self.cache[key] = self.tok.decode(out, skip_special_tokens=True)
-        return self.cache[key]
-
-
 @pytest.fixture(scope="module")
 def greedy(tiny_dense) -> Greedy:
-    return Greedy(tiny_dense / "target")
+    return Greedy(tiny_dense / "target", MAX_NEW, MAX_LEN)
 
 
 def assert_greedy_replies(out: Path, corpus: Path, greedy: Greedy) -> None:
@@ -201,7 +170,7 @@ def test_hybrid_target_transformers_replies_are_greedy(tiny_hybrid, tmp_path):
                          "--engine", "transformers", "--chunk", "12"))  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(outputs(out)) == 12
-    assert_greedy_replies(out, prompts, Greedy(tiny_hybrid / "target"))
+    assert_greedy_replies(out, prompts, Greedy(tiny_hybrid / "target", MAX_NEW, MAX_LEN))
 
 
 def test_multi_turn_second_reply_is_given_the_targets_first(tf_run, corpus, greedy):
