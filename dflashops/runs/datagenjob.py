@@ -46,6 +46,7 @@ from dflashops.runs.view import RunView
 from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
+LONG_S = 900.0  # the deadline of a pass over the whole input or dataset (it prints at the end)
 INPUT = "input"  # <ws>/data/NAME/input/<the prompts file's name>: not a *.jsonl of the dataset
 MANIFEST = "manifest.json"
 
@@ -79,6 +80,10 @@ class Request:
 class Started:
     placement: Placement
     view: RunView | None  # None under --dry-run
+
+
+def long(machine: Machine) -> float:
+    return max(machine.timeout or 0.0, LONG_S)
 
 
 def input_path(target: Target, name: str, prompts: Path) -> str:
@@ -234,7 +239,7 @@ def check_input(
     argv = [python, "-m", "workload.datagen", "--check-only", "--prompts", remote]
     if req.chunk is not None:
         argv += ["--chunk", str(req.chunk)]
-    result = machine.run(argv, env={"PYTHONPATH": code.path(target)})
+    result = machine.run(argv, env={"PYTHONPATH": code.path(target)}, timeout=long(machine))
     if machine.dry_run or result.ok:
         return
     text = result.error_text.removeprefix("error: ").replace(remote, str(req.prompts))
@@ -342,7 +347,7 @@ def finalize(machine: Machine, head: RunView) -> dict[str, Any]:
     launch = json.loads(transfer.read_text(machine, posixpath.join(head.dir, "launch.json")))
     doc = json.loads(transfer.read_text(machine, posixpath.join(head.dir, SETTINGS)))
     argv = [*doc["program"][head.target], "--finalize"]
-    result = machine.run(argv, env={"PYTHONPATH": launch["code"]})
+    result = machine.run(argv, env={"PYTHONPATH": launch["code"]}, timeout=long(machine))
     if machine.dry_run:
         return {}
     if result.returncode not in (0, 1):

@@ -92,7 +92,8 @@ class Datagen(JobKind):
     def resume_note(self, view: RunView) -> str:
         progress = self.progress(view)
         left = (progress.total or 0) - (progress.done or 0)
-        return f"{view.name}: resuming with {left} conversation(s) to generate"
+        then = f"; then `dflashops datagen {view.name} --collect`" if view.multi else ""
+        return f"{view.name}: resuming with {left} conversation(s) to generate{then}"
 
 
 DATAGEN = Datagen()

@@ -391,6 +391,7 @@ def test_a_run_refuses_bad_input_before_any_engine(tiny_dense, tmp_path):
         (["--chunk", "0"], "--chunk: 0: must be at least 1"),
         (["--temperature", "-1"], "--temperature: -1.0: must be 0"),
         (["--max-model-len", "9000"], "more than the target's max_position_embeddings (4096)"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 --nnodes 2: need 0 <= node rank"),
     ],
 )
 def test_bad_options_are_one_line(extra, what, corpus, tiny_dense, tmp_path):
