@@ -138,9 +138,6 @@ def check_args(a: argparse.Namespace) -> dict[str, Any]:
     for name in ("max_new_tokens", "chunk", "tensor_parallel_size", "batch_size"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: {getattr(a, name)}: must be at least 1")
-    if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
-        raise UsageError(f"--node-rank {a.node_rank} --nnodes {a.nnodes}: need 0 <= node rank "
-                         "< nnodes")  # fmt: skip
     if a.max_model_len is not None and a.max_model_len < 2:
         raise UsageError(f"--max-model-len: {a.max_model_len}: must be at least 2")
     if not a.temperature >= 0:
@@ -224,6 +221,9 @@ def take_place() -> Place:
 def on_node(place: Place, nnodes: int, node_rank: int) -> Place:
     """This process's place among `nnodes` nodes started on their own (no rendezvous): the
     node's local processes are its ranks, numbered after the nodes before it."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} --nnodes {nnodes}: need 0 <= node rank "
+                         "< nnodes")  # fmt: skip
     if nnodes == 1:
         return place
     if place.world != place.local_world:
