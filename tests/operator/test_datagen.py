@@ -121,10 +121,12 @@ def assert_greedy(made: dict[str, list[dict]], path: Path, greedy: Greedy) -> No
 def one_run(cli, bed, tiny, tmp_path_factory) -> tuple[Path, Path]:
     """g-one: 12 conversations on `one`, followed to its end; (its input, its directory)."""
     path = corpus(tiny, tmp_path_factory.mktemp("in"), 12)
+    t0 = time.monotonic()
     ran = cli("datagen", "g-one", "--host", "one", "--prompts", str(path), *FAST,
               "--chunk", "2")  # fmt: skip
     assert ran.code == 0, ran.err
     assert "complete: 12 of 12 conversations" in ran.out
+    print(f"datagen of 12 conversations on one target, followed: {time.monotonic() - t0:.1f}s")
     return path, bed["one"].host_path("/workspace/data/g-one")
 
 
@@ -185,9 +187,11 @@ def test_stopped_halfway_then_resumed_repeats_nothing_and_loses_nothing(
 
 def test_two_targets_make_the_same_set_as_one_each_conversation_once(cli, bed, one_run):
     path, one_dir = one_run
+    t0 = time.monotonic()
     ran = cli("datagen", "g-two", "--host", "one,two", "--prompts", str(path), *FAST,
               "--chunk", "2")  # fmt: skip
     assert ran.code == 0, ran.err
+    print(f"datagen of 12 conversations on two targets, combined: {time.monotonic() - t0:.1f}s")
     head = bed["one"].host_path("/workspace/data/g-two")
     share = bed["two"].host_path("/workspace/data/g-two")
     assert records(head) == records(one_dir)  # combined on the first: the same replies
