@@ -521,7 +521,6 @@ class Job:
         render = Renderer(tokenizer, self.kwargs)
         for k in todo:
             if stop.requested:
-                self._pass_stop_on()
                 break
             convs = read_chunk(self.source, k)
             try:
@@ -544,7 +543,8 @@ class Job:
         return self._finish("stopped" if stopped else "done")
 
     def _pass_stop_on(self) -> None:
-        """The stop asked of the pid in state.json, to this machine's other ranks in DIR."""
+        """The stop asked of the pid in state.json, to this machine's other ranks in DIR (once:
+        a second signal ends a rank at once)."""
         if not self.keeps_state or self.place.local_world == 1:
             return
         import signal

@@ -465,3 +465,31 @@ def test_a_failing_conversation_fails_alone_and_an_empty_reply_is_a_failure(tiny
         {"source": "in.jsonl:3", "reason": "empty reply"},
     ]
     assert Flaky.calls == 1 + 4  # the whole batch, then each prompt alone
+
+
+def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(corpus, tiny_dense, tmp_path):
+    """`stop` signals one pid, state.json's (local rank 0): under torchrun it passes the stop
+    on to the other ranks of the node, and all of them end "stopped"."""
+    out = tmp_path / "data"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = datagen_argv("", corpus, tiny_dense / "target", out, "--chunk", "1",
+                        "--engine", "transformers", "--nnodes", "1")[1:]  # fmt: skip
+    log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--standalone", *argv], cwd=ROOT,
+                            env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 600
+        while len(list((out / "chunks").glob("chunk_*.json"))) < 2 and time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(json.loads((out / "state.json").read_text())["pid"], signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    beats = [json.loads((out / "ranks" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [b["status"] for b in beats] == ["stopped", "stopped"]
+    assert sum(b["done"] + b["failed"] + b["skipped"] for b in beats) < 24
