@@ -47,6 +47,7 @@ from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
 LONG_S = 900.0  # the deadline of a pass over the whole input or dataset (it prints at the end)
+BATCH = 400  # chunks per copy (each a tar of 800 names)
 INPUT = "input"  # <ws>/data/NAME/input/<the prompts file's name>: not a *.jsonl of the dataset
 MANIFEST = "manifest.json"
 
@@ -311,17 +312,22 @@ def collect(reader: Session, writer: Session, view: RunView) -> dict[str, Any]:
         wanted = [k for k in chunk_names(src, node.dir) if k not in have]
         if wanted:
             context.note(f"{view.name}: {len(wanted)} chunk(s) {node.target} -> {head.target}")
-            copy_chunks(src, node.dir, wanted, dst, head.dir)
+        for at in range(0, len(wanted), BATCH):  # a command line of bounded length
+            copy_chunks(src, node.dir, wanted[at : at + BATCH], dst, head.dir)
     return finalize(dst, head)
 
 
 def chunk_names(machine: Machine, job_dir: str) -> list[str]:
-    """The finished chunks there (those with a record), as chunk_<K>."""
-    listed = machine.run(["ls", "-1", "--", posixpath.join(job_dir, "chunks")])
-    if not listed.ok:
-        return []
-    names = [x.removesuffix(".json") for x in listed.text.split() if x.endswith(".json")]
-    return sorted(n for n in names if n.startswith("chunk_") and not n.startswith("."))
+    """The finished chunks there (a record, and its jsonl beside it), as chunk_<K>."""
+    records = listing(machine, posixpath.join(job_dir, "chunks"))
+    files = set(listing(machine, job_dir))
+    names = [x.removesuffix(".json") for x in records if x.endswith(".json")]
+    return sorted(n for n in names if n.startswith("chunk_") and f"{n}.jsonl" in files)
+
+
+def listing(machine: Machine, path: str) -> list[str]:
+    listed = machine.run(["ls", "-1", "--", path])
+    return listed.text.split() if listed.ok and not machine.dry_run else []
 
 
 def copy_chunks(src: Machine, src_dir: str, chunks: list[str], dst: Machine, dst_dir: str) -> None:

@@ -204,6 +204,13 @@ def test_two_targets_make_the_same_set_as_one_each_conversation_once(cli, bed, o
     assert ranks == {0, 1}
     doc = status(cli, "g-two")
     assert [n["target"] for n in doc["nodes"]] == ["one", "two"] and doc["state"] == "finished"
+    # a copy that lost a chunk (cut short) is made whole again; only what is missing is sent
+    (head / "chunk_000001.jsonl").unlink()
+    (head / "chunks" / "chunk_000003.json").unlink()
+    again = cli("datagen", "g-two", "--collect")
+    assert again.code == 0, again.err
+    assert "2 chunk(s) two -> one" in again.err and "complete: 12 of 12" in again.out
+    assert records(head) == records(one_dir)
 
 
 def test_a_malformed_prompt_file_is_refused_in_one_line_and_leaves_nothing(
