@@ -11,6 +11,7 @@ from dflashops.commands import (
     attach,
     ckpts,
     compare,
+    datagen,
     diff,
     eval_cmd,
     evals,
@@ -113,6 +114,7 @@ for module in (
     eval_cmd,
     evals,
     watch,
+    datagen,
 ):
     module.register(app)
 

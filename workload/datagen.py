@@ -5,7 +5,7 @@ python -m workload.datagen --prompts FILE --target PATH --out DIR
     [--engine vllm|transformers] [--max-new-tokens N] [--temperature T]
     [--chat-template-kwargs JSON] [--tensor-parallel-size N] [--max-model-len N]
     [--chunk N] [--check-only] [--finalize]
-    [--seed N] [--batch-size N]
+    [--seed N] [--batch-size N] [--nnodes N --node-rank I]
 ```
 
 - `--prompts FILE`: JSONL conversations, `{"messages": [{"role", "content"}, ...]}` or ShareGPT's
@@ -35,7 +35,12 @@ python -m workload.datagen --prompts FILE --target PATH --out DIR
   complete, 1 when not (the missing chunks are named).
 
 Processes: run it alone (one process) or under torchrun, one process per GPU (or per
-`--tensor-parallel-size` GPUs), several nodes through a c10d rendezvous. RANK, LOCAL_RANK,
+`--tensor-parallel-size` GPUs), several nodes through a c10d rendezvous, or several nodes with
+no rendezvous at all: each node started on its own (alone or under a one-node torchrun) with
+`--nnodes N --node-rank I`, its processes then being ranks I*L .. I*L+L-1 of N*L (L its local
+processes; every node the same L). Each such node writes its own DIR (its share of the chunks;
+its manifest is not complete until the other nodes' chunks are copied in and `--finalize`
+reconciles them) and its local rank 0 keeps that DIR's state.json. RANK, LOCAL_RANK,
 WORLD_SIZE and LOCAL_WORLD_SIZE come from the environment; each process claims its GPUs through
 CUDA_VISIBLE_DEVICES (local rank r: GPUs [r*tp, (r+1)*tp) of those visible), and torchrun's
 variables (RANK, MASTER_ADDR, TORCHELASTIC_*, ...) are removed from the environment before the
@@ -53,7 +58,9 @@ status "stopped" (a second signal exits at once, like a kill). Each rank keeps
 DIR/ranks/rank_<R>.json (rank, world_size, assigned, done, failed, skipped, time, status, ...)
 and prints one progress line per chunk; ranks other than 0 print into DIR/ranks/rank_<R>.log.
 Rank 0 keeps DIR/state.json (kind, pid, started, total, status: starting, running once its
-engine is up, then done, stopped or failed; exit_code). Every rank, as it ends, reconciles DIR
+engine is up, then finished, stopped or failed; exit_code). A stop asked of it (SIGTERM) is
+passed on to the other ranks of its machine that write into DIR (by their heartbeats' pid and
+start time), so stopping the one pid in state.json stops the node. Every rank, as it ends, reconciles DIR
 into DIR/manifest.json (`complete` once every chunk is there).
 
 Exit codes: 0 done or stopped; 1 failed (an engine that does not start or dies); 2 bad input.
@@ -62,6 +69,7 @@ Exit codes: 0 done or stopped; 1 failed (an engine that does not start or dies);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -120,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="transformers only")
     p.add_argument("--check-only", action="store_true", help="check the input and exit")
     p.add_argument("--finalize", action="store_true", help="reconcile DIR into its manifest")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes started on their own")
+    p.add_argument("--node-rank", type=int, default=0, help="this node of --nnodes")
     return p.parse_args(argv)
 
 
@@ -206,6 +216,21 @@ def take_place() -> Place:
         if name in TORCHRUN_VARS or name.startswith(TORCHRUN_PREFIXES):
             del env[name]
     return place
+
+
+def on_node(place: Place, nnodes: int, node_rank: int) -> Place:
+    """This process's place among `nnodes` nodes started on their own (no rendezvous): the
+    node's local processes are its ranks, numbered after the nodes before it."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} --nnodes {nnodes}: need 0 <= node rank "
+                         "< nnodes")  # fmt: skip
+    if nnodes == 1:
+        return place
+    if place.world != place.local_world:
+        raise UsageError(f"--nnodes {nnodes}: for nodes started on their own; this one is one "
+                         f"of a rendezvous of {place.world} processes")  # fmt: skip
+    local = place.local_world
+    return Place(node_rank * local + place.local_rank, place.local_rank, nnodes * local, local)
 
 
 def claim_devices(place: Place, tp: int) -> tuple[str, int | None]:
@@ -450,7 +475,8 @@ class Job:
         self.out = Path(a.out)
         self.beat = Heartbeat(self.out, place.rank, place.local_rank, place.world)
         self.beat.fields.pop("step", None)
-        self.state = RunState(self.out, place.rank == 0)
+        self.keeps_state = place.rank == 0 or (a.nnodes > 1 and place.local_rank == 0)
+        self.state = RunState(self.out, self.keeps_state)
         self.engine: Any = None
         self.owner = False  # True once DIR's job.json accepted this run's settings
 
@@ -511,8 +537,31 @@ class Job:
             progress.add(record)
             self.beat.update(**progress.fields())
             print(progress.line(place, k), flush=True)
+        if stop.requested:
+            self._pass_stop_on()
         stopped = progress.chunks_done < len(mine)
         return self._finish("stopped" if stopped else "done")
+
+    def _pass_stop_on(self) -> None:
+        """The stop asked of the pid in state.json, to this machine's other ranks in DIR (once:
+        a second signal ends a rank at once)."""
+        if not self.keeps_state or self.place.local_world == 1:
+            return
+        import signal
+
+        from workload.rank_files import process_start_ticks
+
+        for beat in sorted((self.out / "ranks").glob("rank_*.json")):
+            try:
+                info = json.loads(beat.read_text())
+                pid = int(info["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if pid == os.getpid() or info.get("status") not in ("starting", "running"):
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile
+                if process_start_ticks(pid) == info.get("pid_start"):
+                    os.kill(pid, signal.SIGTERM)
 
     def _start_engine(self, name: str, target: TargetInfo, device: str, threads: int | None,
                       tokenizer: Any, max_model_len: int) -> None:  # fmt: skip
@@ -538,9 +587,12 @@ class Job:
         self.close()
         self.beat.update(status=status, exit_code=0)
         manifest = store.reconcile(self.out)
-        say(f"rank {self.place.rank}: {status}; {self.out / store.MANIFEST}: "
+        nodes = self.a.nnodes
+        share = f" (node {self.a.node_rank} of {nodes}: its share)" if nodes > 1 else ""
+        say(f"rank {self.place.rank}: {status}; {self.out / store.MANIFEST}{share}: "
             f"{_manifest_summary(manifest)}")  # fmt: skip
-        self.state.update(status=status, finished=time.time(), exit_code=0)
+        state = "finished" if status == "done" else status  # the operator's job contract
+        self.state.update(status=state, finished=time.time(), exit_code=0)
         return 0
 
     def fail(self, code: int) -> None:
@@ -593,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     place = take_place()
     try:
+        place = on_node(place, a.nnodes, a.node_rank)
         if not a.check_only and a.out:
             from workload.rank_files import redirect_output
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workload.checkpoint import write_json_atomic
+from workload.jsonfile import write_json_atomic
 
 CHUNKS_DIR = "chunks"
 JOB = "job.json"

@@ -27,7 +27,18 @@ SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 COMMAND_TIMEOUT_S = {
     "hosts": 15.0,
     **dict.fromkeys(
-        ("push", "setup", "run-script", "launch", "resume", "pull-ckpt", "eval", "archive"), 120.0
+        (
+            "push",
+            "setup",
+            "run-script",
+            "launch",
+            "resume",
+            "pull-ckpt",
+            "eval",
+            "archive",
+            "datagen",
+        ),
+        120.0,
     ),
 }
 

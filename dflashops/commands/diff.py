@@ -5,6 +5,10 @@ run.yaml that launch wrote. The audit column comes from each run's audit.json (t
 recipe audit): the recipe's value and why it matters; a value the audit flagged is marked
 * (differs from the recipe), ! (warning) or !! (error). Keys with warnings or errors are always
 shown; other keys only when the runs differ (all of them with --all).
+
+Each run's dataset is shown under its name: data.path and, for a dataset made by `datagen`
+(CONTRACTS §7), what its manifest says made it (target, engine, temperature, chat template
+kwargs); those become rows `dataset.*` of the table, compared as the config's keys are.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import yaml
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, styled, table
+from dflashops.runs.datagenjob import dataset_of
 from dflashops.runs.survey import pick, survey
 from dflashops.runs.view import RunView, check_name
 from dflashops.tables import Col
@@ -49,20 +54,62 @@ def register(app: typer.Typer) -> None:
             return
         views = pick(session, found, names, host=host)
         configs = {v.name: read_config(v) for v in views}
+        datasets = {v.name: read_dataset(session, v, configs[v.name][0]) for v in views}
+        for v in views:
+            configs[v.name][0].update(dataset_rows(datasets[v.name]))
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)
         if as_json:
             opts.emit(
                 {
                     "runs": [
-                        {"run": v.name, "target": v.target, "source": configs[v.name][1]}
+                        {
+                            "run": v.name,
+                            "target": v.target,
+                            "source": configs[v.name][1],
+                            "dataset": datasets[v.name],
+                        }
                         for v in views
                     ],
                     "rows": rows,
                 }
             )
             return
-        show(views, configs, rows, all_)
+        show(views, configs, rows, all_, datasets)
+
+
+def read_dataset(session: Any, view: RunView, config: dict[str, Any]) -> dict[str, Any]:
+    """The run's data.path and, where it is a datagen dataset on the run's target, how it
+    was made."""
+    path = config.get("data.path")
+    if not isinstance(path, str) or not path:
+        return {"path": None, "datagen": None}
+    full = path if path.startswith("/") else f"{view.dir}/{path}"
+    machine = session.machine(session.inventory.target(view.target))
+    return {"path": path, "datagen": dataset_of(machine, full)}
+
+
+def dataset_rows(dataset: dict[str, Any]) -> dict[str, Any]:
+    made = dataset.get("datagen")
+    if not made:
+        return {}
+    target = made.get("target") or {}
+    engine = made.get("engine") or {}
+    return {"dataset.target": target.get("path"), "dataset.target_digest": target.get("digest"),
+            "dataset.engine": f"{engine.get('name')} {engine.get('version')}",
+            "dataset.temperature": made.get("temperature"),
+            "dataset.max_new_tokens": made.get("max_new_tokens"),
+            "dataset.chat_template_kwargs": made.get("chat_template_kwargs")}  # fmt: skip
+
+
+def dataset_line(dataset: dict[str, Any]) -> str:
+    made = dataset.get("datagen")
+    if not made:
+        return f"  data: {dataset.get('path') or '(unset)'}"
+    rows = dataset_rows(dataset)
+    return (f"  data: {dataset['path']} (datagen: target {rows['dataset.target']}, engine "
+            f"{rows['dataset.engine']}, temperature {rows['dataset.temperature']}, chat template "
+            f"kwargs {json.dumps(rows['dataset.chat_template_kwargs'])})")  # fmt: skip
 
 
 def read_config(view: RunView) -> tuple[dict[str, Any], str]:
@@ -172,10 +219,12 @@ def show(
     configs: dict[str, tuple[dict[str, Any], str]],
     rows: list[dict[str, Any]],
     all_: bool,
+    datasets: dict[str, dict[str, Any]],
 ) -> None:
     out = console()
     for v in views:
         out.print(f"{v.name}: {v.target}:{v.dir}/{configs[v.name][1]} ({v.state})")
+        out.print(dataset_line(datasets[v.name]))
     out.print()
     if not rows:
         out.print("the configs are the same" + ("" if all_ else " (--all shows every key)"))

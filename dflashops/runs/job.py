@@ -43,6 +43,7 @@ class JobKind:
     global_names: bool = True  # a name is claimed across the inventory (else mkdir suffices)
     files: tuple[str, ...] = ()  # files of a job's directory the probe reads (for progress)
     stop_request: str = "stop"  # what SIGTERM asks of its program
+    stop_every_node: bool = False  # `stop` signals every node's program (else node 0's only)
 
     @property
     def parents(self) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from dflashops.runs.job import JobKind
+from dflashops.runs.kind_datagen import DATAGEN
 from dflashops.runs.kind_eval import EVAL
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 
-KINDS: tuple[JobKind, ...] = (TRAINING, EVAL, FOLLOW)
+KINDS: tuple[JobKind, ...] = (TRAINING, EVAL, FOLLOW, DATAGEN)
 LISTED = tuple(k for k in KINDS if k.listed)
 
 

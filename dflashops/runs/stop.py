@@ -33,7 +33,8 @@ def stop(
     if kill:
         kill_nodes(writer, view)
     else:
-        pid = signal_program(writer.machine(view.target), reader, view)
+        nodes = [v for v in view.nodes if v.running] if kind.stop_every_node else []
+        pid = [signal_program(writer.machine(v.target), reader, v) for v in nodes or [view]][0]
     if writer.dry_run:
         return None
     if kill:

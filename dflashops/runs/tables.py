@@ -37,7 +37,8 @@ def step_cell(view: RunView) -> str:
     step, total = progress.done, progress.total
     if step is None:
         return "-"
-    return f"{step}/{total}" if total else str(step)
+    rate = f" ({progress.rate:.2f}/s)" if progress.unit != "step" and progress.rate else ""
+    return (f"{step}/{total}" if total else str(step)) + rate
 
 
 def runs_table(views: list[RunView]) -> Grid:

@@ -331,6 +331,7 @@ def test_every_json_command_prints_exactly_one_document(cli, ws, tmp_path):
     make_run(ws, "j1", ckpts=(10, 20))
     make_run(ws, "j2", ckpts=(10,), status="stopped")
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     evaluate = ["eval", "j1", "--step", "20", "--on", "local", "--set",
                 f"target.path={tmp_path}/model", "--set", f"data.path={tmp_path}/data.jsonl"]  # fmt: skip
@@ -344,6 +345,8 @@ def test_every_json_command_prints_exactly_one_document(cli, ws, tmp_path):
         ["status"], ["ckpts", "j1"], ["compare", "j1", "j2"], ["diff", "j1", "j2"], ["stop", "j1"],
         ["archive", "j2", "--keep-last", "1"], ["pull-ckpt", "20", "--to", "local", "--run", "j1"],
         ["resume", "j2"], ["launch", "j3", "--host", "local", "--config", "tiny"], evaluate,
+        ["datagen", "j4", "--host", "local", "--prompts", str(tmp_path / "prompts.jsonl"),
+         "--target", str(tmp_path / "model")],
     ]  # fmt: skip
     runs = [[*args, "--json"] for args in reads + dry[:1]]  # the command's own --json
     runs += [["--json", *args] for args in reads[:2] + [["logs", "j1"]]]
@@ -357,6 +360,7 @@ def test_every_json_command_prints_exactly_one_document(cli, ws, tmp_path):
         except ValueError:
             pytest.fail(f"{args}: stdout is not one JSON document: {ran.out[:300]!r}")
     assert (ws / "runs" / "j2").is_dir() and not (ws / "runs" / "j3").exists()
+    assert not (ws / "data" / "j4").exists()
     assert not (ws / "ckpts" / "j1" / "step_20").exists()
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests import engines
+from tests.greedy import Greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_vllm = pytest.mark.usefixtures("vllm_python")  # skipped without one (tests/engines.py)
@@ -122,41 +123,9 @@ def vllm_run(tiny_dense, corpus, tmp_path_factory, vllm_python) -> Path:
 # ---------------------------------------------------------------- the greedy reference
 
 
-class Greedy:
-    """The tiny target's own greedy continuation of a chat, one prompt at a time (no padding)."""
-
-    def __init__(self, target: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.set_num_threads(1)
-        self.tok = AutoTokenizer.from_pretrained(target)
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        self.cache: dict[str, str] = {}
-
-    def __call__(self, messages: list[dict]) -> str:
-        import torch
-
-        key = json.dumps(messages)
-        if key not in self.cache:
-            text = self.tok.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=True)  # fmt: skip
-            ids = self.tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            eos = self.tok.eos_token_id
-            with torch.no_grad():
-                out = self.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos,
-                    pad_token_id=self.tok.pad_token_id,
-                    max_new_tokens=min(MAX_NEW, MAX_LEN - ids.shape[1]),
-                )[0, ids.shape[1] :].tolist()  # fmt: skip
-            out = out[: out.index(eos)] if eos in out else out
-            self.cache[key] = self.tok.decode(out, skip_special_tokens=True)
-        return self.cache[key]
-
-
 @pytest.fixture(scope="module")
 def greedy(tiny_dense) -> Greedy:
-    return Greedy(tiny_dense / "target")
+    return Greedy(tiny_dense / "target", MAX_NEW, MAX_LEN)
 
 
 def assert_greedy_replies(out: Path, corpus: Path, greedy: Greedy) -> None:
@@ -201,7 +170,7 @@ def test_hybrid_target_transformers_replies_are_greedy(tiny_hybrid, tmp_path):
                          "--engine", "transformers", "--chunk", "12"))  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(outputs(out)) == 12
-    assert_greedy_replies(out, prompts, Greedy(tiny_hybrid / "target"))
+    assert_greedy_replies(out, prompts, Greedy(tiny_hybrid / "target", MAX_NEW, MAX_LEN))
 
 
 def test_multi_turn_second_reply_is_given_the_targets_first(tf_run, corpus, greedy):
@@ -243,7 +212,7 @@ def test_manifest_reconciles_and_records_failures_with_their_reason(tf_run, corp
     assert m["source"] == {"path": str(corpus.resolve()),
                            "sha256": hashlib.sha256(corpus.read_bytes()).hexdigest()}  # fmt: skip
     state = json.loads((tf_run / "state.json").read_text())
-    assert state["status"] == "done" and state["total"] == 24 and state["exit_code"] == 0
+    assert state["status"] == "finished" and state["total"] == 24 and state["exit_code"] == 0
     beat = json.loads((tf_run / "ranks" / "rank_0.json").read_text())
     assert (beat["status"], beat["assigned"], beat["done"], beat["failed"], beat["skipped"]) == (
         "done", 24, 22, 1, 1)  # fmt: skip
@@ -422,6 +391,7 @@ def test_a_run_refuses_bad_input_before_any_engine(tiny_dense, tmp_path):
         (["--chunk", "0"], "--chunk: 0: must be at least 1"),
         (["--temperature", "-1"], "--temperature: -1.0: must be 0"),
         (["--max-model-len", "9000"], "more than the target's max_position_embeddings (4096)"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 --nnodes 2: need 0 <= node rank"),
     ],
 )
 def test_bad_options_are_one_line(extra, what, corpus, tiny_dense, tmp_path):
@@ -495,3 +465,31 @@ def test_a_failing_conversation_fails_alone_and_an_empty_reply_is_a_failure(tiny
         {"source": "in.jsonl:3", "reason": "empty reply"},
     ]
     assert Flaky.calls == 1 + 4  # the whole batch, then each prompt alone
+
+
+def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(corpus, tiny_dense, tmp_path):
+    """`stop` signals one pid, state.json's (local rank 0): under torchrun it passes the stop
+    on to the other ranks of the node, and all of them end "stopped"."""
+    out = tmp_path / "data"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = datagen_argv("", corpus, tiny_dense / "target", out, "--chunk", "1",
+                        "--engine", "transformers", "--nnodes", "1")[1:]  # fmt: skip
+    log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--standalone", *argv], cwd=ROOT,
+                            env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 600
+        while len(list((out / "chunks").glob("chunk_*.json"))) < 2 and time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(json.loads((out / "state.json").read_text())["pid"], signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    beats = [json.loads((out / "ranks" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [b["status"] for b in beats] == ["stopped", "stopped"]
+    assert sum(b["done"] + b["failed"] + b["skipped"] for b in beats) < 24
