@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import pytest
@@ -25,11 +26,30 @@ from tests.testbed import LxcUnavailable, running
 # slower. Results are the same; set before any test imports torch, inherited by what tests run.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# pytest-xdist's workers (scripts/test.sh runs several) find COLUMNS=80 and LINES=24 in their
+# environment, and the CLI sizes its tables by $COLUMNS when its output is not a terminal: the
+# controller's own values (set or not) are handed to its workers and put back there.
+_TERMINAL = ("COLUMNS", "LINES")
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["DFLASHOPS_TEST_TERMINAL"] = json.dumps({k: os.environ.get(k) for k in _TERMINAL})
+
+
+def _terminal_as_the_controller_had_it() -> None:
+    had = json.loads(os.environ.get("DFLASHOPS_TEST_TERMINAL", "{}"))
+    for name in _TERMINAL:
+        if had.get(name) is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = had[name]
+
+
 DEFAULT_CONTAINERS = {"pve1": (201, 202), "pve2": (301,)}
 _vmids = itertools.count(900)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        _terminal_as_the_controller_had_it()
     config.addinivalue_line("markers", "testbed: uses the fake Proxmox hosts (needs root)")
     config.addinivalue_line("markers", "lxc: needs real LXC containers (debootstrap rootfs)")
 
