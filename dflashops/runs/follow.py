@@ -20,18 +20,19 @@ import secrets as random_tokens
 import time
 from typing import Any
 
-from dflashops import bundle, context, transfer
+from dflashops import context, transfer
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
 from dflashops.remote import argv as helper_argv
 from dflashops.remote import source as helper_source
+from dflashops.runs.claim import secrets_home
 from dflashops.runs.config import parse_config
 from dflashops.runs.evaljob import Extra, engine_argv, eval_argv, start_on
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import LOOPBACK, Node, Placement, new_run_id
 from dflashops.runs.pulls import beside
-from dflashops.runs.start import SECRETS_HOME, TMUX, write_run_files, write_secrets
+from dflashops.runs.start import TMUX, write_run_files, write_secrets
 from dflashops.runs.survey import find
 from dflashops.runs.view import RunView, ckpt_copy_dir, tmux_session
 from dflashops.ssh.session import Session
@@ -106,8 +107,7 @@ def refuse_second(session: Session, run: str, dest: Target) -> None:
 
 
 def token_path(target: Target, run: str, job_id: str) -> str:
-    return posixpath.join(target.workspace, bundle.REMOTE_HOME, SECRETS_HOME,
-                          f"ckpt-{run}-{job_id}.json")  # fmt: skip
+    return posixpath.join(secrets_home(target), f"ckpt-{run}-{job_id}.json")
 
 
 def serve_dir(target: Target, run: str, job_id: str) -> str:
