@@ -54,6 +54,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "lxc: needs real LXC containers (debootstrap rootfs)")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most long tests (marked slow, or starting a vLLM engine) first, each
+    file's tests in their own order: xdist hands a worker a file at a time in this order, and a
+    long file started last is a tail that one worker runs while the others are done."""
+    files: dict[object, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    slow = {
+        path: sum(1 for i in its if i.get_closest_marker("slow")) for path, its in files.items()
+    }
+    items[:] = [i for path in sorted(files, key=lambda p: -slow[p]) for i in files[path]]
+
+
 @pytest.fixture(scope="session")
 def testbed():
     """Fake Proxmox nodes pve1 and pve2 (real sshd, faithful pct) with CTs 201, 202, 301."""
