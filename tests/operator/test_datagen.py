@@ -151,23 +151,30 @@ def test_a_job_writes_the_targets_greedy_replies_into_a_complete_dataset(
 def test_stopped_halfway_then_resumed_repeats_nothing_and_loses_nothing(
     cli, bed, tiny, tmp_path, greedy
 ):  # fmt: skip
-    path = corpus(tiny, tmp_path, 40)
-    ran = cli("datagen", "g-stop", "--host", "one", "--prompts", str(path), *FAST,
+    """Over two targets: `stop` reaches both, `resume` starts both, `--collect` combines."""
+    path = corpus(tiny, tmp_path, 120)
+    ran = cli("datagen", "g-stop", "--host", "one,two", "--prompts", str(path), *FAST,
               "--chunk", "1", "--detach")  # fmt: skip
     assert ran.code == 0, ran.err
-    job_dir = bed["one"].host_path("/workspace/data/g-stop")
+    dirs = [bed[t].host_path("/workspace/data/g-stop") for t in ("one", "two")]
     deadline = time.monotonic() + 120
-    while (status(cli, "g-stop")["progress"]["done"] or 0) < 4:
+    while (status(cli, "g-stop")["progress"]["done"] or 0) < 2:
         assert time.monotonic() < deadline, "no progress"
         time.sleep(0.5)
     stopped = cli("stop", "g-stop")
     assert stopped.code == 0, stopped.err
     assert "stopped with" in stopped.err + stopped.out
     doc = status(cli, "g-stop")
-    assert doc["state"] == "stopped" and 4 <= doc["progress"]["done"] < 40, doc["progress"]
-    before = {p.name: p.read_text() for p in (job_dir / "chunks").glob("chunk_*.json")}
-    assert not manifest(job_dir)["complete"]
-    assert len(records(job_dir)) == len(before)
+    assert doc["state"] == "stopped" and 2 <= doc["progress"]["done"] < 120, doc["progress"]
+    assert {n["state"] for n in doc["nodes"]} <= {"stopped", "finished"}
+    assert not any(n["alive"] for n in doc["nodes"])
+
+    def chunk_records() -> dict[str, str]:
+        return {f"{d.parent.parent}:{p.name}": p.read_text()
+                for d in dirs for p in (d / "chunks").glob("chunk_*.json")}  # fmt: skip
+
+    before = chunk_records()
+    assert sum(len(records(d)) for d in dirs) == len(before)
     logs = cli("logs", "g-stop", "--tail", "5")
     assert logs.code == 0 and "[datagen]" in logs.out
     resumed = cli("resume", "g-stop")
@@ -176,11 +183,13 @@ def test_stopped_halfway_then_resumed_repeats_nothing_and_loses_nothing(
     while status(cli, "g-stop")["state"] != "finished":
         assert time.monotonic() < deadline, "not finished"
         time.sleep(1)
-    after = {p.name: p.read_text() for p in (job_dir / "chunks").glob("chunk_*.json")}
+    after = chunk_records()
     assert {k: after[k] for k in before} == before  # the finished chunks were not made again
-    m = manifest(job_dir)
-    assert m["complete"] and m["done"] + m["failed"] + m["skipped"] == m["input"] == 40
-    assert_greedy(records(job_dir), path, greedy)
+    collected = cli("datagen", "g-stop", "--collect")
+    assert collected.code == 0, collected.err
+    m = manifest(dirs[0])
+    assert m["complete"] and m["done"] + m["failed"] + m["skipped"] == m["input"] == 120
+    assert_greedy(records(dirs[0]), path, greedy)
     again = cli("resume", "g-stop")
     assert again.code == 2 and "nothing to resume" in again.err
 
