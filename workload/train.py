@@ -127,9 +127,9 @@ def train(
     finally:
         if beat is not None:
             beat.update(status=status if exit_code == 0 else "failed", exit_code=exit_code)
-        stop.restore()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        stop.restore()  # after the group is gone: a stop arriving as the run ends is no failure
 
 
 def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # console.log gets progress lines, not tqdm bars
     try:
         cfg = load_config(args.config, args.set)
-        return train(cfg, Path(args.run_dir), resume=args.resume, stop_after=args.stop_after)
+        code = train(cfg, Path(args.run_dir), resume=args.resume, stop_after=args.stop_after)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the run has ended: a late stop is no failure
+            signal.signal(sig, signal.SIG_IGN)
+        return code
     except (ConfigError, UsageError, DistSetupError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
