@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.operator.cli import Ran, dflashops, finished, start
-from tests.operator.tiny_target import tiny_build
+from tests.operator.tiny_target import tiny_run_config
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -86,20 +85,9 @@ def cli(inv, home):
 @pytest.fixture(scope="module")
 def config(cli, tmp_path_factory) -> Path:
     """40 steps, a checkpoint every 10 (all four kept); the tiny target in both containers."""
-    tiny = tiny_build()
-    for target in ("train", "evalbox"):
-        pushed = cli("push", target, str(tiny), "/workspace/tiny")
-        assert pushed.code == 0, pushed.err
-    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
-    cfg["target"]["path"] = "/workspace/tiny/target"
-    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
-    cfg["data"]["max_length"] = 128
-    cfg["optim"].update(max_steps=40, batch_size=2)
-    cfg["log"]["log_every"] = 10
-    cfg["checkpoint"].update(every=10, keep_last=4)
-    path = tmp_path_factory.mktemp("cfg") / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    sections = {"data": {"max_length": 128}, "optim": {"max_steps": 40, "batch_size": 2},
+                "log": {"log_every": 10}, "checkpoint": {"every": 10, "keep_last": 4}}  # fmt: skip
+    return tiny_run_config(cli, tmp_path_factory.mktemp("cfg"), sections)
 
 
 def follow_dirs(bed) -> list[Path]:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.operator.cli import Ran, dflashops
-from tests.operator.tiny_target import ROOT, tiny_build
+from tests.operator.tiny_target import ROOT, tiny_run_config
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -65,18 +65,9 @@ def cli(inv, home):
 @pytest.fixture(scope="module")
 def trained(cli, tmp_path_factory) -> str:
     """e-sweep: 6 steps, complete checkpoints at 2, 4 and 6; the tiny target in both."""
-    tiny = tiny_build()
-    for target in ("train", "evalbox"):
-        pushed = cli("push", target, str(tiny), "/workspace/tiny")
-        assert pushed.code == 0, pushed.err
-    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
-    cfg["target"]["path"] = "/workspace/tiny/target"
-    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
-    cfg["optim"].update(max_steps=6, batch_size=4)
-    cfg["log"]["log_every"] = 2
-    cfg["checkpoint"].update(every=2, keep_last=3)
-    path = tmp_path_factory.mktemp("cfg") / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    sections = {"optim": {"max_steps": 6, "batch_size": 4}, "log": {"log_every": 2},
+                "checkpoint": {"every": 2, "keep_last": 3}}  # fmt: skip
+    path = tiny_run_config(cli, tmp_path_factory.mktemp("cfg"), sections)
     launched = cli("launch", RUN, "--host", "train", "--config", str(path))
     assert launched.code == 0, launched.err
     followed = cli("status", RUN, "--follow", "--interval", "1")

@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import STAND_IN_TRAINER
-from tests.operator.tiny_target import tiny_build
+from tests.operator.tiny_target import tiny_run_config
 
 pytestmark = pytest.mark.testbed
 
@@ -66,19 +65,9 @@ def cli(inv, home):
 @pytest.fixture(scope="module")
 def config(cli, tmp_path_factory) -> Path:
     """The tiny build in both containers, and a run config pointing at it there."""
-    tiny = tiny_build()
-    for target in ("train", "evalbox"):
-        pushed = cli("push", target, str(tiny), "/workspace/tiny")
-        assert pushed.code == 0, pushed.err
-    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
-    cfg["target"]["path"] = "/workspace/tiny/target"
-    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
-    cfg["optim"].update(max_steps=8, batch_size=4)
-    cfg["log"]["log_every"] = 2
-    cfg["checkpoint"].update(every=4, keep_last=3)
-    path = tmp_path_factory.mktemp("cfg") / "tiny-run.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    sections = {"optim": {"max_steps": 8, "batch_size": 4}, "log": {"log_every": 2},
+                "checkpoint": {"every": 4, "keep_last": 3}}  # fmt: skip
+    return tiny_run_config(cli, tmp_path_factory.mktemp("cfg"), sections, name="tiny-run.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -33,3 +33,24 @@ def tiny_build() -> Path:
         subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
         os.replace(tmp, out)
     return out
+
+
+def tiny_run_config(
+    cli, out: Path, sections: dict, targets=("train", "evalbox"), name: str = "run.yaml"
+) -> Path:
+    """The tiny build pushed into each target at /workspace/tiny, and a run config in `out`
+    pointing at it there, with `sections` ({"optim": {...}, ...}) merged into its sections."""
+    import yaml
+
+    tiny = tiny_build()
+    for target in targets:
+        pushed = cli("push", target, str(tiny), "/workspace/tiny")
+        assert pushed.code == 0, pushed.err
+    cfg = yaml.safe_load((tiny / "run.yaml").read_text())
+    cfg["target"]["path"] = "/workspace/tiny/target"
+    cfg["data"]["path"] = "/workspace/tiny/data.jsonl"
+    for section, values in sections.items():
+        cfg[section].update(values)
+    path = out / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
