@@ -23,6 +23,8 @@ from workload.step import Run, StepSums, holdout_sums, noise_std, reduce_sums
 
 LOG_NAME = "train_log.jsonl"
 STATE_NAME = "state.json"
+ALERTS_DIR = "alerts"  # W&B alert requests from `dflashops watch` (ID.json; ID.sent once sent)
+ALERT_LEVELS = ("INFO", "WARN", "ERROR")
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,31 @@ class Wandb:
             return None, None
         url = getattr(self.run, "url", None)
         return self.run.id, url or str(Path(self.run.dir).parent)
+
+    def send_alerts(self, run_dir: Path) -> list[str]:
+        """Each alert request in run_dir/alerts/ sent once as a W&B alert, then renamed
+        ID.sent (a resume never sends it again; one W&B refused is ID.failed); what to say of
+        each. Without W&B: nothing."""
+        if self.run is None:
+            return []
+        said = []
+        for path in sorted((run_dir / ALERTS_DIR).glob("*.json")):
+            try:
+                req = json.loads(path.read_text())
+                title, text = str(req["title"]), str(req["text"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not a request of ours (or half gone): left as it is
+            level = str(req.get("level") or "WARN").upper()
+            try:
+                self.run.alert(title=title, text=text,
+                               level=level if level in ALERT_LEVELS else "WARN")  # fmt: skip
+            except Exception as exc:  # W&B's own failure: said, never the run's end
+                os.replace(path, path.with_suffix(".failed"))
+                said.append(f"wandb: alert not sent ({exc}): {title}")
+                continue
+            os.replace(path, path.with_suffix(".sent"))
+            said.append(f"wandb: alert sent: {title}")
+        return said
 
     def log(self, record: dict[str, Any]) -> None:
         if self.run is not None:

@@ -242,6 +242,8 @@ def _train(
                                     validating=validating)  # fmt: skip
                 log.write(record)
                 wb.log(record)
+                for line in wb.send_alerts(run_dir):
+                    say(line)
                 say(progress_line(record, run.total_steps))
                 state.update(last_step=step)
                 beat.update(step=step)
@@ -259,6 +261,8 @@ def _train(
     finally:
         writer.wait()  # a write in flight completes even when the run fails
         log.close()
+        for line in wb.send_alerts(run_dir):  # asked for as the run ends
+            say(line)
         wb.finish(exit_code)
         state.update(last_step=step)
     return status

@@ -5,7 +5,9 @@ set (the prompts' sha256 in the result's fingerprint, and their name): run, step
 prompts, engine, tau (chain), tau per DDTree budget, the reference drafter's tau (and the gap)
 when the job had one, the real loop's rounds as simulated / checked (eval --check-real) when any
 result has them, SETTINGS (the fingerprint's keys that differ from the first row's: runs/
-settings.py; "?": a result without one) and the date; eval jobs still running are listed below.
+settings.py; "?": a result without one) and the date; eval jobs still running are listed below,
+and the continuous evals (`eval RUN --every N`): run, job, target, every N, state (running,
+ended, stopped, failed), the newest step scored and the step it evaluates or waits for next.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def register(app: typer.Typer) -> None:
         if run is not None:
             check_name(run)
         found = stored(opts.session(), [run] if run else None)
-        if run is not None and not opts.dry_run and not found.results + found.jobs:
+        if run is not None and not opts.dry_run and not found.results + found.jobs + found.follows:
             there = survey(opts.session(), names=[run], archive=True, records="none")
             if not there.where(run):  # no such run: the one wording (a run with none: below)
                 raise not_found(there, [run])
@@ -49,7 +51,7 @@ def register(app: typer.Typer) -> None:
             return
         found.results = grouped(found.results)
         if as_json:
-            opts.emit({"evals": found.results, "jobs": found.jobs})
+            opts.emit({"evals": found.results, "jobs": found.jobs, "follows": found.follows})
         else:
             show(found, run)
         raise typer.Exit(found.exit_code())
@@ -95,6 +97,20 @@ def show(found: Stored, run: str | None) -> None:
             code = job.get("exit_code")
             ended = "ended without an exit code" if code is None else f"failed (exit {code})"
             out.print(f"{ended}: {what}; see {job['dir']}/console.log there")
+    if found.follows:
+        show_follows(found.follows)
+
+
+def show_follows(follows: list[dict[str, Any]]) -> None:
+    """The continuous evals, one row each."""
+    grid = table(Col("RUN", keep=True), Col("CONTINUOUS EVAL", keep=True), Col("TARGET", keep=True),
+                 "EVERY", Col("STATE", keep=True), "LAST SCORED", "NEXT",
+                 title="continuous evals")  # fmt: skip
+    for f in follows:
+        nxt = "-" if f["next"] is None else str(f["next"])
+        last = "-" if f["last_scored"] is None else str(f["last_scored"])
+        grid.add_row(f["run"], f["name"], f["target"], str(f["every"]), f["state"], last, nxt)
+    console().print(grid)
 
 
 def show_grid(found: Stored) -> None:

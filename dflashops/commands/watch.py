@@ -11,6 +11,8 @@ with the facts in DFLASHOPS_ALERT_* (RUN, TARGET, RULE, METRIC, STEP, VALUE, MES
 BASELINE_VALUE, MARGIN, STALL, WANDB_URL) and a deadline of 60 s; a failing command is said in
 one line and watching goes on. It ends (exit 0) after the check that follows the run's end;
 --once checks once. Ctrl-C ends it (exit 130). --json: one document with every alert at the end.
+A run that logs to W&B gets each alert as a W&B alert too, sent by its trainer (runs/
+wandb_alert.py); an ended run's cannot be: said in one line.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dflashops.runs.alarms import Alert, Rule, check, facts_env
 from dflashops.runs.evals import stored
 from dflashops.runs.survey import find
 from dflashops.runs.view import TERMINAL, RunView, check_name
+from dflashops.runs.wandb_alert import logs_to_wandb, request
 
 ALERT_CMD_TIMEOUT_S = 60.0
 
@@ -83,9 +86,11 @@ def register(app: typer.Typer) -> None:
             opts.dry_run_done(run=run)
             return
         raised: dict[tuple[str, str, int], Alert] = {}
+        wandb_said: dict[tuple[str, str, int], str] = {}
         try:
             while True:
-                view, ended = poll(session, run, vs, rule, host, raised, argv, as_json)
+                view, ended = poll(session, run, vs, rule, host, (raised, wandb_said), argv,
+                                   as_json)  # fmt: skip
                 if once or ended:
                     break
                 time.sleep(max(1.0, interval))
@@ -94,7 +99,8 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
         if as_json:
             opts.emit({"run": run, "baseline": vs, "state": view.state,
-                       "alerts": [vars(a) for a in raised.values()]})  # fmt: skip
+                       "alerts": [{**vars(a), "wandb": wandb_said.get(k)}
+                                  for k, a in raised.items()]})  # fmt: skip
 
 
 def make_rule(metric: str, vs: str | None, margin: float | None, stall: int | None) -> Rule:
@@ -131,12 +137,14 @@ def poll(
     vs: str | None,
     rule: Rule,
     host: str | None,
-    raised: dict[tuple[str, str, int], Alert],
+    seen: tuple[dict[tuple[str, str, int], Alert], dict[tuple[str, str, int], str]],
     argv: list[str] | None,
     quiet: bool,
 ) -> tuple[RunView, bool]:
-    """One check: the run (and baseline) read again, each new alert raised; whether it ended."""
-    view = find(session, run, records="all", host=host)
+    """One check: the run (and baseline) read again, each new alert raised (and what came of
+    its W&B alert); whether it ended."""
+    raised, wandb_said = seen
+    view = find(session, run, records="all", host=host, files=["run.yaml"])
     other = find(session, vs, records="all", strict=False) if vs else None
     evals = stored(session, [n for n in (run, vs) if n]) if rule.is_tau() else None
     if evals is not None:
@@ -147,6 +155,10 @@ def poll(
         raised[alert.key] = alert
         if not quiet:
             console().print(f"alert: {run}: {alert.message}")
+        if logs_to_wandb(view):
+            wandb_said[alert.key] = request(session, view, alert)
+            if not quiet:
+                console().print(f"  {wandb_said[alert.key]}")
         if argv is not None:
             run_command(argv, facts_env(alert, view, rule, vs))
     return view, view.state in TERMINAL

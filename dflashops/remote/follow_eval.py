@@ -21,7 +21,8 @@ evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; i
 the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
 the training target before they were copied, "failed" those whose evaluator failed, "lags"
 the seconds from each checkpoint's manifest written on the training target (its clock) to its
-result stored here (this one's).
+result stored here (this one's), "next" the step it evaluates or waits for now (null once the
+run has ended and nothing is left).
 """
 
 import contextlib
@@ -191,6 +192,15 @@ def next_step(listing, job, settled):
     return todo[0] if todo else None
 
 
+def awaited(listing, job):
+    """The step a follower with nothing to evaluate waits for: the next multiple of N after
+    the newest checkpoint (None once the run has ended)."""
+    if listing.get("ended"):
+        return None
+    every = job["every"]
+    return (max(listing.get("checkpoints") or [0]) // every + 1) * every
+
+
 class Follower:
     def __init__(self, job_dir):
         self.dir = job_dir
@@ -201,7 +211,14 @@ class Follower:
         self.failed = list(state.get("failed") or [])
         self.lags = dict(state.get("lags") or {})
         self.stopping, self.child = [], []
+        self.next = state.get("next", "?")
         self.server = Server(self.job)
+
+    def awaiting(self, step):
+        """state.json's "next", written when it changes."""
+        if step != self.next:
+            self.next = step
+            update(self.dir, next=step)
 
     def on_term(self, _signum, _frame):
         self.stopping.append(True)
@@ -282,6 +299,7 @@ class Follower:
             if listing is None:
                 break
             step = next_step(listing, self.job, settled | set(self.done))
+            self.awaiting(step if step is not None else awaited(listing, self.job))
             if step is not None:
                 self.one(step, (listing.get("landed") or {}).get(str(step)) or time.time())
                 settled |= set(self.skipped) | set(self.failed)

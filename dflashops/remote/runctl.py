@@ -28,6 +28,10 @@ operator saw: a run changed meanwhile by another command is refused, never torn.
   time) state.json holds, only if it is still that process; {"pid": pid} or {"pid": null}.
 - kill: SIGKILL to this node's torchrun agent and ranks (each its own process group), each only
   if still the process recorded (pid and start time); {"killed": [pid, ...]}.
+- alert: a W&B alert for the trainer to send (`watch`): stdin's "alert" ({"title", "text",
+  "level"}) written atomically to RUN_DIR/alerts/ID.json (stdin's "id", [A-Za-z0-9_.-]), only
+  while the trainer state.json names still runs and no request ID (ID.json, or ID.sent once the
+  trainer sent it) exists; {"written": bool, "live": bool, "sent": bool}.
 - archive: if state.json is still stdin's "expect", move RUN_DIR to stdin's "to" first (a
   rename; across filesystems a copy under a temporary name, verified byte for byte, renamed into
   place, then the original removed), then delete the checkpoint directories named in "delete"
@@ -41,6 +45,7 @@ import fcntl
 import filecmp
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -161,6 +166,33 @@ def send(run_dir, req):
         return {"pid": None}
     os.kill(pid, getattr(signal, "SIG" + req.get("signal", "TERM")))
     return {"pid": pid, "sent": time.time()}
+
+
+ALERT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+
+
+def alert(run_dir, req):
+    name = req["id"]
+    if not ALERT_ID.match(name) or name.startswith("."):
+        raise ValueError(f"alert id {name!r}: letters, digits, _ . - only")
+    state = load_state(run_dir)
+    if not same_process(state.get("pid"), state.get("pid_start")):
+        return {"written": False, "live": False, "sent": False}
+    directory = os.path.join(run_dir, "alerts")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name + ".json")
+    if os.path.exists(os.path.join(directory, name + ".sent")):
+        return {"written": False, "live": True, "sent": True}
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(req["alert"], f)
+    try:
+        os.link(tmp, path)  # never over a request already there
+    except FileExistsError:
+        return {"written": False, "live": True, "sent": False}
+    finally:
+        os.unlink(tmp)
+    return {"written": True, "live": True, "sent": False}
 
 
 def recorded_processes(run_dir):
@@ -390,6 +422,7 @@ ACTIONS = {
     "signal": send,
     "kill": kill,
     "archive": archive,
+    "alert": alert,
 }
 LOCKED = ("sweep", "commit", "remove", "relaunch", "restore", "signal", "kill", "archive")
 

@@ -1,6 +1,7 @@
-"""The stored evaluations on every target: <ws>/evals/RUN/step_N.json (written by `eval`) and
-the eval jobs (<ws>/evals/RUN/jobs/ID/), read by `evals`, `eval` and `compare`, and the values
-of a result (tau, DDTree tau per budget, the reference's, the gap).
+"""The stored evaluations on every target: <ws>/evals/RUN/step_N.json (written by `eval`), the
+eval jobs (<ws>/evals/RUN/jobs/ID/) and the continuous evals (<ws>/evals/RUN/follow/ID/), read by
+`evals`, `eval` and `compare`, and the values of a result (tau, DDTree tau per budget, the
+reference's, the gap).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from dflashops.ssh.session import Session
 
 @dataclass
 class Stored(Unread):
-    """What every target holds: results (newest file of a run and step per target), jobs."""
+    """What every target holds: results (newest file of a run and step per target), jobs,
+    continuous evals (`follows`: each as `follower_row` makes it)."""
 
     results: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
+    follows: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, OpsError] = field(default_factory=dict)
 
     def budgets(self) -> list[str]:
@@ -55,8 +58,28 @@ def stored(session: Session, names: list[str] | None = None) -> Stored:
             item["target"] = target.name
         out.results += answer["results"]
         out.jobs += answer["jobs"]
+        out.follows += [follower_row(j, target.name) for j in answer.get("follows") or []]
     out.results.sort(key=lambda r: (r["run"], r["step"], r["target"]))
+    out.follows.sort(key=lambda f: (f["run"], f.get("launched") or 0))
     return out
+
+
+def follower_row(job: dict[str, Any], target: str) -> dict[str, Any]:
+    """A continuous eval as `evals` shows it: its state (running, ended: its run ended and
+    every checkpoint is scored, stopped, failed), the newest step it scored and, while it runs,
+    the step it evaluates or waits for."""
+    status, done = job.get("status"), sorted(job.get("done") or [])
+    if job.get("alive"):
+        state = "running"
+    else:
+        state = {"finished": "ended", "stopped": "stopped"}.get(status or "", "failed")
+    nxt = job.get("next") if state == "running" else None
+    return {
+        "name": f"follow-{job['run']}-{job['job']}", "run": job["run"], "target": target,
+        "every": job.get("every"), "state": state, "last_scored": done[-1] if done else None,
+        "next": nxt if isinstance(nxt, int) else None, "done": done, "from": job.get("from"),
+        "dir": job.get("dir"), "launched": job.get("launched"),
+    }  # fmt: skip
 
 
 def tau_value(result: dict[str, Any], key: str) -> float | None:
