@@ -15,7 +15,11 @@ evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a
 ended and its last checkpoint is scored, it tells the server goodbye and finishes.
 
 Every request has a deadline; a server out of reach is asked again (every `poll` seconds) for
-up to an hour before the job fails. It keeps to the contract of every job's program
+up to an hour before the job fails. While it copies and evaluates a step it asks the server's
+listing every `poll` seconds too: a server whose run has ended waits only so long (its linger)
+for a follower that has gone quiet. A resume after the server has gone starts a new one
+(runs/follow.py) and gives its port and token in job.json, which the follower reads as it
+starts (and notes in state.json's "server"). It keeps to the contract of every job's program
 (dflashops/runs/job.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
 evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; it resumes by
 the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
@@ -33,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -78,6 +83,24 @@ class Server:
     def get(self, path, **query):
         with self.open(path, **query) as answer:
             return answer.read()
+
+
+@contextlib.contextmanager
+def kept_alive(server, every):
+    """The server asked its listing every `every` seconds while the body works."""
+    done = threading.Event()
+
+    def ask():
+        while not done.wait(every):
+            with contextlib.suppress(OSError, ValueError, Gone):
+                server.get("/list")
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def update(job_dir, **keys):
@@ -301,7 +324,8 @@ class Follower:
             step = next_step(listing, self.job, settled | set(self.done))
             self.awaiting(step if step is not None else awaited(listing, self.job))
             if step is not None:
-                self.one(step, (listing.get("landed") or {}).get(str(step)) or time.time())
+                with kept_alive(self.server, self.job.get("poll", 5)):
+                    self.one(step, (listing.get("landed") or {}).get(str(step)) or time.time())
                 settled |= set(self.skipped) | set(self.failed)
                 continue
             if listing.get("ended"):
@@ -317,8 +341,9 @@ def main():
     job_dir = sys.argv[1]
     follower = Follower(job_dir)
     signal.signal(signal.SIGTERM, follower.on_term)
-    update(job_dir, status="running", pid=os.getpid(), pid_start=proc_start(os.getpid()))
     job = follower.job
+    update(job_dir, status="running", pid=os.getpid(), pid_start=proc_start(os.getpid()),
+           server=job["server"])  # fmt: skip
     say(f"following {job['run']} (every {job['every']} steps) at {follower.server.base}")
     try:
         ended = follower.run()

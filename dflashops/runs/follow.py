@@ -8,13 +8,17 @@ the inventory (other targets reach it there: containers on a bridge, no DNS); on
 target, the follower job (remote/follow_eval.py) in <ws>/evals/RUN/follow/ID/, started as any
 job starts (start.py). The two share a random token, written by us into a new 0600 file on each
 side (<ws>/dflashops/secrets/ckpt-RUN-ID.json): never on a command line, in a log or in a
-job's files. A follower that fails to start takes its server down with it.
+job's files. A follower that fails to start takes its server down with it. Once the run has
+ended the server waits `linger` seconds (LINGER_S; DFLASHOPS_CKPT_LINGER_S) for a follower gone
+quiet; a follower resumed after its server has gone gets a new one (`revive_server`: a new
+port, a new token), so it still scores what it missed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import posixpath
 import secrets as random_tokens
 import time
@@ -40,7 +44,8 @@ from dflashops.targets.base import Machine
 
 SERVER = "ckpt_server.py"
 POLL_S = 5.0  # how often the follower asks for new checkpoints
-LINGER_S = 600.0  # how long the server waits for a follower once the run has ended
+LINGER_S = 600.0  # how long the server waits for a quiet follower once the run has ended
+LINGER_ENV = "DFLASHOPS_CKPT_LINGER_S"  # another linger (seconds), e.g. a test's
 SERVER_START_S = 20.0  # how long we wait for the server's port
 
 
@@ -114,13 +119,22 @@ def serve_dir(target: Target, run: str, job_id: str) -> str:
     return posixpath.join(target.workspace, "evals", run, "serve", job_id)
 
 
+def linger_s() -> float:
+    text = os.environ.get(LINGER_ENV)
+    try:
+        return float(text) if text else LINGER_S
+    except ValueError:
+        raise UsageError(f"{LINGER_ENV}={text!r}: a number of seconds") from None
+
+
 def start_server(machine: Machine, view: RunView, address: str, job_id: str, token: str) -> int:
-    """The checkpoint server on the run's target, in a tmux session of ours; its port."""
+    """The checkpoint server on the run's target, in a tmux session of ours; its port. (A
+    server started again for a resumed follower has an id of its own: `job_id` is that.)"""
     target = machine.target
     where = serve_dir(target, view.name, job_id)
     secret = token_path(target, view.name, job_id)
     write_secrets(machine, secret, {"token": token})
-    conf = {"run_dir": view.dir, "address": address, "token_file": secret, "linger": LINGER_S}
+    conf = {"run_dir": view.dir, "address": address, "token_file": secret, "linger": linger_s()}
     write_run_files(machine, where, {SERVER: helper_source(SERVER),
                                      "serve.json": json.dumps(conf, indent=2) + "\n"})  # fmt: skip
     session = tmux_session(f"serve-{view.name}-{job_id}")
@@ -151,6 +165,39 @@ def server_port(machine: Machine, where: str) -> int:
 def stop_server(machine: Machine, run: str, job_id: str) -> None:
     session = tmux_session(f"serve-{run}-{job_id}")
     machine.run([*TMUX, "kill-session", "-t", "=" + session])
+
+
+def server_alive(machine: Machine, run: str, serve_id: str) -> bool:
+    session = tmux_session(f"serve-{run}-{serve_id}")
+    return machine.run([*TMUX, "has-session", "-t", "=" + session]).ok
+
+
+def revive_server(reader: Session, writer: Session, follower: RunView) -> None:
+    """Before a continuous eval resumes: its checkpoint server, started again where it has
+    gone (it ended a while after the run did), its port and token in the follower's job.json."""
+    s = follower.status
+    run, job_id, dest = s.get("run"), s.get("job"), reader.inventory.target(follower.target)
+    path = posixpath.join(follower.dir, "job.json")
+    try:
+        plan = json.loads(transfer.read_text(reader.machine(dest), path))
+    except ValueError:
+        raise OpsError(f"{dest.name}: {path} is not JSON; start a new `dflashops eval {run} "
+                       "--every N --on TARGET`") from None  # fmt: skip
+    source = reader.inventory.target(s.get("from") or "")
+    if server_alive(reader.machine(source), run, plan.get("serve_id") or job_id):
+        return
+    trained = find(reader, run, host=source.name, records="none")
+    serve_id = f"{job_id}-r{random_tokens.token_hex(2)}"
+    token = random_tokens.token_hex(32)
+    address = plan["server"]["address"]
+    port = start_server(writer.machine(source), trained, address, serve_id, token)
+    secret = token_path(dest, run, serve_id)
+    write_secrets(writer.machine(dest), secret, {"token": token})
+    plan.update(server={"address": address, "port": port}, token_file=secret, serve_id=serve_id)
+    write_run_files(writer.machine(dest), follower.dir,
+                    {"job.json": json.dumps(plan, indent=2) + "\n"})  # fmt: skip
+    context.note(f"{source.name}: the checkpoint server of {run} had ended; started again "
+                 f"at {address}:{port} for {follower.name}")  # fmt: skip
 
 
 def start_follower(

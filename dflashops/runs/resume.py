@@ -35,6 +35,7 @@ def resume(
     """Start `view` (read with its checkpoints and launch.json) again; None under --dry-run."""
     kind = kinds.by_where(view.where)
     kind.check_resumable(view)
+    kind.before_resume(reader, writer, view)
     placement = placement_of(reader, view)
     code = local_code()
     code_dirs = {} if update_code else recorded_code(view)
