@@ -106,7 +106,8 @@ def stopped(cli, bed, tmp_path_factory) -> dict:
               "--eval-every", "10", *SMALL)  # fmt: skip
     assert ran.code == 0, ran.err
     wait_for("step 10 scored", lambda: 10 in results(bed), 240)
-    (live,) = follows(cli)
+    (live,) = wait_for("the follower's state saying so",
+                       lambda: [f for f in follows(cli) if f["last_scored"]], 30)  # fmt: skip
     job = bed["evalbox"].host_path(f"/workspace/evals/{RUN}/follow/{live['name'][-20:]}")
     text = cli("evals", RUN).out
     assert cli("stop", live["name"]).code == 0
