@@ -118,9 +118,6 @@ class JobKind:
         if view.multi and len(view.nodes) < len(view.node_targets):
             raise UsageError(f"{view.name}: {view.note}; every node must be readable to resume")
 
-    def before_resume(self, reader: Any, writer: Any, view: RunView) -> None:
-        """What must be so before its program starts again (once it may resume)."""
-
     def resume_note(self, view: RunView) -> str:
         """The line said as it resumes."""
         return f"{view.name}: resuming"

@@ -6,7 +6,7 @@ complete checkpoint whose step is a multiple of N, and the run's last, copied (v
 evaluated once, its result <ws>/evals/RUN/step_N.json (what `evals`, `status RUN`, `compare
 --tau` and the plot read). `status`, `logs`, `stop` and `resume` take its name; `stop` ends
 the step being evaluated, `resume` goes on with what is not evaluated yet (the checkpoint
-server started again if it has gone meanwhile).
+server started again if it has gone meanwhile: runs/resume.py, follow.py's revive_server).
 """
 
 from __future__ import annotations
@@ -70,11 +70,6 @@ class FollowJob(EvalJob):
 
     def check_resumable(self, view: RunView) -> None:
         JobKind.check_resumable(self, view)  # not the eval job's: its steps are not known ahead
-
-    def before_resume(self, reader: Any, writer: Any, view: RunView) -> None:
-        from dflashops.runs.follow import revive_server  # follow.py starts jobs of this kind
-
-        revive_server(reader, writer, view)
 
     def resume_note(self, view: RunView) -> str:
         return f"{view.name}: resuming (the steps evaluated are not evaluated again)"

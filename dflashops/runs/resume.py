@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dflashops import context
@@ -15,12 +16,18 @@ from dflashops.errors import OpsError
 from dflashops.runs import hold, kinds
 from dflashops.runs.claim import secrets_home
 from dflashops.runs.control import control
+from dflashops.runs.follow import revive_server
+from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.placement import Node, Placement, new_run_id
 from dflashops.runs.probe import probe
 from dflashops.runs.snapshot import local_code
 from dflashops.runs.start import Started, prepare, start_all, wait_for_life
 from dflashops.runs.view import RunView
 from dflashops.ssh.session import Session
+
+# What must be so before a kind's program starts again, where the kind's module cannot do it
+# (it would import what imports the kinds): a continuous eval's checkpoint server.
+BEFORE: dict[str, Callable[[Session, Session, RunView], None]] = {FOLLOW.name: revive_server}
 
 
 def resume(
@@ -35,7 +42,8 @@ def resume(
     """Start `view` (read with its checkpoints and launch.json) again; None under --dry-run."""
     kind = kinds.by_where(view.where)
     kind.check_resumable(view)
-    kind.before_resume(reader, writer, view)
+    if kind.name in BEFORE:
+        BEFORE[kind.name](reader, writer, view)
     placement = placement_of(reader, view)
     code = local_code()
     code_dirs = {} if update_code else recorded_code(view)

@@ -24,7 +24,7 @@ import pytest
 
 from tests.operator.cli import Ran, dflashops
 from tests.operator.tiny_target import tiny_run_config
-from tests.operator.wandb_files import alerts
+from tests.wandb_files import alerts
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
