@@ -55,6 +55,7 @@ def start_follow(
     """Check what the evaluations need, start the server, then the follower."""
     if every < 1:
         raise UsageError(f"--every {every}: a number of steps, >= 1")
+    linger_s()  # a bad setting refused before anything starts
     view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
     if view.where != TRAINING.home:
         raise UsageError(f"{run} is not a training run in {view.target}:runs/; nothing to follow")
