@@ -55,9 +55,11 @@ def dflashops(
     )
 
 
-def start(*args: str, inventory: Path, home: Path) -> subprocess.Popen:
+def start(
+    *args: str, inventory: Path, home: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """`dflashops ARGS...` started in the background, as a user's second terminal would."""
-    env = {**os.environ, "HOME": str(home)}
+    env = {**os.environ, "HOME": str(home), **(env or {})}
     env.pop("DFLASHOPS_INVENTORY", None)
     argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
     return subprocess.Popen(
