@@ -594,7 +594,9 @@ class AuditItem:
     level: str = "info"  # info | warn | error
 
     def line(self) -> str:
-        return f"[{self.level}] {self.key} = {self.value!r} (recipe: {self.recipe!r}): {self.note}"
+        outside = self.recipe is None and all(self.key != k for k, _, _ in _RECIPE)
+        recipe = "" if outside else f" (recipe: {self.recipe!r})"  # outside: no recipe value
+        return f"[{self.level}] {self.key} = {self.value!r}{recipe}: {self.note}"
 
 
 def recipe_layer_ids(num_target_layers: int, n: int | None = None) -> list[int]:

@@ -21,7 +21,8 @@ real steps of tiny targets on CPU.
      "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."],
      "nnodes": K, "comm_bytes": {"intra": B, "inter": B, "grads": B, "params": B},  # per step
      "step_time": {"gpu", "mfu", "link_gbps", "flops", "compute_s", "comm_s", "step_s",
-                   "one_node_s", "pays", "accum_to_pay"}}       # step_plan.py; null: one node
+                   "one_node_s", "pays", "accum_to_pay", "link_measured", "grad_accum"}}
+                   # step_plan.py; one_node_s, pays, accum_to_pay null on one node
 
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
@@ -603,6 +604,7 @@ class Hardware:
     peak_tflops: float | None = None  # overrides the table's
     mfu: float = step_plan.DEFAULT_MFU
     link_gbps: float = step_plan.DEFAULT_LINK_GBPS
+    link_measured: bool = False  # link_gbps measured between the run's nodes at start
 
 
 def estimate(
@@ -649,6 +651,7 @@ def estimate(
         shape, flop_counts(target, drafter, text), params=sum(sizes), world=world,
         nnodes=nnodes, sharding=sharding, grad_dtype=grad_dtype, accum=cfg.optim.grad_accum,
         gpu=hw.gpu, peak_tflops=hw.peak_tflops, mfu=hw.mfu, link_gbps=hw.link_gbps,
+        link_measured=hw.link_measured,
     )  # fmt: skip
     notes.append(f"gradients all-reduced in {grad_dtype} once per step; {step_plan.NOTE}")
     return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts, nnodes, comm,

@@ -20,6 +20,7 @@ from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
 from dflashops.runs.snapshot import Code, local_code
 from dflashops.runs.start import NotRead, start_job, wait_for_life
+from dflashops.runs.survey import reread
 from dflashops.runs.view import RunView, group
 from dflashops.ssh.session import Session
 
@@ -55,9 +56,10 @@ def launch(
     context.note(f"{run}: {placement.describe()}")
     if writer.dry_run:
         show_plan(reader, placement, seen, text, code, force=True)
+    planned: list[dict[str, Any]] = []
     made = start_job(
         reader, writer, placement, code, seen.have_code, {"run.yaml": text}, values,
-        check=lambda: check_plan(writer, placement, seen, code, force=force),
+        check=lambda: planned.extend(check_plan(writer, placement, seen, code, force=force)),
     )  # fmt: skip
     if writer.dry_run:
         context.note("dry run: nothing was changed")
@@ -70,6 +72,7 @@ def launch(
         context.note(f"{run}: the launch failed; taking back its run directory")
         take_back(writer, placement, placement.nodes, made.secrets)
         raise
+    say_verdict(placement, started_plan(reader, placement) or next(iter(planned), None))
     return Launched(placement, view)
 
 
@@ -244,14 +247,58 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     return [head, "  " + ", ".join(parts)] + [f"  {n}" for n in plan.get("notes") or []]
 
 
+def scale_verdict(plan: dict[str, Any]) -> str | None:
+    """One line from the plan's step time over several nodes (workload/step_plan.verdict
+    words the same): the step against one node's for the same rows, at which link, and the
+    grad_accum that makes the other nodes pay. None on one node (or from an older plan)."""
+    t = plan.get("step_time") or {}
+    keys = ("step_s", "one_node_s", "link_gbps", "pays")
+    if any(not isinstance(t.get(k), (int, float)) for k in keys):
+        return None
+    nodes, accum = plan.get("nnodes") or 2, t.get("grad_accum") or 1
+    link = "measured between the nodes" if t.get("link_measured") else (
+        "assumed; the trainer measures the link at start")  # fmt: skip
+    head = (f"{nodes} nodes: {t['step_s']:.3g} s/step against {t['one_node_s']:.3g} s on one "
+            f"node (grad_accum {accum * nodes}, the same rows) at {t['link_gbps']:.1f} Gb/s "
+            f"({link})")  # fmt: skip
+    if t["pays"]:
+        return f"{head}: faster"
+    pay = t.get("accum_to_pay")
+    fix = (f"grad_accum {pay} makes it pay (--set optim.grad_accum={pay})" if pay
+           else "no grad_accum up to 256 makes it pay: train on one node")  # fmt: skip
+    return f"{head}: slower; {fix}"
+
+
+def say_verdict(placement: Placement, plan: dict[str, Any] | None) -> None:
+    line = None if plan is None else scale_verdict(plan)
+    if line is not None:
+        warn = "" if plan["step_time"]["pays"] else "warning: "
+        context.note(f"{warn}{placement.run}: {line}")
+
+
+def started_plan(reader: Session, placement: Placement) -> dict[str, Any] | None:
+    """plan.json as the trainer wrote it at start (with the link it measured between the
+    nodes), from node 0; None on one node, or when it is not there or not read."""
+    if len(placement.nodes) < 2:
+        return None
+    try:
+        view = reread(reader.machine(placement.nodes[0].target), placement.run,
+                      records="none", files=["plan.json"])  # fmt: skip
+        return json.loads((view.raw.get("files") or {}).get("plan.json") or "null")
+    except (OpsError, ValueError):
+        return None
+
+
 def check_plan(
     writer: Session, placement: Placement, seen: Preflight, code: Code, *, force: bool
-) -> None:
+) -> list[dict[str, Any]]:
+    """The memory plan said and checked (UsageError if it does not fit, unless `force`);
+    the plan, or nothing without one."""
     node = placement.nodes[0]
     machine = writer.machine(node.target)
     plan = run_plan(machine, placement, seen, code.path(node.target), placement.dir(node))
     if plan is None:
-        return
+        return []
     for line in plan_lines(plan):
         context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
     if plan.get("fits") is False:
@@ -269,6 +316,7 @@ def check_plan(
         if not force:
             raise UsageError(message)
         context.note(f"warning: {message} (--force: launching anyway)")
+    return [plan]
 
 
 def show_plan(
@@ -293,7 +341,9 @@ def show_plan(
     argv[argv.index("run.yaml")] = "/dev/stdin"
     result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())
     if result.ok:
-        for line in plan_lines(json.loads(result.stdout)):
+        plan = json.loads(result.stdout)
+        for line in plan_lines(plan):
             context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
+        say_verdict(placement, plan)
     else:
         context.note(f"{placement.run}: memory plan: {result.error_text}")
