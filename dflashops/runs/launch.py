@@ -195,12 +195,20 @@ def check_free(target: Target, probe: Probe, *, force: bool) -> None:
 # ---------------------------------------------------------------- the memory plan
 
 
-def plan_argv(placement: Placement, node: Node, gpu_mib: int | None) -> list[str]:
+def plan_argv(placement: Placement, node: Node, seen: Preflight) -> list[str]:
+    """workload.plan for the run's nodes: their ranks, the smallest GPU's memory and the first
+    GPU's name (the step time's peak), or the CPU."""
+    gpu_mib = seen.gpu_memory_mib()
     argv = [node.target.python, "-m", "workload.plan", "--config", "run.yaml"]
     argv += ["--nproc", str(node.nproc), "--nnodes", str(len(placement.nodes))]
     argv += ["--device", "cuda" if gpu_mib else "cpu", "--json"]
     if gpu_mib:
         argv += ["--gpu-memory-gib", f"{gpu_mib / 1024:.6f}"]
+        names = [g.get("name") for g in (seen.gpus(node.target) or {}).get("gpus") or []]
+        if names and isinstance(names[0], str):
+            argv += ["--gpu-name", names[0]]
+    else:
+        argv += ["--gpu", "cpu"]  # as the trainer plans a CPU run
     return argv
 
 
@@ -210,7 +218,7 @@ def run_plan(
     """The memory plan per rank (workload.plan in the target, configs on the meta device, no
     weights read), or None when that workload has no plan (an older snapshot)."""
     node = placement.nodes[0]
-    argv = plan_argv(placement, node, seen.gpu_memory_mib())
+    argv = plan_argv(placement, node, seen)
     result = machine.run(argv, env={"PYTHONPATH": code_dir}, cwd=cwd)
     if machine.dry_run:
         return None
@@ -337,7 +345,7 @@ def show_plan(
         )
         return
     machine = reader.machine(node.target)
-    argv = plan_argv(placement, node, seen.gpu_memory_mib())
+    argv = plan_argv(placement, node, seen)
     argv[argv.index("run.yaml")] = "/dev/stdin"
     result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())
     if result.ok:
