@@ -637,13 +637,67 @@ def section_multi(mode: str, budget: Budget, out: Path) -> dict:
     return result
 
 
+# ---------------------------------------------------------------- the note's numbers
+
+
+def _num(value, fmt: str = ".3g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def summary(r: dict) -> list[str]:
+    """One table of the numbers issue 17's note needs (the rest is in the JSON)."""
+    out = [f"== gpu_check ({r.get('mode')}, {r.get('env', {}).get('name', 'cpu')}, torch "
+           f"{r.get('env', {}).get('torch')}, {_num(r.get('wall_s'), '.0f')} s)"]  # fmt: skip
+    flex = r.get("drafter_flex") or {}
+    for c in flex.get("cases") or []:
+        worst = max((c.get("errors") or {"-": None}).items(), key=lambda kv: kv[1] or 0)
+        out.append(f"flex vs chunked at the 27B drafter shape, {c.get('kind')} {c.get('dtype')}: "
+                   f"worst {worst[0]} {_num(worst[1])} ({'ok' if c.get('passed') else 'FAIL'}), "
+                   f"first call {_num(c.get('first_call_s'))} s, fwd+bwd "
+                   f"{_num(c.get('fwd_bwd_ms'))} ms, peak {_num(c.get('peak_gib'))} GiB")  # fmt: skip
+    if flex:
+        out.append(f"  flex shapes {flex.get('flex_shapes')}, new for a smaller batch "
+                   f"{flex.get('new_shapes_for_a_smaller_batch')} (graphs "
+                   f"{flex.get('new_graphs_for_a_smaller_batch')})")  # fmt: skip
+    step = r.get("drafter_27b") or {}
+    if "first_step_s" in step:
+        out.append(f"trainer step at the 27B drafter shape ({step.get('attention')}): first step "
+                   f"{_num(step.get('first_step_s'))} s ({step.get('flex_shapes')} new flex shapes, "
+                   f"{step.get('unique_graphs')} graphs; {step.get('new_graphs_after_the_first_step')}"
+                   f" new after it), step {_num(step.get('step_ms'))} ms = target "
+                   f"{_num(step.get('target_forward_ms'))} + drafter fwd+bwd "
+                   f"{_num(step.get('drafter_fwd_bwd_ms'))} + optimizer "
+                   f"{_num(step.get('optimizer_ms'))} ms")  # fmt: skip
+        out.append(
+            f"  peak {_num(step.get('peak_gib'))} GiB against the plan's "
+            f"{_num(step.get('plan_gib'))} GiB: ratio {_num(step.get('peak_over_plan'))}"
+        )
+    fc = r.get("fc_precision") or {}
+    for mode, row in (fc.get("results") or {}).items():
+        e = row.get("errors") or {}
+        out.append(f"fc {mode:<13} out rms {_num(e.get('out_rms'))} max {_num(e.get('out_max'))}, "
+                   f"loss {_num(e.get('loss'))}, wgrad rms {_num(e.get('grad_rms'))}, noise "
+                   f"effect err {_num(e.get('noise_rms'))}, {_num(row.get('fwd_wgrad_ms'))} ms: "
+                   f"{'within' if row.get('within_bar') else 'outside'} the bar")  # fmt: skip
+    if fc:
+        out.append(f"  fc decision: {fc.get('decision')} (measured on {fc.get('measured_on')}; "
+                   f"bar {fc.get('bar')})")  # fmt: skip
+    for name in ("flex", "dense_1b", "hybrid", "fla", "target_load", "multi"):
+        sec = r.get(name)
+        if isinstance(sec, dict):
+            state = "error" if "error" in sec else {True: "ok", False: "FAIL"}.get(
+                sec.get("passed"), "ran")  # fmt: skip
+            out.append(f"{name}: {state}")
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="gpu_check.json")
-    p.add_argument("--budget", type=float, default=330.0, help="seconds for all sections")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds for all sections")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no flex, no fla)")
     p.add_argument("--only", help="run only these sections (comma-separated names)")
     p.add_argument("--multi-worker", help=argparse.SUPPRESS)  # one rank of section multi
@@ -657,6 +711,8 @@ def main() -> int:
 
     spec = SMOKE if a.cpu_smoke else FULL
     from bench.gpu_drafter_flex import section_drafter_flex
+    from bench.gpu_drafter_step import section_drafter_27b
+    from bench.gpu_fc_precision import section_fc_precision
 
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
@@ -671,8 +727,10 @@ def main() -> int:
     results: dict = {"mode": "cpu-smoke" if a.cpu_smoke else "gpu", "started": time.time()}
     mode = "smoke" if a.cpu_smoke else "gpu"
     sections = [("env", lambda: section_env(d.device)),
-                ("flex", lambda: section_flex(d.device, mode, budget)),
                 ("drafter_flex", lambda: section_drafter_flex(d.device, a.cpu_smoke, budget)),
+                ("drafter_27b", lambda: section_drafter_27b(d, a.cpu_smoke, budget)),
+                ("fc_precision", lambda: section_fc_precision(d.device, a.cpu_smoke, budget)),
+                ("flex", lambda: section_flex(d.device, mode, budget)),
                 ("dense_1b", lambda: section_train("dense", spec, d, budget)),
                 ("hybrid", lambda: section_train("hybrid", spec, d, budget)),
                 ("fla", lambda: section_fla(mode, d, budget))]  # fmt: skip
@@ -681,6 +739,10 @@ def main() -> int:
     if a.only:
         sections = [(n, fn) for n, fn in sections if n in a.only.split(",")]
     for name, fn in sections:
+        if name != "env" and budget.left() <= 0:  # the whole check stays within --budget
+            results[name] = {"skipped": "time budget spent"}
+            say(f"section {name}: skipped (time budget spent)")
+            continue
         say(f"section {name} ({budget.left():.0f}s left)")
         try:
             results[name] = fn()
@@ -690,8 +752,11 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     results["wall_s"] = time.time() - results["started"]
     Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print("\n".join(summary(results)), flush=True)
     say(f"wrote {a.out} in {results['wall_s']:.0f}s")
     failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
+    if results.get("drafter_27b", {}).get("passed") is False:
+        failed.append("drafter_27b")
     for name in ("flex", "drafter_flex"):
         if name in results and not results[name].get("passed", False):
             failed.append(name)

@@ -5,7 +5,7 @@ attention compiled) on a shallow target of the 27B's width and vocabulary (a den
 layers: the drafter's shape is the 27B's, the target's forward is cheaper and needs no fla).
 
 Reported: the first step (flex attention and block masks compiled in it: its time, the shapes
-and graphs compiled), the median step split into target forward / drafter forward + backward /
+and graphs it compiled; later steps must compile none), the median step split into target forward / drafter forward + backward /
 optimizer, and the peak memory torch allocated against workload.plan's estimate of the same run
 (the plan's total less the CUDA context and NCCL, which torch's allocator does not count), with
 their ratio. --cpu-smoke runs the same code at a tiny size (chunked attention, no peak: the
@@ -82,6 +82,7 @@ def steps(run, warmup: int, timed: int, budget) -> dict:
     cuda = run.device.type == "cuda"
     run.timing = True
     rows, first = [], None
+    shapes, graphs = len(A.FLEX_SHAPES), counters["stats"]["unique_graphs"]
     for i in range(warmup + timed):
         if i >= warmup and budget.left() < 20:
             break
@@ -94,16 +95,16 @@ def steps(run, warmup: int, timed: int, budget) -> dict:
             torch.cuda.synchronize(run.device)
         wall = time.perf_counter() - t0
         if i == 0:
-            first = {"first_step_s": wall, "flex_shapes": len(A.FLEX_SHAPES),
-                     "unique_graphs": counters["stats"]["unique_graphs"]}  # fmt: skip
+            first = {"first_step_s": wall, "flex_shapes": len(A.FLEX_SHAPES) - shapes,
+                     "unique_graphs": counters["stats"]["unique_graphs"] - graphs}  # fmt: skip
         elif i >= warmup:
             rows.append({**run.times, "step": wall, "loss": float(loss)})
     out = {**(first or {}), "timed_steps": len(rows)}
     for key in ("target_forward", "drafter_fwd_bwd", "optimizer", "step"):
         if rows:
             out[f"{key}_ms"] = 1000 * sorted(r[key] for r in rows)[len(rows) // 2]
-    out["new_graphs_after_the_first_step"] = counters["stats"]["unique_graphs"] - out.get(
-        "unique_graphs", 0
+    out["new_graphs_after_the_first_step"] = (
+        counters["stats"]["unique_graphs"] - graphs - out.get("unique_graphs", 0)
     )
     return out
 
