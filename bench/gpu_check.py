@@ -1,6 +1,6 @@
-"""One unattended GPU check of the trainer (a single H200): about 5 minutes, results as JSON.
+"""One unattended GPU check of the trainer (a single H200): under 5 minutes, results as JSON.
 
-    python bench/gpu_check.py --out gpu_check.json [--budget 330]
+    python bench/gpu_check.py --out gpu_check.json [--budget 240]   # no section starts after
     python bench/gpu_check.py --cpu-smoke --out smoke.json      # the same code paths, tiny, CPU
 
 Sections (each in try/except: a failure is recorded with its traceback tail and the next runs):
@@ -13,6 +13,16 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
              bfloat16 <= max(3e-2, 2 x the dense path's own bfloat16 error). Then compiles:
              unique graphs after each shape, and a second pass over new shapes in the same
              row buckets must add none (rows are padded to power-of-two buckets)
+  The sections of issue 17 run first: drafter_flex, drafter_27b, fc_precision; one table of
+  their numbers is printed at the end (`summary`), the JSON holds everything.
+  drafter_27b  the trainer's steps at the 27B template's drafter shape on a shallow target of
+             its width (bench/gpu_drafter_step.py): first step (compiles: time, shapes, graphs;
+             none after it), step split, peak memory against workload.plan's estimate (ratio;
+             pass within 25%)
+  fc_precision  the drafter's fc (5 x 5120 -> 5120) in fp32, TF32, emulated TF32 and bf16
+             against float64: output, loss, weight gradient, the training noise's effect;
+             the bar and the decision optim.fc_precision's auto follows
+             (bench/gpu_fc_precision.py)
   drafter_flex  flex at the 27B template's drafter shape (24/4 heads, head_dim 256, window
              2048, block 16, 512 anchors, 4096 rows; bench/gpu_drafter_flex.py): values and
              gradients against the chunked reference, first call (compile) and fwd+bwd time,
