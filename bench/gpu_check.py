@@ -13,7 +13,8 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
              bfloat16 <= max(3e-2, 2 x the dense path's own bfloat16 error). Then compiles:
              unique graphs after each shape, and a second pass over new shapes in the same
              row buckets must add none (rows are padded to power-of-two buckets)
-  The sections of issue 17 run first: drafter_flex, drafter_27b, fc_precision; one table of
+  The sections of issue 17 run first: plan_27b (the step-time plan's verdict for the 27B
+  template on 2 x 8 H200 at 25 and 100 GbE), drafter_flex, drafter_27b, fc_precision; one table of
   their numbers is printed at the end (`summary`), the JSON holds everything.
   drafter_27b  the trainer's steps at the 27B template's drafter shape on a shallow target of
              its width (bench/gpu_drafter_step.py): first step (compiles: time, shapes, graphs;
@@ -650,6 +651,22 @@ def section_multi(mode: str, budget: Budget, out: Path) -> dict:
 # ---------------------------------------------------------------- the note's numbers
 
 
+def section_plan_27b() -> dict:
+    """The step-time plan's verdict for the 27B template on 2 x 8 H200 at 25 and 100 GbE (from
+    the configs alone; the same on any machine)."""
+    from bench.gpu_drafter_flex import RUN_27B, TARGET_27B
+    from workload import plan, step_plan
+    from workload.config import load_config
+
+    cfg, target = load_config(RUN_27B, []), plan.load_target_config(TARGET_27B)
+    out = {}
+    for gbps in (25.0, 100.0):
+        p = plan.estimate(cfg, target, 16, nnodes=2, hardware=plan.Hardware("h200", link_gbps=gbps))
+        out[f"{gbps:g}"] = {**p.time.to_json(), "comm_bytes": vars(p.comm),
+                            "verdict": step_plan.verdict(p.time, 2)}  # fmt: skip
+    return out
+
+
 def _num(value, fmt: str = ".3g") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -692,6 +709,9 @@ def summary(r: dict) -> list[str]:
     if fc:
         out.append(f"  fc decision: {fc.get('decision')} (measured on {fc.get('measured_on')}; "
                    f"bar {fc.get('bar')})")  # fmt: skip
+    for gbps, row in (r.get("plan_27b") or {}).items():
+        if isinstance(row, dict) and "verdict" in row:
+            out.append(f"plan, 27B on 2 x 8 H200 at {gbps} GbE: {row['verdict']}")
     for name in ("flex", "dense_1b", "hybrid", "fla", "target_load", "multi"):
         sec = r.get(name)
         if isinstance(sec, dict):
@@ -736,7 +756,7 @@ def main() -> int:
     budget = Budget(a.budget)
     results: dict = {"mode": "cpu-smoke" if a.cpu_smoke else "gpu", "started": time.time()}
     mode = "smoke" if a.cpu_smoke else "gpu"
-    sections = [("env", lambda: section_env(d.device)),
+    sections = [("env", lambda: section_env(d.device)), ("plan_27b", section_plan_27b),
                 ("drafter_flex", lambda: section_drafter_flex(d.device, a.cpu_smoke, budget)),
                 ("drafter_27b", lambda: section_drafter_27b(d, a.cpu_smoke, budget)),
                 ("fc_precision", lambda: section_fc_precision(d.device, a.cpu_smoke, budget)),

@@ -1,8 +1,9 @@
 """A training run's launch (the first kind of job, runs/kind_training.py): one read of every target first (the name free everywhere, the chosen
 targets not busy, their GPUs), then the name claimed on each node, the workload snapshot, the
 run directory (run.yaml, launch.json, launcher.py), the memory plan checked on node 0, and the
-launcher started on each node; then the wait for the trainer's first sign of life. A launch
-that fails takes back what it made."""
+launcher started on each node; then the wait for the trainer's first sign of life and, over
+several nodes, one line on whether they pay (the step time against one node's, at the link the
+trainer measured). A launch that fails takes back what it made."""
 
 from __future__ import annotations
 
