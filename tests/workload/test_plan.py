@@ -385,3 +385,14 @@ def test_the_verdict_line_says_slower_or_faster_and_the_accum_that_pays(capsys):
     one = plan_at(25, nnodes=1)
     assert step_plan.verdict(one.time, 1) is None and trainer.scale_out_item(cfg, one) is None
     assert plan_at(3).time.accum_to_pay > 3  # a slower link needs more accumulation
+
+
+def test_the_gpu_of_the_step_time_comes_from_the_device_name(tiny_dense, capsys):
+    """launch passes nvidia-smi's name (--gpu-name): an A100 is planned at the A100's peak,
+    a name the table lacks at --gpu's."""
+    assert plan.gpu_of("NVIDIA A100-SXM4-80GB", "h200") == "a100"
+    assert plan.gpu_of("NVIDIA H200", "a100") == "h200"
+    assert plan.gpu_of("Tesla T4", "h200") == "h200"
+    base = ["--config", str(tiny_dense / "run.yaml"), "--nproc", "2", "--json"]
+    code, out, _ = run_plan(capsys, *base, "--gpu-name", "NVIDIA A100-SXM4-80GB")
+    assert code == 0 and json.loads(out)["step_time"]["gpu"] == "a100"
