@@ -1,6 +1,6 @@
-"""One unattended GPU check of the trainer (a single H200): about 5 minutes, results as JSON.
+"""One unattended GPU check of the trainer (a single H200): under 5 minutes, results as JSON.
 
-    python bench/gpu_check.py --out gpu_check.json [--budget 330]
+    python bench/gpu_check.py --out gpu_check.json [--budget 210]   # no section starts after
     python bench/gpu_check.py --cpu-smoke --out smoke.json      # the same code paths, tiny, CPU
 
 Sections (each in try/except: a failure is recorded with its traceback tail and the next runs):
@@ -13,6 +13,18 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
              bfloat16 <= max(3e-2, 2 x the dense path's own bfloat16 error). Then compiles:
              unique graphs after each shape, and a second pass over new shapes in the same
              row buckets must add none (rows are padded to power-of-two buckets)
+  The sections of issue 17 run first: plan_27b (the step-time plan's verdict for the 27B
+  template on 2 x 8 H200 at 25 and 100 GbE), fc_precision, drafter_27b, drafter_flex (which
+  finds the trainer's flex kernels compiled by drafter_27b); one table of
+  their numbers is printed at the end (`summary`), the JSON holds everything.
+  drafter_27b  the trainer's steps at the 27B template's drafter shape on a shallow target of
+             its width (bench/gpu_drafter_step.py): first step (compiles: time, shapes, graphs;
+             none after it), step split, peak memory against workload.plan's estimate (ratio;
+             pass within 25%)
+  fc_precision  the drafter's fc (5 x 5120 -> 5120) in fp32, TF32, emulated TF32 and bf16
+             against float64: output, loss, weight gradient, the training noise's effect;
+             the bar and the decision optim.fc_precision's auto follows
+             (bench/gpu_fc_precision.py)
   drafter_flex  flex at the 27B template's drafter shape (24/4 heads, head_dim 256, window
              2048, block 16, 512 anchors, 4096 rows; bench/gpu_drafter_flex.py): values and
              gradients against the chunked reference, first call (compile) and fwd+bwd time,
@@ -637,13 +649,91 @@ def section_multi(mode: str, budget: Budget, out: Path) -> dict:
     return result
 
 
+# ---------------------------------------------------------------- the note's numbers
+
+
+def section_plan_27b() -> dict:
+    """The step-time plan's verdict for the 27B template on 2 x 8 H200 at 25 and 100 GbE (from
+    the configs alone; the same on any machine)."""
+    from bench.gpu_drafter_flex import RUN_27B, TARGET_27B
+    from workload import plan, step_plan
+    from workload.config import load_config
+
+    cfg, target = load_config(RUN_27B, []), plan.load_target_config(TARGET_27B)
+    out = {}
+    for gbps in (25.0, 100.0):
+        p = plan.estimate(cfg, target, 16, nnodes=2, hardware=plan.Hardware("h200", link_gbps=gbps))
+        out[f"{gbps:g}"] = {**p.time.to_json(), "comm_bytes": vars(p.comm),
+                            "verdict": step_plan.verdict(p.time, 2)}  # fmt: skip
+    return out
+
+
+def _num(value, fmt: str = ".3g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def summary(r: dict) -> list[str]:
+    """One table of the numbers issue 17's note needs (the rest is in the JSON)."""
+    out = [f"== gpu_check ({r.get('mode')}, {r.get('env', {}).get('name', 'cpu')}, torch "
+           f"{r.get('env', {}).get('torch')}, {_num(r.get('wall_s'), '.0f')} s)"]  # fmt: skip
+    flex = r.get("drafter_flex") or {}
+    for c in flex.get("cases") or []:
+        worst = max((c.get("errors") or {"-": None}).items(), key=lambda kv: kv[1] or 0)
+        out.append(f"flex vs chunked at the 27B drafter shape, {c.get('kind')} {c.get('dtype')}: "
+                   f"worst {worst[0]} {_num(worst[1])} ({'ok' if c.get('passed') else 'FAIL'}), "
+                   f"first call {_num(c.get('first_call_s'))} s, fwd+bwd "
+                   f"{_num(c.get('fwd_bwd_ms'))} ms, peak {_num(c.get('peak_gib'))} GiB")  # fmt: skip
+    if flex:
+        out.append(f"  flex shapes {flex.get('flex_shapes')}, new for a smaller batch "
+                   f"{flex.get('new_shapes_for_a_smaller_batch')} (graphs "
+                   f"{flex.get('new_graphs_for_a_smaller_batch')})")  # fmt: skip
+    step = r.get("drafter_27b") or {}
+    if "first_step_s" in step:
+        out.append(f"trainer step at the 27B drafter shape ({step.get('attention')}): first step "
+                   f"{_num(step.get('first_step_s'))} s ({step.get('flex_shapes')} new flex shapes, "
+                   f"{step.get('unique_graphs')} graphs; {step.get('new_graphs_after_the_first_step')}"
+                   f" new after it), step {_num(step.get('step_ms'))} ms = target "
+                   f"{_num(step.get('target_forward_ms'))} + drafter fwd+bwd "
+                   f"{_num(step.get('drafter_fwd_bwd_ms'))} + optimizer "
+                   f"{_num(step.get('optimizer_ms'))} ms")  # fmt: skip
+        out.append(
+            f"  peak {_num(step.get('peak_gib'))} GiB against the plan's "
+            f"{_num(step.get('plan_gib'))} GiB: ratio {_num(step.get('peak_over_plan'))}"
+        )
+    fc = r.get("fc_precision") or {}
+    for mode, row in (fc.get("results") or {}).items():
+        e = row.get("errors") or {}
+        out.append(f"fc {mode:<13} out rms {_num(e.get('out_rms'))} max {_num(e.get('out_max'))}, "
+                   f"loss {_num(e.get('loss'))}, wgrad rms {_num(e.get('grad_rms'))}, noise "
+                   f"effect err {_num(e.get('noise_rms'))}, {_num(row.get('fwd_wgrad_ms'))} ms: "
+                   f"{'within' if row.get('within_bar') else 'outside'} the bar")  # fmt: skip
+    if fc:
+        out.append(f"  fc decision: {fc.get('decision')} (measured on {fc.get('measured_on')}; "
+                   f"bar {fc.get('bar')})")  # fmt: skip
+    for gbps, row in (r.get("plan_27b") or {}).items():
+        if isinstance(row, dict) and "verdict" in row:
+            out.append(f"plan, 27B on 2 x 8 H200 at {gbps} GbE: {row['verdict']}")
+    for name in ("flex", "dense_1b", "hybrid", "fla", "target_load", "multi"):
+        sec = r.get(name)
+        if isinstance(sec, dict):
+            state = "error" if "error" in sec else {True: "ok", False: "FAIL"}.get(
+                sec.get("passed"), "ran")  # fmt: skip
+            out.append(f"{name}: {state}")
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="gpu_check.json")
-    p.add_argument("--budget", type=float, default=330.0, help="seconds for all sections")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=210.0,
+        help="seconds in which sections start (the last may run past it)",
+    )
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no flex, no fla)")
     p.add_argument("--only", help="run only these sections (comma-separated names)")
     p.add_argument("--multi-worker", help=argparse.SUPPRESS)  # one rank of section multi
@@ -657,6 +747,8 @@ def main() -> int:
 
     spec = SMOKE if a.cpu_smoke else FULL
     from bench.gpu_drafter_flex import section_drafter_flex
+    from bench.gpu_drafter_step import section_drafter_27b
+    from bench.gpu_fc_precision import section_fc_precision
 
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
@@ -670,9 +762,11 @@ def main() -> int:
     budget = Budget(a.budget)
     results: dict = {"mode": "cpu-smoke" if a.cpu_smoke else "gpu", "started": time.time()}
     mode = "smoke" if a.cpu_smoke else "gpu"
-    sections = [("env", lambda: section_env(d.device)),
-                ("flex", lambda: section_flex(d.device, mode, budget)),
+    sections = [("env", lambda: section_env(d.device)), ("plan_27b", section_plan_27b),
+                ("fc_precision", lambda: section_fc_precision(d.device, a.cpu_smoke, budget)),
+                ("drafter_27b", lambda: section_drafter_27b(d, a.cpu_smoke, budget)),
                 ("drafter_flex", lambda: section_drafter_flex(d.device, a.cpu_smoke, budget)),
+                ("flex", lambda: section_flex(d.device, mode, budget)),
                 ("dense_1b", lambda: section_train("dense", spec, d, budget)),
                 ("hybrid", lambda: section_train("hybrid", spec, d, budget)),
                 ("fla", lambda: section_fla(mode, d, budget))]  # fmt: skip
@@ -681,6 +775,10 @@ def main() -> int:
     if a.only:
         sections = [(n, fn) for n, fn in sections if n in a.only.split(",")]
     for name, fn in sections:
+        if name != "env" and budget.left() <= 0:  # the whole check stays within --budget
+            results[name] = {"skipped": "time budget spent"}
+            say(f"section {name}: skipped (time budget spent)")
+            continue
         say(f"section {name} ({budget.left():.0f}s left)")
         try:
             results[name] = fn()
@@ -690,8 +788,11 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     results["wall_s"] = time.time() - results["started"]
     Path(a.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print("\n".join(summary(results)), flush=True)
     say(f"wrote {a.out} in {results['wall_s']:.0f}s")
     failed = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
+    if results.get("drafter_27b", {}).get("passed") is False:
+        failed.append("drafter_27b")
     for name in ("flex", "drafter_flex"):
         if name in results and not results[name].get("passed", False):
             failed.append(name)

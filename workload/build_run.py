@@ -104,6 +104,25 @@ def init_mismatches(cfg: RunConfig, drafter: DFlashDrafter, fc_ids: list[int]) -
             for key, want, got in pairs if want != got]  # fmt: skip
 
 
+def resolve_fc_precision(value: str, device: str) -> str:
+    """optim.fc_precision: auto is TF32 on CUDA (within bench/gpu_fc_precision.py's bar, bf16
+    is not: it rounds the training noise away), fp32 elsewhere; TF32 exists on CUDA only."""
+    if value == "auto":
+        return "tf32" if device == "cuda" else "fp32"
+    return "fp32" if value == "tf32" and device != "cuda" else value
+
+
+def set_fc_precision(drafter: DFlashDrafter, value: str, device: str) -> str:
+    """The fc's precision as resolved: bf16 lets autocast cast it (project_context keeps it in
+    fp32 otherwise); tf32 turns on TF32 for the process's fp32 CUDA matmuls, forward and
+    backward (under autocast the fc is the one fp32 matmul of a step)."""
+    fc = resolve_fc_precision(value, device)
+    drafter.fc_autocast = fc == "bf16"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = fc == "tf32"
+    return fc
+
+
 def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlashDrafter:
     d = cfg.drafter
     if d.init_from:
@@ -262,6 +281,7 @@ def setup(
         cfg.drafter.activation_checkpointing, d.device.type
     )
     drafter.flex_pad_to = flex_pad_to(cfg)
+    fc = set_fc_precision(drafter, cfg.optim.fc_precision, d.device.type)
     step_module = DrafterStep(drafter)
     ddp = DistributedDataParallel(
         step_module,
@@ -286,7 +306,8 @@ def setup(
         f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, "
         f"reads layers {fc_ids}, mask {cfg.drafter.mask_token_id}, {total} steps, "
         f"{d.world} rank(s) on {d.nnodes} node(s), {d.device.type}, optimizer sharding {mode}, "
-        f"gradients all-reduced in {grad_comm} once per step of {o.grad_accum} micro-batch(es)"
+        f"gradients all-reduced in {grad_comm} once per step of {o.grad_accum} micro-batch(es); "
+        f"fc in {fc}"
     )
     run = Run(
         cfg, d, target, drafter, ddp, optimizer, scheduler, stream, anchor_gen,

@@ -27,6 +27,7 @@ TEACHERS = ("logits", "last_layer")
 FC_LAYERS = ("all", "all_but_last")
 ATTENTIONS = ("auto", "flex", "chunked", "dense")
 PRECISIONS = ("auto", "bf16", "fp32")
+FC_PRECISIONS = ("auto", "fp32", "tf32", "bf16")  # the drafter's fc (bench/gpu_fc_precision.py)
 SHARDINGS = ("auto", "none", "zero1", "hybrid")
 GRAD_COMM_DTYPES = ("auto", "fp32", "bf16")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -123,6 +124,7 @@ class OptimConfig:
     max_steps: int | None = 1000
     epochs: float | None = None  # when set too, training stops at whichever comes first
     precision: str = "auto"  # auto = bf16 autocast on GPU, fp32 on CPU
+    fc_precision: str = "auto"  # the drafter's fc: auto = tf32 on GPU, fp32 on CPU
 
 
 @dataclass
@@ -388,6 +390,7 @@ def _check(cfg: RunConfig, src: _Source) -> None:
         ("loss.weighting", WEIGHTINGS),
         ("loss.teacher", TEACHERS),
         ("optim.precision", PRECISIONS),
+        ("optim.fc_precision", FC_PRECISIONS),
         ("attention", ATTENTIONS),
         ("dist.sharding", SHARDINGS),
         ("dist.grad_comm_dtype", GRAD_COMM_DTYPES),
@@ -594,7 +597,9 @@ class AuditItem:
     level: str = "info"  # info | warn | error
 
     def line(self) -> str:
-        return f"[{self.level}] {self.key} = {self.value!r} (recipe: {self.recipe!r}): {self.note}"
+        outside = self.recipe is None and all(self.key != k for k, _, _ in _RECIPE)
+        recipe = "" if outside else f" (recipe: {self.recipe!r})"  # outside: no recipe value
+        return f"[{self.level}] {self.key} = {self.value!r}{recipe}: {self.note}"
 
 
 def recipe_layer_ids(num_target_layers: int, n: int | None = None) -> list[int]:

@@ -164,9 +164,8 @@ class DFlashDraftModel(PreTrainedModel):
         in fp32 even under autocast: training adds its noise in fp32, and a bf16 cast would
         round most of it away on large features."""
         device = features.device.type
-        if features.dtype == self.fc.weight.dtype == torch.float32 and torch.is_autocast_enabled(
-            device
-        ):
+        fp32 = features.dtype == self.fc.weight.dtype == torch.float32
+        if fp32 and not getattr(self, "fc_autocast", False) and torch.is_autocast_enabled(device):
             with torch.autocast(device, enabled=False):
                 return self.hidden_norm(self.fc(features))
         return self.hidden_norm(self.fc(features))

@@ -10,7 +10,7 @@ real steps of tiny targets on CPU.
 
     python -m workload.plan --config RUN.yaml [--set k=v]... --nproc N [--nnodes K]
         [--device cuda|cpu] [--gpu-memory-gib G] [--target-config PATH] [--json]
-        [--gpu h200|h100|...] [--peak-tflops T] [--mfu F] [--link-gbps G]
+        [--gpu h200|h100|...|cpu] [--gpu-name NAME] [--peak-tflops T] [--mfu F] [--link-gbps G]
 
 `--json` prints one object; the operator (`dflashops launch`) parses it, so it stays stable:
 
@@ -21,7 +21,8 @@ real steps of tiny targets on CPU.
      "gpu_memory": B or null, "fits": true/false or null, "notes": ["..."],
      "nnodes": K, "comm_bytes": {"intra": B, "inter": B, "grads": B, "params": B},  # per step
      "step_time": {"gpu", "mfu", "link_gbps", "flops", "compute_s", "comm_s", "step_s",
-                   "one_node_s", "pays", "accum_to_pay"}}       # step_plan.py; null: one node
+                   "one_node_s", "pays", "accum_to_pay", "link_measured", "grad_accum"}}
+                   # step_plan.py; one_node_s, pays, accum_to_pay null on one node
 
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
@@ -603,6 +604,7 @@ class Hardware:
     peak_tflops: float | None = None  # overrides the table's
     mfu: float = step_plan.DEFAULT_MFU
     link_gbps: float = step_plan.DEFAULT_LINK_GBPS
+    link_measured: bool = False  # link_gbps measured between the run's nodes at start
 
 
 def estimate(
@@ -649,6 +651,7 @@ def estimate(
         shape, flop_counts(target, drafter, text), params=sum(sizes), world=world,
         nnodes=nnodes, sharding=sharding, grad_dtype=grad_dtype, accum=cfg.optim.grad_accum,
         gpu=hw.gpu, peak_tflops=hw.peak_tflops, mfu=hw.mfu, link_gbps=hw.link_gbps,
+        link_measured=hw.link_measured,
     )  # fmt: skip
     notes.append(f"gradients all-reduced in {grad_dtype} once per step; {step_plan.NOTE}")
     return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts, nnodes, comm,
@@ -692,6 +695,12 @@ def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:
 # ---------------------------------------------------------------- command line
 
 
+def gpu_of(name: str, default: str) -> str:
+    """The step-time plan's GPU for a device name ("NVIDIA H200" -> h200; else `default`)."""
+    name = name.lower().replace(" ", "")
+    return next((g for g in step_plan.GPUS if g != "cpu" and g in name), default)
+
+
 def hardware_of(device) -> Hardware:
     """The step-time plan's GPU from the device's name (h200, h100, ...; else the default),
     and the link from DFLASHOPS_LINK_GBPS when the launcher knows it."""
@@ -701,8 +710,7 @@ def hardware_of(device) -> Hardware:
     if getattr(device, "type", device) == "cpu":
         hw.gpu = "cpu"
     elif torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device).lower().replace(" ", "")
-        hw.gpu = next((g for g in step_plan.GPUS if g in name), hw.gpu)
+        hw.gpu = gpu_of(torch.cuda.get_device_name(device), hw.gpu)
     with contextlib.suppress(ValueError):  # a malformed value keeps the default
         hw.link_gbps = float(os.environ.get(LINK_ENV, hw.link_gbps))
     return hw
@@ -732,6 +740,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the target's config.json (default: target.path/config.json)")  # fmt: skip
     p.add_argument("--gpu", choices=sorted(step_plan.GPUS), default="h200",
                    help="the GPU the step time assumes (its bf16 peak and interconnect)")  # fmt: skip
+    p.add_argument("--gpu-name", default=None, metavar="NAME",
+                   help="the device's name as nvidia-smi says it (picks --gpu from it)")  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                    help="the GPU's dense bf16 peak, instead of the table's")  # fmt: skip
     p.add_argument("--mfu", type=float, default=step_plan.DEFAULT_MFU, metavar="F",
@@ -754,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (0 < args.mfu <= 1) or args.link_gbps <= 0:
             raise PlanError(f"--mfu must be in (0, 1] and --link-gbps > 0, got {args.mfu}, "
                             f"{args.link_gbps}")  # fmt: skip
-        hw = Hardware(args.gpu, args.peak_tflops, args.mfu, args.link_gbps)
+        gpu_name = args.gpu if args.gpu_name is None else gpu_of(args.gpu_name, args.gpu)
+        hw = Hardware(gpu_name, args.peak_tflops, args.mfu, args.link_gbps)
         plan = estimate(cfg, target_config, args.nproc * args.nnodes, device=args.device,
                         gpu_memory=gpu, nnodes=args.nnodes, hardware=hw)  # fmt: skip
     except (ConfigError, PlanError) as exc:

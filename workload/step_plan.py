@@ -60,6 +60,8 @@ class StepTime:
     one_node_s: float | None = None  # the same global batch on one node (None: one node)
     pays: bool | None = None
     accum_to_pay: int | None = None  # the smallest grad_accum at which 2 nodes beat 1
+    link_measured: bool = False  # link_gbps measured between the run's nodes (else assumed)
+    grad_accum: int = 1  # this run's (the one-node comparison runs nnodes times as many)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,7 +132,8 @@ def step_flops(s, counts: dict[str, int]) -> float:
 
 def step_time(s, counts: dict[str, int], *, params: int, world: int, nnodes: int, sharding: str,
               grad_dtype: str, accum: int, gpu: str = "h200", peak_tflops: float | None = None,
-              mfu: float = DEFAULT_MFU, link_gbps: float = DEFAULT_LINK_GBPS) -> StepTime:  # fmt: skip
+              mfu: float = DEFAULT_MFU, link_gbps: float = DEFAULT_LINK_GBPS,
+              link_measured: bool = False) -> StepTime:  # fmt: skip
     """The plan's step time and, with several nodes, the one-node comparison."""
     peak, intra = GPUS[gpu]
     peak = peak_tflops if peak_tflops is not None else peak
@@ -148,7 +151,8 @@ def step_time(s, counts: dict[str, int], *, params: int, world: int, nnodes: int
     c = comm_bytes(params, world, nnodes, mode, grad_dtype)
     comm_s = comm_seconds(c, world, nnodes, mode, intra, link_gbps)
     out = StepTime(gpu, mfu, link_gbps, per_micro * accum, accum * micro_s, comm_s,
-                   accum * micro_s + comm_s)  # fmt: skip
+                   accum * micro_s + comm_s, link_measured=link_measured,
+                   grad_accum=accum)  # fmt: skip
     if nnodes > 1:
         per_node = world // nnodes
         out.one_node_s = seconds(per_node, 1, accum * nnodes)
@@ -179,3 +183,19 @@ def lines(t: StepTime, c: Comm, nnodes: int, accum: int) -> list[str]:
                    else "no grad_accum up to 256 makes it pay")  # fmt: skip
             out.append(f"  warning: the second node makes training slower; {fix}")
     return out
+
+
+def verdict(t: StepTime, nnodes: int) -> str | None:
+    """One line: does the second node pay, at which link, and the grad_accum that makes it
+    (None on one node). dflashops/runs/launch.py words the same line from plan.json."""
+    if t.one_node_s is None:
+        return None
+    link = "measured between the nodes" if t.link_measured else "assumed"
+    head = (f"{nnodes} nodes: {t.step_s:.3g} s/step against {t.one_node_s:.3g} s on one node "
+            f"(grad_accum {t.grad_accum * nnodes}, the same rows) at {t.link_gbps:.1f} Gb/s "
+            f"({link})")  # fmt: skip
+    if t.pays:
+        return f"{head}: faster"
+    fix = (f"grad_accum {t.accum_to_pay} makes it pay" if t.accum_to_pay
+           else "no grad_accum up to 256 makes it pay: train on one node")  # fmt: skip
+    return f"{head}: slower; {fix}"

@@ -33,12 +33,20 @@ import torch
 import torch.distributed as dist
 
 from workload import checkpoint as ckpt
-from workload import plan
+from workload import plan, step_plan
 from workload.attention import FLEX_SHAPES, flex_compiled, resolve_impl
 from workload.build_run import setup
 from workload.checkpoint import choose_checkpoint, restore, save_checkpoint
 from workload.comm import LINK_PROBE_BYTES, measure_link_gbps
-from workload.config import ConfigError, RunConfig, UsageError, audit_json, dump, load_config
+from workload.config import (
+    AuditItem,
+    ConfigError,
+    RunConfig,
+    UsageError,
+    audit_json,
+    dump,
+    load_config,
+)
 from workload.distributed import Dist, DistSetupError, any_rank, init_distributed
 from workload.jsonfile import write_json_atomic
 from workload.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
@@ -145,17 +153,31 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
     if measured is not None:
         say(f"link: {measured:.1f} Gb/s between the nodes (a {LINK_PROBE_BYTES >> 20} MiB "
             "broadcast from rank 0, best of 3); the step-time plan uses it")  # fmt: skip
-        hardware.link_gbps = measured
+        hardware.link_gbps, hardware.link_measured = measured, True
     if d.main:
-        write_json_atomic(run_dir / "audit.json", audit_json(items))
-        dump(cfg, run_dir / "resolved.yaml")
         memory = plan.estimate(cfg, run.target.config, d.world, device=d.device.type,
                                gpu_memory=plan.device_memory(d.device), nnodes=d.nnodes,
                                hardware=hardware)  # fmt: skip
+        slower = scale_out_item(cfg, memory)
+        if slower is not None:
+            say(f"recipe audit: {slower.line()}")
+            items.append(slower)
+        write_json_atomic(run_dir / "audit.json", audit_json(items))
+        dump(cfg, run_dir / "resolved.yaml")
         for line in memory.lines():
             say(f"memory plan: {line}")
         write_json_atomic(run_dir / "plan.json", memory.to_json())
     return run
+
+
+def scale_out_item(cfg: RunConfig, memory: plan.Plan) -> AuditItem | None:
+    """A warning in the audit when the plan says the other nodes make a step slower than one
+    node would be (step_plan.verdict); None on one node or when they pay."""
+    t = memory.time
+    if t is None or t.one_node_s is None or t.pays:
+        return None
+    line = step_plan.verdict(t, memory.nnodes)
+    return AuditItem("optim.grad_accum", cfg.optim.grad_accum, None, line, "warn")
 
 
 def resume_from(run: Run, run_dir: Path, say) -> tuple[int, dict[str, float], float]:

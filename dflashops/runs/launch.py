@@ -1,8 +1,9 @@
 """A training run's launch (the first kind of job, runs/kind_training.py): one read of every target first (the name free everywhere, the chosen
 targets not busy, their GPUs), then the name claimed on each node, the workload snapshot, the
 run directory (run.yaml, launch.json, launcher.py), the memory plan checked on node 0, and the
-launcher started on each node; then the wait for the trainer's first sign of life. A launch
-that fails takes back what it made."""
+launcher started on each node; then the wait for the trainer's first sign of life and, over
+several nodes, one line on whether they pay (the step time against one node's, at the link the
+trainer measured). A launch that fails takes back what it made."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
 from dflashops.runs.snapshot import Code, local_code
 from dflashops.runs.start import NotRead, start_job, wait_for_life
+from dflashops.runs.survey import reread
 from dflashops.runs.view import RunView, group
 from dflashops.ssh.session import Session
 
@@ -55,9 +57,10 @@ def launch(
     context.note(f"{run}: {placement.describe()}")
     if writer.dry_run:
         show_plan(reader, placement, seen, text, code, force=True)
+    planned: list[dict[str, Any]] = []
     made = start_job(
         reader, writer, placement, code, seen.have_code, {"run.yaml": text}, values,
-        check=lambda: check_plan(writer, placement, seen, code, force=force),
+        check=lambda: planned.extend(check_plan(writer, placement, seen, code, force=force)),
     )  # fmt: skip
     if writer.dry_run:
         context.note("dry run: nothing was changed")
@@ -70,6 +73,7 @@ def launch(
         context.note(f"{run}: the launch failed; taking back its run directory")
         take_back(writer, placement, placement.nodes, made.secrets)
         raise
+    say_verdict(placement, started_plan(reader, placement) or next(iter(planned), None))
     return Launched(placement, view)
 
 
@@ -192,12 +196,20 @@ def check_free(target: Target, probe: Probe, *, force: bool) -> None:
 # ---------------------------------------------------------------- the memory plan
 
 
-def plan_argv(placement: Placement, node: Node, gpu_mib: int | None) -> list[str]:
+def plan_argv(placement: Placement, node: Node, seen: Preflight) -> list[str]:
+    """workload.plan for the run's nodes: their ranks, the smallest GPU's memory and the first
+    GPU's name (the step time's peak), or the CPU."""
+    gpu_mib = seen.gpu_memory_mib()
     argv = [node.target.python, "-m", "workload.plan", "--config", "run.yaml"]
     argv += ["--nproc", str(node.nproc), "--nnodes", str(len(placement.nodes))]
     argv += ["--device", "cuda" if gpu_mib else "cpu", "--json"]
     if gpu_mib:
         argv += ["--gpu-memory-gib", f"{gpu_mib / 1024:.6f}"]
+        names = [g.get("name") for g in (seen.gpus(node.target) or {}).get("gpus") or []]
+        if names and isinstance(names[0], str):
+            argv += ["--gpu-name", names[0]]
+    else:
+        argv += ["--gpu", "cpu"]  # as the trainer plans a CPU run
     return argv
 
 
@@ -207,7 +219,7 @@ def run_plan(
     """The memory plan per rank (workload.plan in the target, configs on the meta device, no
     weights read), or None when that workload has no plan (an older snapshot)."""
     node = placement.nodes[0]
-    argv = plan_argv(placement, node, seen.gpu_memory_mib())
+    argv = plan_argv(placement, node, seen)
     result = machine.run(argv, env={"PYTHONPATH": code_dir}, cwd=cwd)
     if machine.dry_run:
         return None
@@ -244,14 +256,58 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     return [head, "  " + ", ".join(parts)] + [f"  {n}" for n in plan.get("notes") or []]
 
 
+def scale_verdict(plan: dict[str, Any]) -> str | None:
+    """One line from the plan's step time over several nodes (workload/step_plan.verdict
+    words the same): the step against one node's for the same rows, at which link, and the
+    grad_accum that makes the other nodes pay. None on one node (or from an older plan)."""
+    t = plan.get("step_time") or {}
+    keys = ("step_s", "one_node_s", "link_gbps", "pays")
+    if any(not isinstance(t.get(k), (int, float)) for k in keys):
+        return None
+    nodes, accum = plan.get("nnodes") or 2, t.get("grad_accum") or 1
+    link = "measured between the nodes" if t.get("link_measured") else (
+        "assumed; the trainer measures the link at start")  # fmt: skip
+    head = (f"{nodes} nodes: {t['step_s']:.3g} s/step against {t['one_node_s']:.3g} s on one "
+            f"node (grad_accum {accum * nodes}, the same rows) at {t['link_gbps']:.1f} Gb/s "
+            f"({link})")  # fmt: skip
+    if t["pays"]:
+        return f"{head}: faster"
+    pay = t.get("accum_to_pay")
+    fix = (f"grad_accum {pay} makes it pay (--set optim.grad_accum={pay})" if pay
+           else "no grad_accum up to 256 makes it pay: train on one node")  # fmt: skip
+    return f"{head}: slower; {fix}"
+
+
+def say_verdict(placement: Placement, plan: dict[str, Any] | None) -> None:
+    line = None if plan is None else scale_verdict(plan)
+    if line is not None:
+        warn = "" if plan["step_time"]["pays"] else "warning: "
+        context.note(f"{warn}{placement.run}: {line}")
+
+
+def started_plan(reader: Session, placement: Placement) -> dict[str, Any] | None:
+    """plan.json as the trainer wrote it at start (with the link it measured between the
+    nodes), from node 0; None on one node, or when it is not there or not read."""
+    if len(placement.nodes) < 2:
+        return None
+    try:
+        view = reread(reader.machine(placement.nodes[0].target), placement.run,
+                      records="none", files=["plan.json"])  # fmt: skip
+        return json.loads((view.raw.get("files") or {}).get("plan.json") or "null")
+    except (OpsError, ValueError):
+        return None
+
+
 def check_plan(
     writer: Session, placement: Placement, seen: Preflight, code: Code, *, force: bool
-) -> None:
+) -> list[dict[str, Any]]:
+    """The memory plan said and checked (UsageError if it does not fit, unless `force`);
+    the plan, or nothing without one."""
     node = placement.nodes[0]
     machine = writer.machine(node.target)
     plan = run_plan(machine, placement, seen, code.path(node.target), placement.dir(node))
     if plan is None:
-        return
+        return []
     for line in plan_lines(plan):
         context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
     if plan.get("fits") is False:
@@ -269,6 +325,7 @@ def check_plan(
         if not force:
             raise UsageError(message)
         context.note(f"warning: {message} (--force: launching anyway)")
+    return [plan]
 
 
 def show_plan(
@@ -289,11 +346,13 @@ def show_plan(
         )
         return
     machine = reader.machine(node.target)
-    argv = plan_argv(placement, node, seen.gpu_memory_mib())
+    argv = plan_argv(placement, node, seen)
     argv[argv.index("run.yaml")] = "/dev/stdin"
     result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())
     if result.ok:
-        for line in plan_lines(json.loads(result.stdout)):
+        plan = json.loads(result.stdout)
+        for line in plan_lines(plan):
             context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
+        say_verdict(placement, plan)
     else:
         context.note(f"{placement.run}: memory plan: {result.error_text}")

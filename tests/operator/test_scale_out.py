@@ -9,6 +9,7 @@ them) a stand-in `nvidia-smi` script answers in its place: no GPU can run here.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -186,6 +187,7 @@ def test_two_containers_on_two_hosts_train_like_four_ranks_on_one(cli, cts, conf
     assert two.code == 0, two.err
     assert "[c10d] The hostname of the client socket" not in two.err, two.err  # a LAN, no DNS
     assert "two2: running on a, b" in two.out or "two2: finished on a, b" in two.out, two.out
+    assert verdicts(two.err, "two2", "measured between the nodes"), two.err
     doc = status(cli, "two2")
     assert [n["target"] for n in doc["nodes"]] == ["a", "b"]  # rank 0 on the address first
     stopped = cli("--json", "stop", "two2")
@@ -220,6 +222,58 @@ def test_two_containers_on_two_hosts_train_like_four_ranks_on_one(cli, cts, conf
     for ct in cts.values():
         assert ct.host_path("/workspace/archive/two2").is_dir()
         assert not ct.host_path("/workspace/runs/two2").exists()
+
+
+def verdicts(err: str, run: str, link: str) -> list[str]:
+    """launch's one line on whether the second node pays: with both step times, the link,
+    and the grad_accum that makes it pay when it does not (exactly one such line)."""
+    found = [ln for ln in err.splitlines() if f"{run}: 2 nodes: " in ln]
+    assert len(found) <= 1, found
+    for line in found:
+        assert " s/step against " in line and " s on one node (grad_accum 2, " in line, line
+        assert f" Gb/s ({link})" in line, line
+        slower = line.startswith(f"warning: {run}: ") and ": slower; grad_accum " in line
+        assert slower or (line.startswith(f"{run}: ") and line.endswith(": faster")), line
+        print(f"\nlaunch said: {line}")
+    return found
+
+
+def planned_here(config: Path, *args: str) -> dict:
+    """workload.plan of `config` here, for CPU ranks as the trainer plans them."""
+    target = tiny_build() / "target"
+    done = subprocess.run(
+        [sys.executable, "-m", "workload.plan", "--config", str(config), "--target-config",
+         str(target), "--device", "cpu", "--gpu", "cpu", "--json", *args],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_dry_run_over_two_nodes_says_whether_the_second_one_pays(cli, cts, config):
+    """launch --dry-run over a and b prints the plan's verdict (at the assumed link: the
+    trainer measures it at start); over one node there is no such line."""
+    two = cli("--dry-run", "launch", "pays2", "--host", "a,b", "--nproc", "2", "--config",
+              str(config))  # fmt: skip
+    assert two.code == 0, two.err
+    if "memory plan: not shown" in two.err:  # run alone: a real launch sends the snapshot
+        sent = cli("launch", "snap1", "--host", "a", "--config", str(config), "--set",
+                   "optim.max_steps=1")  # fmt: skip
+        assert sent.code == 0, sent.err
+        assert cli("status", "snap1", "--follow", "--interval", "1").code == 0
+        two = cli("--dry-run", "launch", "pays2", "--host", "a,b", "--nproc", "2", "--config",
+                  str(config))  # fmt: skip
+    assert two.code == 0 and "memory plan per rank (4 ranks" in two.err, two.err
+    (line,) = verdicts(two.err, "pays2", "assumed; the trainer measures the link at start")
+    t = planned_here(config, "--nproc", "2", "--nnodes", "2")["step_time"]  # as the trainer
+    assert f"{t['step_s']:.3g} s/step against {t['one_node_s']:.3g} s" in line, (line, t)
+    assert "25.0 Gb/s" in line  # the plan's default link
+    one = cli("--dry-run", "launch", "pays1", "--host", "a", "--nproc", "2", "--config",
+              str(config))  # fmt: skip
+    assert one.code == 0 and "memory plan per rank (2 ranks" in one.err, one.err
+    assert " nodes: " not in one.err and "s/step" not in one.err, one.err
+    for ct in cts.values():
+        assert not ct.host_path("/workspace/runs/pays2").exists()
 
 
 def test_a_node_that_dies_takes_the_run_down(cli, cts, config):

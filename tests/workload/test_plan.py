@@ -349,3 +349,50 @@ def test_qwen36_27b_on_two_nodes_pays_at_100_gbe_not_at_25(capsys):
     assert fast["pays"] is True
     code, out, _ = run_plan(capsys, *base[:-1], "--link-gbps", "25")
     assert "SLOWER" in out and f"grad_accum {slow['accum_to_pay']} would make it pay" in out
+
+
+def test_the_verdict_line_says_slower_or_faster_and_the_accum_that_pays(capsys):
+    """The 27B template on 2 x 8 H200: at 25 Gb/s (measured) the line says slower, with both
+    step times, the link and the grad_accum that pays, and the trainer's audit warns with it;
+    at 100 Gb/s (assumed) it says faster and the audit says nothing; one node has no line."""
+    from workload import step_plan
+    from workload import train as trainer
+
+    cfg = load_config(RUN_27B)
+    target_config = plan.load_target_config(TARGET_27B)
+
+    def plan_at(gbps: float, nnodes: int = 2, measured: bool = False) -> plan.Plan:
+        hw = plan.Hardware("h200", link_gbps=gbps, link_measured=measured)
+        return plan.estimate(cfg, target_config, 8 * nnodes, nnodes=nnodes, hardware=hw)
+
+    slow, fast = plan_at(23.1, measured=True), plan_at(100)
+    line = step_plan.verdict(slow.time, 2)
+    t, pay = slow.time, slow.time.accum_to_pay
+    assert t.pays is False and pay in (3, 4) and t.link_measured and t.step_s > t.one_node_s
+    assert line == (f"2 nodes: {t.step_s:.3g} s/step against {t.one_node_s:.3g} s on one node "
+                    "(grad_accum 2, the same rows) at 23.1 Gb/s (measured between the nodes): "
+                    f"slower; grad_accum {pay} makes it pay")  # fmt: skip
+    for accum, pays in ((pay, True), (pay - 1, False)):  # the smallest grad_accum that pays
+        cfg.optim.grad_accum = accum
+        assert plan_at(23.1, measured=True).time.pays is pays
+    cfg.optim.grad_accum = 1
+    item = trainer.scale_out_item(cfg, slow)
+    assert item.level == "warn" and item.key == "optim.grad_accum" and item.note == line
+    assert item.line() == f"[warn] optim.grad_accum = 1: {line}"
+    assert step_plan.verdict(fast.time, 2).endswith("at 100.0 Gb/s (assumed): faster")
+    assert fast.time.step_s < fast.time.one_node_s
+    assert trainer.scale_out_item(cfg, fast) is None
+    one = plan_at(25, nnodes=1)
+    assert step_plan.verdict(one.time, 1) is None and trainer.scale_out_item(cfg, one) is None
+    assert plan_at(3).time.accum_to_pay > 3  # a slower link needs more accumulation
+
+
+def test_the_gpu_of_the_step_time_comes_from_the_device_name(tiny_dense, capsys):
+    """launch passes nvidia-smi's name (--gpu-name): an A100 is planned at the A100's peak,
+    a name the table lacks at --gpu's."""
+    assert plan.gpu_of("NVIDIA A100-SXM4-80GB", "h200") == "a100"
+    assert plan.gpu_of("NVIDIA H200", "a100") == "h200"
+    assert plan.gpu_of("Tesla T4", "h200") == "h200"
+    base = ["--config", str(tiny_dense / "run.yaml"), "--nproc", "2", "--json"]
+    code, out, _ = run_plan(capsys, *base, "--gpu-name", "NVIDIA A100-SXM4-80GB")
+    assert code == 0 and json.loads(out)["step_time"]["gpu"] == "a100"
