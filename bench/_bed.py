@@ -19,10 +19,11 @@ def dflashops_argv(inventory: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "dflashops.cli", "--inventory", str(inventory), *args]
 
 
-def openssh_argv(tb, host: str, *remote: str) -> list[str]:
+def openssh_argv(tb, host: str, *remote: str, options: tuple[str, ...] = ()) -> list[str]:
     h = tb[host]
     return [
         "ssh",
+        *options,
         "-T",
         "-p",
         str(h.port),

@@ -1,14 +1,30 @@
 """`dflashops push` of a 1 GB directory into a container against `ssh host 'cat > /dev/null'`
 of the same bytes, side by side (target: at least 0.7x the throughput).
 
-Run: python bench/push_throughput.py [--mb 1024] [--runs 3]. Needs root. Ours includes the
-sha256 verification inside the container; the baseline verifies nothing. Push runs twice per
-round: as installed (the OpenSSH client carries the bytes) and with no OpenSSH client on PATH
-(paramiko's one channel), next to the baseline. "whole" is the command as a user runs it
-(process start, login, change check included); "copy" is the command's own timing of the copy
-(its --json seconds); CPU s/GB counts every process involved (see _cpu.py). Rates are the best
-of the rounds; the ratios are the median over rounds of each round's own ratio (a machine
-shared with other work swings between rounds more than within one).
+Run: python bench/push_throughput.py [--mb 1024] [--runs 3] [--old-order] (BENCH_EACH=1:
+every trial's seconds on stderr). Needs root. Ours includes the CRC-32 check inside the
+container; the baseline verifies nothing. Push runs twice per round: as installed (the OpenSSH
+client carries the bytes) and with no OpenSSH client on PATH (paramiko's one channel), next to
+the baseline (the user's default cipher: OpenSSH 9's is chacha20-poly1305) and two more for
+what a push cannot avoid: that baseline with the cipher our bulk client asks for where it can
+(aes128-gcm), and that one writing the bytes to a file on the host's disk instead of /dev/null
+(a push writes them into the container's page cache).
+
+Order matters on this test machine, a VM whose free memory goes back to its host (virtio-
+balloon free page reporting) seconds after it is freed: a GB written into page cache the host
+took back costs 1.5-2.5 CPU s more than one written into memory freed just before (`dd` of
+1 GB: 0.2 s sys right after an `rm` of 1 GB, 1.9 s ten seconds later). Each writer (the file
+baseline, the two pushes) finds the previous writer's GB removed just before it starts, and
+the two pushes take turns going first: the one right after the baselines pays more (with the
+pushes in one fixed order, that alone made the first one look 0.5x and the second 0.75x).
+--old-order: each copy removed right after it is made, the pushes in one fixed order (as this
+bench ran before).
+
+"whole" is the command as a user runs it (process start, login, change check included);
+"copy" is the command's own timing of the copy (its --json seconds); CPU s/GB counts every
+process involved (see _cpu.py). Rates are the best of the rounds; the ratios are the median
+over rounds of each round's own ratio (a machine shared with other work swings between rounds
+more than within one).
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +62,9 @@ class Trial:
         self.own = json.loads(done.stdout)["seconds"] if done.stdout.startswith(b"{") else None
         after = meter.seconds()
         self.cpu = None if cpu is None else after - cpu
+        if os.environ.get("BENCH_EACH"):  # every trial on stderr, to see the rounds' spread
+            shown = f"{self.cpu:6.2f} s CPU" if self.cpu is not None else ""
+            print(f"  {argv[-1][:40]:<40} {self.wall:6.2f} s {shown}", file=sys.stderr)
 
 
 def make_tree(root: Path, mb: int, files: int = 8) -> Path:
@@ -88,15 +108,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--old-order", action="store_true",
+                        help="as this bench ran before (see the module's text)")  # fmt: skip
     args = parser.parse_args()
     meter = CpuMeter()
     try:
-        run(args.mb, args.runs, meter)
+        run(args.mb, args.runs, meter, args.old_order)
     finally:
         meter.close()
 
 
-def run(size_mb: int, runs: int, meter: CpuMeter) -> None:
+def run(size_mb: int, runs: int, meter: CpuMeter, old_order: bool) -> None:
     with bed({"pve1": [201]}) as tb, tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         src = make_tree(Path(tmp) / "ckpt", size_mb)
         flat = joined(src, Path(tmp) / "joined.bin")
@@ -105,22 +127,53 @@ def run(size_mb: int, runs: int, meter: CpuMeter) -> None:
         env = home_env(Path(tmp))
         plain = {**env, "PATH": NO_OPENSSH}
         ct = tb["pve1"][201]
-        ours, channel, base = [], [], []
+        ours, channel, base, gcm, disk = [], [], [], [], []
+        aes = ("-c", "aes128-gcm@openssh.com")
+        written: list[Path] = []  # the last writer's GB, removed just before the next one writes
+
+        def writing(trials: list[Trial], argv: list[str], environ: dict, stdin, out: Path):
+            writing_done()
+            written.append(out)
+            trials.append(Trial(meter, argv, environ, stdin))
+            if old_order:
+                writing_done()
+
+        def writing_done():
+            for path in written:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            written.clear()
+
+        print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+        into = "/var/tmp/bench-push-baseline"
         for i in range(runs):
             base.append(Trial(meter, openssh_argv(tb, "pve1", "cat > /dev/null"), env, flat))
-            for trials, environ in ((ours, env), (channel, plain)):
+            argv = openssh_argv(tb, "pve1", "cat > /dev/null", options=aes)
+            gcm.append(Trial(meter, argv, env, flat))
+            argv = openssh_argv(tb, "pve1", f"cat > {into}", options=aes)
+            writing(disk, argv, env, flat, tb["pve1"].host_path(into))
+            pushes = [(ours, env), (channel, plain)]
+            first = i % 2 == 0 or old_order  # the pushes take turns going first
+            for trials, environ in pushes if first else pushes[::-1]:
                 dest = f"bench/{i}-{len(trials)}-{environ['PATH'] == NO_OPENSSH}"
                 argv = dflashops_argv(inv, "--json", "push", "ct201", str(src), dest)
-                trials.append(Trial(meter, argv, environ, None))
-                shutil.rmtree(ct.host_path(f"/workspace/{dest}"))
+                writing(trials, argv, environ, None, ct.host_path(f"/workspace/{dest}"))
+        writing_done()
         head = f"{mb:.0f} MB in 8 files, {runs} rounds"
         print(f"{head:<44} MB/s whole  MB/s copy  CPU s/GB")
         report("push, the OpenSSH client carries the bytes", ours, mb)
         report("push, paramiko's channel (no ssh on PATH)", channel, mb)
         report("ssh host 'cat > /dev/null', same bytes", base, mb)
-        print("ratio to ssh cat, median of rounds:")
+        report("  the same, aes128-gcm", gcm, mb)
+        report("  the same, aes128-gcm, 'cat > FILE'", disk, mb)
+        print("ratio to ssh cat (default cipher), median of rounds:")
         ratios("  push, the OpenSSH client carries the bytes", ours, base)
         ratios("  push, paramiko's channel", channel, base)
+        print("ratio to ssh -c aes128-gcm cat, median of rounds:")
+        ratios("  push, the OpenSSH client carries the bytes", ours, gcm)
+        print("ratio to ssh -c aes128-gcm 'cat > FILE', median of rounds:")
+        ratios("  push, the OpenSSH client carries the bytes", ours, disk)
+        ratios("  push, paramiko's channel", channel, disk)
+        print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from dflashops.remote.describe import describe
 
 BLOCK = 512
 CHUNK = 1 << 20
+BUFFERS = 8  # chunks read ahead of the hasher
 PAX_LIMIT = 1 << 20
 NAME_MAX, PATH_MAX = 255, 4096
 MANIFEST = "MANIFEST.sha256"
@@ -121,6 +122,17 @@ def read_exact(stream, n):
         parts.append(chunk)
         left -= len(chunk)
     return b"".join(parts)
+
+
+def read_into(stream, view):
+    """Read exactly len(view) bytes of a file's data into `view`; its length."""
+    got = 0
+    while got < len(view):
+        n = stream.readinto(view[got:])
+        if not n:
+            raise EOFError("the tar stream ended inside a file")
+        got += n
+    return got
 
 
 def octal(field, what):
@@ -288,9 +300,11 @@ def sweep_parts(folder, everything=False):
 
 class Unpacker:
     """Unpacks a stream under `base`. Subclasses say what they accept and how a file lands.
-    Each chunk of a file is hashed on a second thread while the next one is read and written
-    (hashlib lets go of the GIL), and the file is landed there once its size on disk is the
-    size sent."""
+    Each chunk of a file is read into one of a few buffers allocated once, written from it,
+    and hashed on a second thread while the next one is read and written (hashlib and zlib
+    let go of the GIL), then the buffer is reused: no memory is allocated per chunk (fresh
+    pages cost more than the copy itself, most of all in a VM). The file is landed on that
+    thread once its size on disk is the size sent."""
 
     durable = False  # fsync each file before it lands
     new_digest = hashlib.sha256
@@ -299,7 +313,10 @@ class Unpacker:
         self.base = base
         self.seen = {}
         self.swept = set()
-        self.jobs = queue.Queue(maxsize=32)
+        self.jobs = queue.Queue()  # at most BUFFERS chunks wait: each holds a buffer
+        self.free = queue.Queue()
+        for _ in range(BUFFERS):
+            self.free.put(bytearray(CHUNK))
         self.error = None
         self.thread = threading.Thread(target=self.hasher, daemon=True)
 
@@ -320,9 +337,11 @@ class Unpacker:
 
     def hasher(self):
         while (job := self.jobs.get()) is not None:
-            if isinstance(job, tuple) and self.error is None:
-                digest, chunk = job
-                digest.update(chunk)
+            if isinstance(job, tuple):
+                digest, buffer, size = job
+                if self.error is None:
+                    digest.update(memoryview(buffer)[:size])
+                self.free.put(buffer)
             elif isinstance(job, Written):
                 try:
                     if self.error is None:
@@ -394,14 +413,13 @@ class Unpacker:
             with os.fdopen(os.open(tmp, flags, 0o600), "wb", buffering=0) as f:
                 left = member.size
                 while left:
-                    chunk = stream.read(min(left, CHUNK))
-                    if not chunk:
-                        raise EOFError("the tar stream ended inside a file")
-                    self.jobs.put((digest, chunk))
-                    view = memoryview(chunk)
+                    buffer = self.free.get()
+                    size = read_into(stream, memoryview(buffer)[: min(left, CHUNK)])
+                    view = memoryview(buffer)[:size]
                     while view:
                         view = view[f.write(view) :]
-                    left -= len(chunk)
+                    self.jobs.put((digest, buffer, size))
+                    left -= size
                 if self.durable:
                     os.fsync(f.fileno())
                 on_disk = os.fstat(f.fileno()).st_size

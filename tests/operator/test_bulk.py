@@ -54,7 +54,7 @@ def test_push_carries_its_bytes_through_the_openssh_client_where_installed(
     testbed, tmp_path, home, path, extra_logins
 ):
     inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)})
-    src = big_file(tmp_path)
+    src = big_file(tmp_path, 24)  # more than the receiver's buffers hold: each is reused
     known = (tmp_path / "known_hosts").read_text()
     before = logins(testbed["pve1"])
     dest = f"bulk/{extra_logins}/blob.bin"
