@@ -551,6 +551,6 @@ def test_dense_drafter_learns(tiny_dense):
 
 @pytest.mark.slow
 def test_hybrid_drafter_learns(tiny_hybrid, tmp_path, group):
-    first, last = _learns(tiny_hybrid, tmp_path / "run", 150)
+    first, last = _learns(tiny_hybrid, tmp_path / "run", 100)  # measured: acc 0.67, streak 2.2
     assert last["acc"] > first["acc"] + 0.2
     assert last["streak"] > first["streak"] + 0.5
