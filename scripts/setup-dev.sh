@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make .venv with the operator, the workload (CPU torch) and the test tools, and the vLLM
-# environment beside it (built at the same time, its output shown when it is done). Idempotent.
+# environment beside it and the test bed's LXC rootfs (both built at the same time; the vLLM
+# build's output shown when it is done). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -19,15 +20,31 @@ pip install -e .
 # below leave the operator's package as it is (the extras' requirement files, not `-e .[...]`).
 vllm_pid=
 vllm_log=.dflashops/setup-vllm.log
+rootfs_pid=
+stop_background() {  # each in its own process group (setsid): its children go with it
+  for pid in $vllm_pid $rootfs_pid; do kill -- "-$pid" 2>/dev/null || true; done
+}
+trap stop_background EXIT
+trap 'exit 130' INT TERM
 if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
   mkdir -p .dflashops
-  # its own process group (setsid), so that a failure here stops its pip too
   setsid "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local --no-install \
     --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} >"$vllm_log" 2>&1 </dev/null &
   vllm_pid=$!
-  trap '[ -z "$vllm_pid" ] || kill -- "-$vllm_pid" 2>/dev/null || true' EXIT
-  trap 'exit 130' INT TERM
   echo "setup-dev: making the vLLM environment in the background ($vllm_log)" >&2
+fi
+# The test bed's LXC rootfs (tests/testbed/rootfs.py: debootstrap, about a minute, cached), also
+# in the background, where it can be built (root, debootstrap) and is wanted; the tests build
+# it themselves if this did not (and say why it can't be had).
+rootfs_log=.dflashops/setup-rootfs.log
+if [ "$(id -u)" = 0 ] && command -v debootstrap >/dev/null && [ "${DFLASHOPS_TESTBED_LXC:-auto}" != 0 ]; then
+  mkdir -p .dflashops
+  build="from tests.testbed import rootfs, TestBedError
+try: print(rootfs.ensure_rootfs())
+except TestBedError as err: raise SystemExit(str(err))"
+  setsid "$VENV/bin/python" -c "$build" >"$rootfs_log" 2>&1 </dev/null &
+  rootfs_pid=$!
+  echo "setup-dev: the test bed's LXC rootfs, where missing, in the background ($rootfs_log)" >&2
 fi
 # torch first, pinned: a plain requirement would pull a multi-GB CUDA build. Where pip has no
 # local CPU build, TORCH_INDEX (e.g. a CPU wheel index) says where to get one.
@@ -56,5 +73,14 @@ if [ -n "$vllm_pid" ]; then
       exit 1
     fi
     echo "setup-dev: no vLLM environment (its tests will be skipped)" >&2
+  fi
+fi
+if [ -n "$rootfs_pid" ]; then
+  status=0
+  wait "$rootfs_pid" || status=$?
+  rootfs_pid=
+  if [ "$status" != 0 ]; then
+    sed 's/^/  rootfs: /' "$rootfs_log" >&2
+    echo "setup-dev: no LXC rootfs for the test bed (exit $status); the tests try again" >&2
   fi
 fi
