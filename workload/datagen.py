@@ -641,7 +641,25 @@ def finalize(a: argparse.Namespace, source: Source) -> int:
     return 0 if manifest["complete"] else 1
 
 
+class EarlyStop:
+    """A stop asked while torch and transformers are still being imported (seconds) is kept
+    for the job's own StopFlag, instead of ending the process with SIGTERM's default."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
 def main(argv: list[str] | None = None) -> int:
+    early = EarlyStop()
     a = parse_args(argv)
     place = take_place()
     try:
@@ -665,16 +683,19 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, OutputError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return _run(a, place, source, kwargs)
+    return _run(a, place, source, kwargs, early)
 
 
-def _run(a: argparse.Namespace, place: Place, source: Source, kwargs: dict) -> int:
+def _run(
+    a: argparse.Namespace, place: Place, source: Source, kwargs: dict, early: EarlyStop
+) -> int:
     from transformers.utils import logging as hf_logging
 
     from workload.train import StopFlag
 
     hf_logging.disable_progress_bar()
     stop = StopFlag()
+    stop.requested = early.requested
     job = Job(a, place, source, kwargs)
     try:
         return job.run(stop)

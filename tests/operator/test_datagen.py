@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.testbed]
 ONE, TWO = 1401, 1402
 MODEL = "/workspace/tiny/target"
 MAX_NEW = 8
+CONVERSATIONS = 120  # the tiny data's 120 lines (corpus() takes no more)
 FAST = ["--target", MODEL, "--engine", "transformers", "--max-new-tokens", str(MAX_NEW)]
 
 
@@ -155,7 +156,7 @@ def test_stopped_halfway_then_resumed_repeats_nothing_and_loses_nothing(
     cli, bed, tiny, tmp_path, greedy
 ):  # fmt: skip
     """Over two targets: `stop` reaches both, `resume` starts both, `--collect` combines."""
-    path = corpus(tiny, tmp_path, 120)
+    path = corpus(tiny, tmp_path, CONVERSATIONS)
     ran = cli("datagen", "g-stop", "--host", "one,two", "--prompts", str(path), *FAST,
               "--chunk", "1", "--detach")  # fmt: skip
     assert ran.code == 0, ran.err
@@ -168,7 +169,8 @@ def test_stopped_halfway_then_resumed_repeats_nothing_and_loses_nothing(
     assert stopped.code == 0, stopped.err
     assert "stopped with" in stopped.err + stopped.out
     doc = status(cli, "g-stop")
-    assert doc["state"] == "stopped" and 2 <= doc["progress"]["done"] < 120, doc["progress"]
+    done = doc["progress"]["done"]
+    assert doc["state"] == "stopped" and 2 <= done < CONVERSATIONS, doc["progress"]
     assert {n["state"] for n in doc["nodes"]} <= {"stopped", "finished"}
     assert not any(n["alive"] for n in doc["nodes"])
 
@@ -191,7 +193,7 @@ def test_stopped_halfway_then_resumed_repeats_nothing_and_loses_nothing(
     collected = cli("datagen", "g-stop", "--collect")
     assert collected.code == 0, collected.err
     m = manifest(dirs[0])
-    assert m["complete"] and m["done"] + m["failed"] + m["skipped"] == m["input"] == 120
+    assert m["complete"] and m["done"] + m["failed"] + m["skipped"] == m["input"] == CONVERSATIONS
     assert_greedy(records(dirs[0]), path, greedy)
     again = cli("resume", "g-stop")
     assert again.code == 2 and "nothing to resume" in again.err
