@@ -484,7 +484,8 @@ def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(corpus, tiny_den
                             start_new_session=True)  # fmt: skip
     try:
         deadline = time.time() + 600
-        while len(list((out / "chunks").glob("chunk_*.json"))) < 2 and time.time() < deadline:
+        while (len(list((out / "chunks").glob("chunk_*.json"))) < 2
+               or not (out / "state.json").exists()) and time.time() < deadline:  # fmt: skip
             assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
             time.sleep(0.05)
         os.kill(json.loads((out / "state.json").read_text())["pid"], signal.SIGTERM)
