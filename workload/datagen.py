@@ -92,6 +92,7 @@ from workload.conversations import (
     scan,
 )
 from workload.datagen_output import ChunkResult, OutputError
+from workload.stop_flag import StopFlag
 
 DEFAULT_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 2048
@@ -641,25 +642,15 @@ def finalize(a: argparse.Namespace, source: Source) -> int:
     return 0 if manifest["complete"] else 1
 
 
-class EarlyStop:
-    """A stop asked while torch and transformers are still being imported (seconds) is kept
-    for the job's own StopFlag, instead of ending the process with SIGTERM's default."""
-
-    def __init__(self) -> None:
-        import signal
-        import threading
-
-        self.requested = False
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-
 def main(argv: list[str] | None = None) -> int:
-    early = EarlyStop()
+    stop = StopFlag()  # before torch and transformers are imported (seconds): a stop then counts
+    try:
+        return _main(argv, stop)
+    finally:
+        stop.restore()
+
+
+def _main(argv: list[str] | None, stop: StopFlag) -> int:
     a = parse_args(argv)
     place = take_place()
     try:
@@ -683,19 +674,13 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, OutputError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    return _run(a, place, source, kwargs, early)
+    return _run(a, place, source, kwargs, stop)
 
 
-def _run(
-    a: argparse.Namespace, place: Place, source: Source, kwargs: dict, early: EarlyStop
-) -> int:
+def _run(a: argparse.Namespace, place: Place, source: Source, kwargs: dict, stop: StopFlag) -> int:
     from transformers.utils import logging as hf_logging
 
-    from workload.train import StopFlag
-
     hf_logging.disable_progress_bar()
-    stop = StopFlag()
-    stop.requested = early.requested
     job = Job(a, place, source, kwargs)
     try:
         return job.run(stop)
@@ -709,8 +694,6 @@ def _run(
         print(f"error: rank {place.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)  # fmt: skip
         return 1
-    finally:
-        stop.restore()
 
 
 if __name__ == "__main__":  # vLLM's engine core is a spawned process: it needs this guard

@@ -24,10 +24,8 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,34 +58,12 @@ from workload.runlog import (
     truncate_log,
 )
 from workload.step import Run, StepSums, train_step
+from workload.stop_flag import StopFlag
 
 clock = time.monotonic  # seconds of a log interval (tests replace it)
 
 
 # ---------------------------------------------------------------- stop requests
-
-
-class StopFlag:
-    """SIGINT/SIGTERM ask for a clean stop at the end of the step; a second one exits now.
-    The previous handlers come back on `restore()` (the trainer may run inside a test)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            os._exit(128 + signum)
-        self.requested = True
-        name = signal.Signals(signum).name
-        print(f"received {name}: stopping after this step (again to exit now)", flush=True)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------- the run
