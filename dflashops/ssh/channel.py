@@ -24,9 +24,9 @@ class ChannelProcess:
         self.heartbeat = connection.heartbeat
         try:
             self.channel.exec_command(command)
-        except Exception:
+        except Exception as exc:  # paramiko's SSHException("Channel closed."), EOFError, OSError
             self.kill()
-            raise
+            raise self._lost(exc) from None
 
     def write(self, data: bytes | memoryview) -> None:
         self.channel.sendall(bytes(data))  # paramiko takes bytes only
@@ -51,13 +51,23 @@ class ChannelProcess:
         while not self.channel.closed and time.monotonic() < deadline:
             time.sleep(0.002)
         self.kill()
-        if code < 0 and self.heartbeat is not None and self.heartbeat.dead:
-            raise self.heartbeat.error(self.who)
         if code < 0:
-            raise UnreachableError(
+            raise self._lost(None)
+        return code
+
+    def _lost(self, exc: Exception | None) -> UnreachableError:
+        """The connection went away under the command: the keepalive's verdict when it closed
+        it (a retry may succeed), else the drop itself."""
+        if self.heartbeat is not None and self.heartbeat.dead:
+            return self.heartbeat.error(self.who)
+        if exc is None:
+            return UnreachableError(
                 f"{self.name}: the connection dropped before the command's exit status came"
             )
-        return code
+        why = str(exc) or type(exc).__name__
+        return UnreachableError(
+            f"{self.name}: the connection dropped as the command started ({why})"
+        )
 
     def kill(self) -> None:
         self.channel.close()
