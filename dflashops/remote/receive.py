@@ -15,7 +15,7 @@ setuid, setgid and sticky bits are dropped with a warning on stderr; owners are 
 from the stream, and nothing is written through a link already at the destination.
 
 Each file is written under a name unique to this receiver (.dfo-PID-RANDOM.part in its
-directory), hashed as it is written (on a second thread), its size on disk checked, and only
+directory), hashed as it is written (on threads of their own), its size on disk checked, and only
 then renamed into place: two receivers into one directory never mix their bytes, and a failure
 removes the file it was writing. A checkpoint's files are hashed with sha256 (its manifest's);
 a copy's with CRC-32 (the sender's in-flight check of the same bytes, a tenth of sha256's CPU;
@@ -59,7 +59,7 @@ from dflashops.remote.describe import describe
 
 BLOCK = 512
 CHUNK = 1 << 20
-BUFFERS = 8  # chunks read ahead of the hasher
+BUFFERS = 8  # chunks read ahead of the writer and the hasher
 PAX_LIMIT = 1 << 20
 NAME_MAX, PATH_MAX = 255, 4096
 MANIFEST = "MANIFEST.sha256"
@@ -300,11 +300,12 @@ def sweep_parts(folder, everything=False):
 
 class Unpacker:
     """Unpacks a stream under `base`. Subclasses say what they accept and how a file lands.
-    Each chunk of a file is read into one of a few buffers allocated once, written from it,
-    and hashed on a second thread while the next one is read and written (hashlib and zlib
-    let go of the GIL), then the buffer is reused: no memory is allocated per chunk (fresh
-    pages cost more than the copy itself, most of all in a VM). The file is landed on that
-    thread once its size on disk is the size sent."""
+    Each chunk of a file is read into one of a few buffers allocated once, and passes three
+    threads: this one reads it from the stream, a writer writes it to the file, a hasher
+    hashes it and gives the buffer back (the reads, writes, hashlib and zlib all let go of the
+    GIL, so the three overlap on as many cores as there are). No memory is allocated per chunk
+    (fresh pages cost more than the copy itself, most of all in a VM). The writer checks a
+    file's size on disk once its last chunk is written; the hasher lands it once hashed."""
 
     durable = False  # fsync each file before it lands
     new_digest = hashlib.sha256
@@ -313,41 +314,71 @@ class Unpacker:
         self.base = base
         self.seen = {}
         self.swept = set()
-        self.jobs = queue.Queue()  # at most BUFFERS chunks wait: each holds a buffer
-        self.free = queue.Queue()
+        self.writes = queue.Queue()  # (Part, buffer, size), a Part whose bytes all came, None
+        self.hashes = queue.Queue()  # (digest, buffer, size), a Written, None
+        self.free = queue.Queue()  # at most BUFFERS chunks are in flight: each holds a buffer
         for _ in range(BUFFERS):
             self.free.put(bytearray(CHUNK))
         self.error = None
-        self.thread = threading.Thread(target=self.hasher, daemon=True)
+        self.threads = [threading.Thread(target=loop, daemon=True)
+                        for loop in (self.writer, self.hasher)]  # fmt: skip
 
     def run(self, stream):
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
         try:
             for member in members(stream):
-                self.check_hasher()
+                self.check_threads()
                 self.entry(stream, member)
         finally:
-            self.jobs.put(None)
-            self.thread.join()
-        self.check_hasher()
+            self.writes.put(None)
+            for thread in self.threads:
+                thread.join()
+        self.check_threads()
 
-    def check_hasher(self):
+    def check_threads(self):
         if self.error is not None:
             raise self.error
 
+    def fail(self, exc):
+        if self.error is None:
+            self.error = exc
+
+    def writer(self):
+        while (job := self.writes.get()) is not None:
+            if isinstance(job, tuple):
+                part, buffer, size = job
+                try:
+                    if self.error is None:
+                        part.write(memoryview(buffer)[:size])
+                        self.hashes.put((part.digest, buffer, size))
+                        continue
+                except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
+                    self.fail(exc)
+                self.free.put(buffer)
+            else:
+                try:
+                    if self.error is None and not job.abandoned:
+                        self.hashes.put(job.finish(self.durable))
+                        continue
+                except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
+                    self.fail(exc)
+                job.discard()
+        self.hashes.put(None)
+
     def hasher(self):
-        while (job := self.jobs.get()) is not None:
+        while (job := self.hashes.get()) is not None:
             if isinstance(job, tuple):
                 digest, buffer, size = job
                 if self.error is None:
                     digest.update(memoryview(buffer)[:size])
                 self.free.put(buffer)
-            elif isinstance(job, Written):
+            else:
                 try:
                     if self.error is None:
                         self.land(job.rel, job.tmp, job.path, job.info())
                 except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
-                    self.error = exc
+                    self.fail(exc)
                 finally:
                     unlink(job.tmp)
 
@@ -380,7 +411,7 @@ class Unpacker:
             make_link(path, member.link)
             self.landed_link(rel, path)
         else:
-            self.jobs.put(self.write(stream, rel, path, member, mode))
+            self.write(stream, rel, path, member, mode)
 
     def accept(self, rel, member):
         """Raise Refused for an entry this copy does not take."""
@@ -397,7 +428,8 @@ class Unpacker:
         """A symlink arrived (for a subclass's report)."""
 
     def write(self, stream, rel, path, member, mode):
-        """Write a file's data to a .part file beside `path`, its chunks queued for hashing."""
+        """Read a file's data into buffers for the writer, which writes them to a .part file
+        beside `path`; the hasher lands it."""
         if os.path.isdir(path) and not os.path.islink(path):
             raise IsADirectoryError(
                 f"{path} is a directory: to copy into it, end the destination with /"
@@ -408,32 +440,69 @@ class Unpacker:
             sweep_parts(folder)
         tmp = os.path.join(folder, f".dfo-{os.getpid()}-{secrets.token_hex(6)}.part")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        digest = self.new_digest()
+        part = Part(rel, tmp, path, member, mode, self.new_digest())
         try:
-            with os.fdopen(os.open(tmp, flags, 0o600), "wb", buffering=0) as f:
-                left = member.size
-                while left:
-                    buffer = self.free.get()
+            part.fd = os.open(tmp, flags, 0o600)
+            left = member.size
+            while left:
+                buffer = self.free.get()
+                self.check_threads()
+                try:
                     size = read_into(stream, memoryview(buffer)[: min(left, CHUNK)])
-                    view = memoryview(buffer)[:size]
-                    while view:
-                        view = view[f.write(view) :]
-                    self.jobs.put((digest, buffer, size))
-                    left -= size
-                if self.durable:
-                    os.fsync(f.fileno())
-                on_disk = os.fstat(f.fileno()).st_size
-            os.chmod(tmp, mode)
-            os.utime(tmp, ns=(member.mtime_ns, member.mtime_ns))
+                except BaseException:
+                    self.free.put(buffer)
+                    raise
+                self.writes.put((part, buffer, size))
+                left -= size
         except BaseException as exc:
-            unlink(tmp)
+            part.abandoned = True
             if isinstance(exc, OSError) and exc.filename in (None, tmp):
                 raise OSError(exc.errno, exc.strerror, path) from None
             raise
+        finally:
+            self.writes.put(part)  # the writer finishes it, or closes and removes it
         pad = -member.size % BLOCK
         if pad:
             read_exact(stream, pad)
-        return Written(rel, tmp, path, digest, on_disk)
+
+
+class Part:
+    """A file being written to its .part file by the writer thread."""
+
+    def __init__(self, rel, tmp, path, member, mode, digest):
+        self.rel, self.tmp, self.path, self.member, self.mode = rel, tmp, path, member, mode
+        self.digest = digest
+        self.fd = None
+        self.abandoned = False
+
+    def write(self, view):
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, self.path) from None
+
+    def finish(self, durable):
+        """Close the file once its last chunk is written: a Written to land."""
+        try:
+            if durable:
+                os.fsync(self.fd)
+            on_disk = os.fstat(self.fd).st_size
+            os.close(self.fd)
+            self.fd = None
+            os.chmod(self.tmp, self.mode)
+            mtime = self.member.mtime_ns
+            os.utime(self.tmp, ns=(mtime, mtime))
+        except OSError as exc:
+            self.discard()
+            raise OSError(exc.errno, exc.strerror, self.path) from None
+        return Written(self.rel, self.tmp, self.path, self.digest, on_disk)
+
+    def discard(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        unlink(self.tmp)
 
 
 class Written:

@@ -89,17 +89,29 @@ class Connection:
     def bulk_process(self, command: str, who: str) -> OpenSshProcess | None:
         """`command` run by the OpenSSH client (bulk copies), or None where that client is not
         installed or a key needed a typed passphrase (a client in batch mode could not use it).
-        The paramiko connection is opened first, so host keys and logins are checked, and
-        reported, the one way."""
+        The paramiko connection checks host keys and logins, and reports them, the one way; the
+        client starts its own handshake meanwhile (against the same pinned keys, in batch mode)
+        and is killed, unused, when that check fails."""
         if self._openssh is None or client() is None:
             return None
-        self.transport()
+        process = OpenSshProcess(self._openssh.argv(self, command), who, self.deadline)
+        try:
+            self.transport()
+            if self._typed_passphrase_on_the_way():
+                process.discard()
+                return None
+        except BaseException:
+            process.discard()
+            raise
+        return process
+
+    def _typed_passphrase_on_the_way(self) -> bool:
         hop: Connection | None = self
         while hop is not None:
             if hop.typed_passphrase:
-                return None
+                return True
             hop = hop.jump_connection() if hop.resolved.jump else None
-        return OpenSshProcess(self._openssh.argv(self, command), who, self.deadline)
+        return False
 
     def dead(self) -> bool:
         """Whether the keepalive found the server gone (calls then fail with NoAnswerError)."""

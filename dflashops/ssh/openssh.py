@@ -237,3 +237,10 @@ class OpenSshProcess:
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
+
+    def discard(self) -> None:
+        """Killed before it was used: reaped, its pipes closed."""
+        self.kill()
+        self.popen.wait()
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            pipe.close()
