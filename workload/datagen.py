@@ -479,6 +479,7 @@ class Job:
         self.keeps_state = place.rank == 0 or (a.nnodes > 1 and place.local_rank == 0)
         self.state = RunState(self.out, self.keeps_state)
         self.engine: Any = None
+        self.stopped_ranks: set[int] = set()  # pids this rank passed a stop on to
         self.owner = False  # True once DIR's job.json accepted this run's settings
 
     def run(self, stop: Any) -> int:
@@ -498,6 +499,7 @@ class Job:
         self.state.update(kind="datagen", pid=os.getpid(), pid_start=process_start_ticks(),
                           started=time.time(), finished=None, exit_code=None, status="starting",
                           world_size=place.world, total=self.source.total)  # fmt: skip
+        stop.then(self._pass_stop_on)  # at once: the other ranks need not wait for our step
         store.remove_stale_temporaries(self.out)
         mine = [k for k in range(self.source.chunks) if k % place.world == place.rank]
         finished = store.read_records(self.out)
@@ -544,8 +546,9 @@ class Job:
         return self._finish("stopped" if stopped else "done")
 
     def _pass_stop_on(self) -> None:
-        """The stop asked of the pid in state.json, to this machine's other ranks in DIR (once:
-        a second signal ends a rank at once)."""
+        """The stop asked of the pid in state.json, to this machine's other ranks in DIR (once
+        each: a second signal ends a rank at once). Run as the stop arrives, and again after
+        the loop for a rank that had not written its record by then."""
         if not self.keeps_state or self.place.local_world == 1:
             return
         import signal
@@ -558,11 +561,14 @@ class Job:
                 pid = int(info["pid"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if pid == os.getpid() or info.get("status") not in ("starting", "running"):
+            if pid in self.stopped_ranks or pid == os.getpid():
+                continue
+            if info.get("status") not in ("starting", "running"):
                 continue
             with contextlib.suppress(OSError):  # gone meanwhile
                 if process_start_ticks(pid) == info.get("pid_start"):
                     os.kill(pid, signal.SIGTERM)
+                    self.stopped_ranks.add(pid)
 
     def _start_engine(self, name: str, target: TargetInfo, device: str, threads: int | None,
                       tokenizer: Any, max_model_len: int) -> None:  # fmt: skip

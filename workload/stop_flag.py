@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,6 +17,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.requested = False
         self._previous: dict[int, Any] = {}
+        self._then: list[Callable[[], None]] = []
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -26,6 +28,15 @@ class StopFlag:
         self.requested = True
         name = signal.Signals(signum).name
         print(f"received {name}: stopping after this step (again to exit now)", flush=True)
+        for action in self._then:
+            action()
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Run `action` when a stop is asked (now, if it was): in the signal's handler, so
+        between two steps of the main thread's code, not after the step it is in."""
+        self._then.append(action)
+        if self.requested:
+            action()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

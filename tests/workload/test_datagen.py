@@ -471,9 +471,12 @@ def test_a_failing_conversation_fails_alone_and_an_empty_reply_is_a_failure(tiny
     assert Flaky.calls == 1 + 4  # the whole batch, then each prompt alone
 
 
-def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(corpus, tiny_dense, tmp_path):
+def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(tiny_dense, tmp_path):
     """`stop` signals one pid, state.json's (local rank 0): under torchrun it passes the stop
-    on to the other ranks of the node, and all of them end "stopped"."""
+    on to the other ranks of the node, and all of them end "stopped". 240 conversations, so
+    that neither rank can finish its share before the stop reaches it."""
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text("".join((tiny_dense / "data.jsonl").read_text().splitlines(True)[:240]))
     out = tmp_path / "data"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     argv = datagen_argv("", corpus, tiny_dense / "target", out, "--chunk", "1",
@@ -497,4 +500,4 @@ def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(corpus, tiny_den
         log.close()
     beats = [json.loads((out / "ranks" / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [b["status"] for b in beats] == ["stopped", "stopped"]
-    assert sum(b["done"] + b["failed"] + b["skipped"] for b in beats) < 24
+    assert sum(b["done"] + b["failed"] + b["skipped"] for b in beats) < 240
