@@ -3,8 +3,10 @@ and its options) under $DFLASHOPS_TEST_CACHE, pushed into containers by the test
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,12 +28,16 @@ def tiny_build() -> Path:
         os.environ.get("DFLASHOPS_TEST_CACHE") or Path(tempfile.gettempdir()) / "dflashops-tests"
     )
     out = root / f"ops-tiny-{key.hexdigest()[:16]}"
-    if not (out / "run.yaml").is_file():
-        tmp = root / f"{out.name}.tmp{os.getpid()}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "workload.tiny", "--out", str(tmp), *TINY_OPTIONS]
-        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
-        os.replace(tmp, out)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{out.name}.lock", "w") as lock:  # another worker or tests.prebuild
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "run.yaml").is_file():
+            tmp = root / f"{out.name}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+            cmd = [sys.executable, "-m", "workload.tiny", "--out", str(tmp), *TINY_OPTIONS]
+            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT, timeout=600)
+            os.replace(tmp, out)
     return out
 
 

@@ -1,0 +1,35 @@
+"""Build what the tests keep in their cache ($DFLASHOPS_TEST_CACHE: the tiny targets, the
+trained tiny drafter) before they ask for it. scripts/setup-dev.sh starts this in the
+background once .venv has torch, so on a fresh machine the builds use the minutes spent waiting
+for the vLLM environment. Each build is the tests' own, keyed and locked as theirs: a test that
+asks for one still being built here waits for it; one already there is not built again.
+
+    .venv/bin/python -m tests.prebuild
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as tests/conftest.py sets it
+
+
+def main() -> None:
+    from tests.operator.tiny_target import tiny_build
+    from tests.workload.conftest import FIXTURE_BUILDS, cached_tiny
+    from tests.workload.drafters import trained_drafter
+
+    steps = [
+        ("tiny dense target", lambda: cached_tiny(FIXTURE_BUILDS["dense"])),
+        ("trained tiny drafter", lambda: trained_drafter(cached_tiny(FIXTURE_BUILDS["dense"]))),
+        ("the bed's tiny target", tiny_build),
+        ("tiny hybrid target", lambda: cached_tiny(FIXTURE_BUILDS["hybrid"])),
+    ]
+    for what, build in steps:
+        t0 = time.time()
+        print(f"prebuild: {what}: {build()} ({time.time() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
