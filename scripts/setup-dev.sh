@@ -18,12 +18,8 @@ pip install -e .
 # engine use it (DFLASHOPS_TEST_VLLM=require makes its absence an error instead of a skip).
 # It is built in the background while the workload's packages go into $VENV; the installs
 # below leave the operator's package as it is (the extras' requirement files, not `-e .[...]`).
-# DFLASHOPS_SETUP_VLLM_WAIT=0 (scripts/test.sh): this script does not wait for it; the build
-# writes its exit status to $vllm_status as it ends and the tests that need it wait for that
-# (tests/engines.py).
 vllm_pid=
 vllm_log=.dflashops/setup-vllm.log
-vllm_status=.dflashops/setup-vllm.status
 rootfs_pid=
 stop_background() {  # each in its own process group (setsid): its children go with it
   for pid in $vllm_pid $rootfs_pid; do kill -- "-$pid" 2>/dev/null || true; done
@@ -32,13 +28,9 @@ trap stop_background EXIT
 trap 'exit 130' INT TERM
 if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
   mkdir -p .dflashops
-  rm -f "$vllm_status" .dflashops/setup-vllm.pid
-  setsid bash -c 'code=0; "$@" || code=$?; echo "$code" >"$0.tmp" && mv "$0.tmp" "$0"; exit "$code"' \
-    "$vllm_status" "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local \
-    --no-install --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} \
-    >"$vllm_log" 2>&1 </dev/null &
+  setsid "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local --no-install \
+    --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} >"$vllm_log" 2>&1 </dev/null &
   vllm_pid=$!
-  echo "$vllm_pid" >.dflashops/setup-vllm.pid
   echo "setup-dev: making the vLLM environment in the background ($vllm_log)" >&2
 fi
 # The test bed's LXC rootfs (tests/testbed/rootfs.py: debootstrap, about a minute, cached), also
@@ -76,10 +68,6 @@ if [ "${DFLASHOPS_PREBUILD:-1}" != 0 ]; then
   mkdir -p .dflashops
   setsid "$VENV/bin/python" -m tests.prebuild >.dflashops/prebuild.log 2>&1 </dev/null &
   echo "setup-dev: the tests' tiny builds, where missing, in the background (.dflashops/prebuild.log)" >&2
-fi
-if [ -n "$vllm_pid" ] && [ "${DFLASHOPS_SETUP_VLLM_WAIT:-1}" = 0 ]; then
-  echo "setup-dev: the vLLM environment goes on in the background; its tests wait for it" >&2
-  vllm_pid=  # not stopped as this script ends
 fi
 if [ -n "$vllm_pid" ]; then
   echo "setup-dev: waiting for the vLLM environment" >&2

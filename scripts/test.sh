@@ -17,7 +17,7 @@ for arg in "$@"; do
   fi
 done
 ./scripts/install-system.sh
-DFLASHOPS_SETUP_VLLM_WAIT=0 ./scripts/setup-dev.sh  # the vLLM tests wait for its engine build
+./scripts/setup-dev.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # --no-loadscope-reorder: files in tests/conftest.py's order (longest first), not xdist's own
