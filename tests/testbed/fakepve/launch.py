@@ -155,19 +155,14 @@ def _become_init() -> None:
 def start_lxc(host: state.HostConfig, ct: state.CtConfig, *, on_host: bool) -> None:
     _remove(ct.dir, "init.json")
     name = ["-P", host.lxcpath, "-n", str(ct.vmid)]
-    for attempt in range(3):  # a start right after a stop can find the last one's monitor
-        if attempt:  # still tearing down ("Failed to spawn container"): it is gone in a moment
-            time.sleep(1)
-        proc = state.lxc_run(
-            host,
-            ["/usr/bin/lxc-start", *name],
-            on_host=on_host,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        if proc.returncode == 0:
-            break
+    proc = state.lxc_run(
+        host,
+        ["/usr/bin/lxc-start", *name],
+        on_host=on_host,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     info = state.lxc_run(
         host, ["/usr/bin/lxc-info", *name, "-pH"], on_host=on_host, capture_output=True
     )
