@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from .container import Container
 from .fakepve import state
+from .rootfs import cache_dir
 from .slots import TestBedError, keygen
 
 if TYPE_CHECKING:
@@ -61,9 +62,13 @@ PRIVATE_ROOTS = (Path("/root"), Path("/tmp"), Path("/var/tmp"))
 def ro_shares() -> list[str]:
     """Dirs under /root, /tmp or /var/tmp that hosts and ns containers (which get private ones)
     must still see, read-only: pyenv, this test run's venv and checkout (a CI clone may well
-    live in /tmp)."""
+    live in /tmp), and the LXC rootfs cache (a `pct start` in a host mounts it as the lower
+    layer of the container's overlay)."""
     here = Path(__file__).resolve()
-    candidates = [Path("/root/.pyenv"), Path(sys.prefix), Path(sys.base_prefix), here.parents[2]]
+    rootfs_cache = cache_dir()
+    rootfs_cache.mkdir(parents=True, exist_ok=True)
+    candidates = [Path("/root/.pyenv"), Path(sys.prefix), Path(sys.base_prefix), here.parents[2],
+                  rootfs_cache]  # fmt: skip
     found: list[Path] = []
     for path in sorted({p.resolve() for p in candidates if p.is_dir()}, key=lambda p: len(p.parts)):
         hidden = any(root in path.parents for root in PRIVATE_ROOTS)
