@@ -20,15 +20,16 @@ def main() -> None:
     from tests.workload.conftest import FIXTURE_BUILDS, cached_tiny
     from tests.workload.drafters import trained_drafter
 
-    steps = [
-        ("tiny dense target", lambda: cached_tiny(FIXTURE_BUILDS["dense"])),
-        ("trained tiny drafter", lambda: trained_drafter(cached_tiny(FIXTURE_BUILDS["dense"]))),
-        ("the bed's tiny target", tiny_build),
-        ("tiny hybrid target", lambda: cached_tiny(FIXTURE_BUILDS["hybrid"])),
-    ]
-    for what, build in steps:
+    def made(what: str, build):  # noqa: ANN001, ANN202
         t0 = time.time()
-        print(f"prebuild: {what}: {build()} ({time.time() - t0:.0f} s)", flush=True)
+        path = build()
+        print(f"prebuild: {what}: {path} ({time.time() - t0:.0f} s)", flush=True)
+        return path
+
+    dense = made("tiny dense target", lambda: cached_tiny(FIXTURE_BUILDS["dense"]))
+    made("trained tiny drafter", lambda: trained_drafter(dense))
+    made("the bed's tiny target", tiny_build)
+    made("tiny hybrid target", lambda: cached_tiny(FIXTURE_BUILDS["hybrid"]))
 
 
 if __name__ == "__main__":

@@ -98,14 +98,15 @@ class _Forks:
                 folder = tempfile.mkdtemp(prefix="dflashops-cli-")
                 atexit.register(shutil.rmtree, folder, True)
                 self._socket = os.path.join(folder, "s")
-                self._server = subprocess.Popen(
-                    [sys.executable, "-m", "tests.operator.cli_server", self._socket],
-                    cwd=ROOT,
-                    stdin=subprocess.PIPE,  # its lifeline: closed when this process ends
-                    stdout=subprocess.PIPE,
-                    stderr=open(os.path.join(folder, "log"), "wb"),  # noqa: SIM115
-                    env={**_others(os.environ), **self._python_env},
-                )
+                with open(os.path.join(folder, "log"), "wb") as log:
+                    self._server = subprocess.Popen(
+                        [sys.executable, "-m", "tests.operator.cli_server", self._socket],
+                        cwd=ROOT,
+                        stdin=subprocess.PIPE,  # its lifeline: closed when this process ends
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        env={**_others(os.environ), **self._python_env},
+                    )
                 if self._server.stdout.readline() != b"ready\n":
                     raise RuntimeError(
                         "cli_server did not start: DFLASHOPS_TEST_CLI=exec to bypass"
@@ -158,9 +159,8 @@ class _Forks:
                         got[key.fd] += chunk
                     else:
                         sel.unregister(key.fd)
-                    lines = got[control].split(b"\n")
-                    if pid is None and len(lines) > 1:
-                        pid = json.loads(lines[0])["pid"]
+                    if key.fd == control and pid is None and b"\n" in got[control]:
+                        pid = json.loads(got[control].split(b"\n")[0])["pid"]
         finally:
             sel.close()
             os.close(out_r)

@@ -47,8 +47,6 @@ def preload() -> None:
             continue  # programs for a target: they run when imported
         with contextlib.suppress(Exception):  # one that fails here is left to the child
             importlib.import_module(info.name)
-    import yaml  # noqa: F401
-
     if threading.active_count() != 1:
         raise SystemExit("cli_server: an import started a thread; forking would not be safe")
 
