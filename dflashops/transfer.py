@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from dflashops import remote as helpers
 from dflashops.errors import OpsError, TransferError, UsageError
-from dflashops.targets.base import CHUNK, Machine, Result, Sink, Stdin
+from dflashops.targets.base import CHUNK, FileSpan, Machine, Result, Sink, Stdin
 
 if TYPE_CHECKING:
     from dflashops.render import Meter
@@ -117,9 +117,10 @@ def _entry(path: Path, rel: str, st: os.stat_result) -> Entry:
 
 def tar_stream(
     entries: list[Entry], progress: Progress | None = None, *, sha256: bool = False
-) -> Iterator[bytes]:
+) -> Iterator[bytes | FileSpan]:
     """A POSIX tar of `entries`, each file's CRC-32 (and with `sha256` its sha256) taken as it
-    is read."""
+    is read. A file's bytes come as FileSpans over one buffer, valid until the next item."""
+    buffer = bytearray(CHUNK)
     for entry in entries:
         info = tarfile.TarInfo(entry.rel)
         info.mode = entry.mode
@@ -132,27 +133,29 @@ def tar_stream(
             info.size = entry.size
         yield info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
         if entry.kind == "f":
-            yield from _file_blocks(entry, progress, sha256)
+            yield from _file_spans(entry, buffer, progress, sha256)
     yield b"\0" * (2 * BLOCK)
 
 
-def _file_blocks(entry: Entry, progress: Progress | None, sha256: bool) -> Iterator[bytes]:
+def _file_spans(
+    entry: Entry, buffer: bytearray, progress: Progress | None, sha256: bool
+) -> Iterator[bytes | FileSpan]:
     digest = hashlib.sha256() if sha256 else None
-    crc = 0
-    left = entry.size
-    with open(entry.path, "rb") as f:
-        while left > 0:
-            chunk = f.read(min(CHUNK, left))
-            if not chunk:
+    crc, offset = 0, 0
+    with open(entry.path, "rb", buffering=0) as f:
+        while offset < entry.size:
+            n = f.readinto(memoryview(buffer)[: min(CHUNK, entry.size - offset)])
+            if not n:
                 raise TransferError(f"{entry.path}: file shrank while being sent; try again")
+            data = memoryview(buffer)[:n]
             if digest is not None:
-                digest.update(chunk)
+                digest.update(data)
             else:
-                crc = zlib.crc32(chunk, crc)
-            left -= len(chunk)
+                crc = zlib.crc32(data, crc)
             if progress:
-                progress(len(chunk))
-            yield chunk
+                progress(n)
+            yield FileSpan(str(entry.path), f.fileno(), offset, data)
+            offset += n
     if digest is not None:
         entry.sha256 = digest.hexdigest()
     entry.crc32 = f"{crc:08x}"
@@ -193,7 +196,7 @@ def put(
     """
     base, entries = _layout(machine, local, remote, entries)
     receive = helpers.argv("receive.py", base)
-    result = stream(machine, receive, stdin=prefetch(tar_stream(entries, progress)))
+    result = stream(machine, receive, stdin=tar_stream(entries, progress))
     sent = Sent(entries, sum(e.size for e in entries), receiver_warnings(result))
     if machine.dry_run:
         return sent
@@ -262,7 +265,7 @@ def push(
         todo.append(_changes(dest, entries, theirs, checksum))
         if progress is not None:
             progress.set_total(sum(e.size for e in todo[0].changed))
-        yield from prefetch(tar_stream(todo[0].changed, progress, sha256=checksum))
+        yield from tar_stream(todo[0].changed, progress, sha256=checksum)
 
     result = stream(machine, receive, stdin=offer_then_tar(), stdout=answer, watch_sink=True)
     helpers.check(machine, result, f"copy into {base}", TransferError)
@@ -338,45 +341,6 @@ def receiver_warnings(result: Result) -> list[str]:
     """The receiver's warnings (bits it dropped), from its stderr."""
     lines = result.stderr.decode("utf-8", "replace").splitlines()
     return [line.removeprefix("receive: warning: ") for line in lines if "warning: " in line]
-
-
-def prefetch(chunks: Iterator[bytes], depth: int = 8) -> Iterator[bytes]:
-    """Produce `chunks` on a thread of its own, so reading and hashing overlap with sending.
-    When the consumer stops early (the target went away), the producer stops too."""
-    import queue
-    import threading
-
-    done = object()
-    buffer: queue.Queue = queue.Queue(maxsize=depth)
-    failure: list[BaseException] = []
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for chunk in chunks:
-                while not stop.is_set():
-                    try:
-                        buffer.put(chunk, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-        except BaseException as exc:  # noqa: BLE001 (raised again on the consuming side)
-            failure.append(exc)
-        finally:
-            chunks.close() if hasattr(chunks, "close") else None  # noqa: B018 (closes files)
-            if not stop.is_set():
-                buffer.put(done)
-
-    threading.Thread(target=produce, daemon=True).start()
-    try:
-        while (item := buffer.get()) is not done:
-            yield item
-    finally:
-        stop.set()
-    if failure:
-        raise failure[0]
 
 
 def check_arrived(machine: Machine, base: str, entries: list[Entry], found: dict) -> None:

@@ -31,6 +31,9 @@ class ChannelProcess:
     def write(self, data: bytes | memoryview) -> None:
         self.channel.sendall(bytes(data))  # paramiko takes bytes only
 
+    def stdin_pipe(self) -> None:
+        return None  # paramiko encrypts in Python: the bytes go through `write`
+
     def close_stdin(self) -> None:
         if not self.channel.closed:
             self.channel.shutdown_write()

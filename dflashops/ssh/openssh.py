@@ -200,6 +200,9 @@ class OpenSshProcess:
         self.popen.stdin.write(data)
         self.popen.stdin.flush()  # a short line may be waited for (a push's offer)
 
+    def stdin_pipe(self) -> int:
+        return self.popen.stdin.fileno()
+
     def close_stdin(self) -> None:
         with contextlib.suppress(BrokenPipeError):
             self.popen.stdin.close()

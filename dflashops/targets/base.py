@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shlex
 import threading
 import time
@@ -15,11 +16,25 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
-from dflashops.errors import NoAnswerError
+from dflashops.errors import NoAnswerError, TransferError
 from dflashops.inventory import Target
 
 Sink = Callable[[bytes], None]
-Stdin = bytes | BinaryIO | Iterable[bytes] | None
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """Bytes of an open file, already read into `data` (valid until the next item of the
+    stdin is asked for): a command whose stdin is a pipe takes them straight from the file
+    (sendfile: no copy through Python), any other way of sending takes `data`."""
+
+    path: str  # for errors
+    fd: int
+    offset: int
+    data: memoryview
+
+
+Stdin = bytes | BinaryIO | Iterable[bytes | FileSpan] | None
 CHUNK = 1 << 20
 WRITE_SLICE = 1 << 18  # stdin goes in by this much at a time: a slow link still shows progress
 TAIL = 8192
@@ -52,6 +67,9 @@ class Process(Protocol):
     """A started command: bytes in, bytes out, an exit code."""
 
     def write(self, data: bytes | memoryview) -> None: ...
+    def stdin_pipe(self) -> int | None:
+        """The fd of a pipe into the command (for sendfile); None where bytes go another way."""
+
     def close_stdin(self) -> None: ...
     def read_stdout(self, size: int) -> bytes: ...
     def read_stderr(self, size: int) -> bytes: ...
@@ -300,10 +318,14 @@ class _Feeder:
 
     def feed(self) -> None:
         try:
+            pipe = self.proc.stdin_pipe()
             for chunk in _chunks(self.stdin):
-                view = memoryview(chunk)  # slices of it are not copies
                 try:
-                    for start in range(0, len(view), WRITE_SLICE):
+                    if isinstance(chunk, FileSpan) and pipe is not None:
+                        self.send_file(pipe, chunk)
+                        continue
+                    view = memoryview(chunk.data if isinstance(chunk, FileSpan) else chunk)
+                    for start in range(0, len(view), WRITE_SLICE):  # slices are not copies
                         self.proc.write(view[start : start + WRITE_SLICE])
                         self.watch.touch()
                 except (OSError, EOFError):
@@ -313,6 +335,15 @@ class _Feeder:
         finally:
             with contextlib.suppress(OSError, EOFError):
                 self.proc.close_stdin()
+
+    def send_file(self, pipe: int, span: FileSpan) -> None:
+        offset, end = span.offset, span.offset + len(span.data)
+        while offset < end:
+            sent = os.sendfile(pipe, span.fd, offset, min(WRITE_SLICE, end - offset))
+            if sent == 0:
+                raise TransferError(f"{span.path}: file shrank while being sent; try again")
+            offset += sent
+            self.watch.touch()
 
     def finish(self, watch: _Watch, wait: bool) -> None:
         while wait and self.thread.is_alive():

@@ -41,6 +41,9 @@ class LocalProcess:
             self.popen.stdin.write(data)
             self.popen.stdin.flush()  # a short line may be waited for (a push's offer)
 
+    def stdin_pipe(self) -> int | None:
+        return self.popen.stdin.fileno() if self.popen else None
+
     def close_stdin(self) -> None:
         if self.popen:
             with contextlib.suppress(BrokenPipeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -284,3 +285,22 @@ def test_slow_work_shows_progress_on_stderr(tmp_path, inventory, monkeypatch, ca
     with Session(load_inventory(inventory)) as session, render.progress("push big", 3 << 20) as adv:
         put(session.machine("local"), f, "big.bin", progress=adv)
     assert "push big: 1.0 MiB of 3.0 MiB (33%)" in capsys.readouterr().err
+
+
+def test_a_file_cut_short_while_it_is_pushed_is_named_and_nothing_lands(tmp_path, inventory):
+    from dflashops.errors import TransferError
+    from dflashops.transfer import put
+
+    src = tmp_path / "src"
+    src.mkdir()
+    blob = src / "weights.bin"
+    blob.write_bytes(b"\x01" * (3 << 20))
+
+    def cut(_n: int) -> None:  # a first chunk has been read: the rest of the file goes away
+        os.truncate(blob, 1000)
+
+    shrank = r"weights\.bin: file shrank while being sent"
+    with Session(load_inventory(inventory)) as session, pytest.raises(TransferError, match=shrank):
+        put(session.machine("local"), src, "copy", progress=cut)
+    landed = [p.name for p in (tmp_path / "ws" / "copy").rglob("*")]
+    assert landed == []
