@@ -7,6 +7,7 @@ needs only `spawn`. Commands never build ssh or pct strings themselves.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shlex
@@ -40,6 +41,7 @@ WRITE_SLICE = 1 << 18  # stdin goes in by this much at a time: a slow link still
 TAIL = 8192
 DEFAULT_TIMEOUT_S = 30.0
 TICK_S = 0.1
+UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP)  # sendfile's
 
 
 @dataclass
@@ -322,8 +324,9 @@ class _Feeder:
             for chunk in _chunks(self.stdin):
                 try:
                     if isinstance(chunk, FileSpan) and pipe is not None:
-                        self.send_file(pipe, chunk)
-                        continue
+                        if self.send_file(pipe, chunk):
+                            continue
+                        pipe = None  # no sendfile into a pipe here: the bytes are written
                     view = memoryview(chunk.data if isinstance(chunk, FileSpan) else chunk)
                     for start in range(0, len(view), WRITE_SLICE):  # slices are not copies
                         self.proc.write(view[start : start + WRITE_SLICE])
@@ -336,14 +339,21 @@ class _Feeder:
             with contextlib.suppress(OSError, EOFError):
                 self.proc.close_stdin()
 
-    def send_file(self, pipe: int, span: FileSpan) -> None:
+    def send_file(self, pipe: int, span: FileSpan) -> bool:
+        """False when this system cannot sendfile into a pipe (before anything was sent)."""
         offset, end = span.offset, span.offset + len(span.data)
         while offset < end:
-            sent = os.sendfile(pipe, span.fd, offset, min(WRITE_SLICE, end - offset))
+            try:
+                sent = os.sendfile(pipe, span.fd, offset, min(WRITE_SLICE, end - offset))
+            except OSError as exc:
+                if offset == span.offset and exc.errno in UNSUPPORTED:
+                    return False
+                raise
             if sent == 0:
                 raise TransferError(f"{span.path}: file shrank while being sent; try again")
             offset += sent
             self.watch.touch()
+        return True
 
     def finish(self, watch: _Watch, wait: bool) -> None:
         while wait and self.thread.is_alive():
