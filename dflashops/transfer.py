@@ -120,7 +120,7 @@ def tar_stream(
 ) -> Iterator[bytes | FileSpan]:
     """A POSIX tar of `entries`, each file's CRC-32 (and with `sha256` its sha256) taken as it
     is read. A file's bytes come as FileSpans over one buffer, valid until the next item."""
-    buffer = bytearray(CHUNK)
+    buffer = memoryview(bytearray(CHUNK))
     for entry in entries:
         info = tarfile.TarInfo(entry.rel)
         info.mode = entry.mode
@@ -138,16 +138,16 @@ def tar_stream(
 
 
 def _file_spans(
-    entry: Entry, buffer: bytearray, progress: Progress | None, sha256: bool
+    entry: Entry, buffer: memoryview, progress: Progress | None, sha256: bool
 ) -> Iterator[bytes | FileSpan]:
     digest = hashlib.sha256() if sha256 else None
     crc, offset = 0, 0
     with open(entry.path, "rb", buffering=0) as f:
         while offset < entry.size:
-            n = f.readinto(memoryview(buffer)[: min(CHUNK, entry.size - offset)])
+            n = f.readinto(buffer[: min(CHUNK, entry.size - offset)])
             if not n:
                 raise TransferError(f"{entry.path}: file shrank while being sent; try again")
-            data = memoryview(buffer)[:n]
+            data = buffer[:n]
             if digest is not None:
                 digest.update(data)
             else:

@@ -41,7 +41,7 @@ WRITE_SLICE = 1 << 18  # stdin goes in by this much at a time: a slow link still
 TAIL = 8192
 DEFAULT_TIMEOUT_S = 30.0
 TICK_S = 0.1
-UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP)  # sendfile's
+NO_SENDFILE = (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP)  # into a pipe
 
 
 @dataclass
@@ -346,7 +346,7 @@ class _Feeder:
             try:
                 sent = os.sendfile(pipe, span.fd, offset, min(WRITE_SLICE, end - offset))
             except OSError as exc:
-                if offset == span.offset and exc.errno in UNSUPPORTED:
+                if offset == span.offset and exc.errno in NO_SENDFILE:
                     return False
                 raise
             if sent == 0:
