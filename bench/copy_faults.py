@@ -157,6 +157,31 @@ def corrupted(tb, inv: Path, home: Path) -> None:
     )
 
 
+def corrupted_push(tb, inv: Path, home: Path, tmp: Path) -> None:
+    """A push whose stream has one byte flipped, over an older copy, then the same push again
+    (before issue 24: the corrupted file was in place and the re-run said '1 unchanged')."""
+    f = tmp / "w.bin"
+    f.write_bytes(b"old" * 1000)
+    dflashops("push", "dst", str(f), "w.bin", inventory=inv, home=home)
+    landed = tb["pve2"][301].host_path("/workspace/w.bin")
+    f.write_bytes(os.urandom(4 << 20))
+    tb["pve2"].set_faults(corrupt_exec_stdin_at=1 << 20)
+    try:
+        started = time.monotonic()
+        ran = dflashops("push", "dst", str(f), "w.bin", inventory=inv, home=home)
+        seconds = time.monotonic() - started
+    finally:
+        tb["pve2"].set_faults()
+    there = "the old file" if landed.read_bytes() == b"old" * 1000 else "another file"
+    row("push of 4 MiB with one byte flipped in flight, over an older copy", "push", ran.code,
+        seconds, f"at its name: {there}; said: {ran.err.strip()}")  # fmt: skip
+    started = time.monotonic()
+    again = dflashops("push", "dst", str(f), "w.bin", inventory=inv, home=home)
+    same = landed.read_bytes() == f.read_bytes()
+    row("  then the same push again", "push", again.code, time.monotonic() - started,
+        f"identical: {same}; said: {again.err.strip() or again.out.strip()}")  # fmt: skip
+
+
 def hostile_source(tb, inv_dir: Path, home: Path) -> None:
     src, dst = tb["pve1"][201], tb["pve2"][301]
     checkpoint(src, "victim", 10, {"config.json": 100, "model.safetensors": 1000})
@@ -221,6 +246,7 @@ def main() -> None:
         two_pulls(tb, inv, home)
         full_disk(tb, inv, home)
         corrupted(tb, inv, home)
+        corrupted_push(tb, inv, home, tmp)
         hostile_source(tb, tmp, home)
         hostile_streams(tb)
         setuid_push(tb, inv, home, tmp)

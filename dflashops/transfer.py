@@ -119,7 +119,8 @@ def tar_stream(
     entries: list[Entry], progress: Progress | None = None, *, sha256: bool = False
 ) -> Iterator[bytes | FileSpan]:
     """A POSIX tar of `entries`, each file's CRC-32 (and with `sha256` its sha256) taken as it
-    is read. A file's bytes come as FileSpans over one buffer, valid until the next item."""
+    is read and sent after its data as its seal. A file's bytes come as FileSpans over one
+    buffer, valid until the next item."""
     buffer = memoryview(bytearray(CHUNK))
     for entry in entries:
         info = tarfile.TarInfo(entry.rel)
@@ -134,7 +135,15 @@ def tar_stream(
         yield info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
         if entry.kind == "f":
             yield from _file_spans(entry, buffer, progress, sha256)
+            yield seal(entry.sha256 if sha256 else entry.crc32, entry.size)
     yield b"\0" * (2 * BLOCK)
+
+
+def seal(digest: str, size: int) -> bytes:
+    """What the sender read of a file it has just sent (a pax global header after its data):
+    the receiver renames the file into place only if it wrote the same (remote/receive.py)."""
+    records = {"DFLASHOPS.digest": digest, "DFLASHOPS.size": str(size)}
+    return tarfile.TarInfo.create_pax_global_header(records)
 
 
 def _file_spans(
@@ -360,7 +369,7 @@ def check_arrived(machine: Machine, base: str, entries: list[Entry], found: dict
 def _matches(entry: Entry, found: dict) -> bool:
     """`found` (the receiver's report, or hashtree's description) is `entry`: for a file its
     size and digest (the receiver's CRC-32 or sha256, hashtree's sha256)."""
-    if found.get("t") != entry.kind:
+    if found.get("t") != entry.kind or found.get("placed") is False:
         return False
     if entry.kind == "f":
         digest = ("crc32", entry.crc32) if "crc32" in found else ("sha256", entry.sha256)

@@ -17,7 +17,10 @@ from the stream, and nothing is written through a link already at the destinatio
 Each file is written under a name unique to this receiver (.dfo-PID-RANDOM.part in its
 directory), hashed as it is written (on threads of their own), its size on disk checked, and only
 then renamed into place: two receivers into one directory never mix their bytes, and a failure
-removes the file it was writing. A checkpoint's files are hashed with sha256 (its manifest's);
+removes the file it was writing. In a copy, each file's data is followed by the sender's seal (a
+pax global header with the digest and size it read): the file is renamed into place only when
+the seal agrees with what was written here, so a file corrupted on the way never reaches its
+name (the report lists it with "placed": false). A checkpoint's files are hashed with sha256 (its manifest's);
 a copy's with CRC-32 (the sender's in-flight check of the same bytes, a tenth of sha256's CPU;
 the bytes travel over SSH, which authenticates them), or sha256 with --sha256.
 stdout (a copy): {path: {"t": "f", "crc32" (or "sha256"): hex, "size": n, "mode": m} | {"t":
@@ -64,6 +67,7 @@ PAX_LIMIT = 1 << 20
 NAME_MAX, PATH_MAX = 255, 4096
 MANIFEST = "MANIFEST.sha256"
 MARKER = ".dflashops-verified"
+SEAL_DIGEST, SEAL_SIZE = "DFLASHOPS.digest", "DFLASHOPS.size"  # transfer.py's seal()
 PART = re.compile(r"^\.dfo-(\d+)-[0-9a-f]+\.part$")
 PARTIAL = re.compile(r"^\.(partial|tmp|old)-step_\d+")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -172,6 +176,18 @@ def checksum_ok(header):
     return stored == sum(b - 256 if b > 127 else b for b in rest) + 8 * 32
 
 
+class Seal:
+    """The sender's digest and size of the file just sent, in a pax global header after its
+    data (a copy's stream: the sender learns them only as it reads the file)."""
+
+    def __init__(self, records):
+        self.digest = records.get(SEAL_DIGEST, b"").decode("ascii", "replace")
+        try:
+            self.size = int(records.get(SEAL_SIZE, b"-1"))
+        except ValueError:
+            raise Refused("a malformed seal (pax global header) in the stream") from None
+
+
 class Member:
     def __init__(self, name, kind, size, mode, mtime_ns, link):
         self.name, self.kind, self.size = name, kind, size
@@ -183,8 +199,8 @@ class Member:
 
 
 def members(stream):
-    """The stream's entries, up to its end-of-archive block. The caller reads each file's data
-    (and its padding) before asking for the next entry."""
+    """The stream's entries (and a copy's seals), up to its end-of-archive block. The caller
+    reads each file's data (and its padding) before asking for the next entry."""
     pax, offset = {}, 0
     while True:
         header = read_exact(stream, BLOCK)
@@ -199,6 +215,8 @@ def members(stream):
             data = read_exact(stream, size + (-size % BLOCK))[:size]
             if kind == b"x":
                 pax = pax_records(data)
+            elif SEAL_DIGEST in (records := pax_records(data)):
+                yield Seal(records)
             continue
         offset += 1
         name = header[0:100].split(b"\0", 1)[0]
@@ -305,9 +323,11 @@ class Unpacker:
     hashes it and gives the buffer back (the reads, writes, hashlib and zlib all let go of the
     GIL, so the three overlap on as many cores as there are). No memory is allocated per chunk
     (fresh pages cost more than the copy itself, most of all in a VM). The writer checks a
-    file's size on disk once its last chunk is written; the hasher lands it once hashed."""
+    file's size on disk once its last chunk is written; the hasher lands it once hashed (where
+    files are `sealed`, once the seal that follows its data in the stream agrees)."""
 
     durable = False  # fsync each file before it lands
+    sealed = False  # each file is followed by the sender's Seal and lands only if they agree
     new_digest = hashlib.sha256
 
     def __init__(self, base):
@@ -320,6 +340,7 @@ class Unpacker:
         for _ in range(BUFFERS):
             self.free.put(bytearray(CHUNK))
         self.error = None
+        self.unsealed = None  # the Written waiting for its seal
         self.threads = [threading.Thread(target=loop, daemon=True)
                         for loop in (self.writer, self.hasher)]  # fmt: skip
 
@@ -329,7 +350,10 @@ class Unpacker:
         try:
             for member in members(stream):
                 self.check_threads()
-                self.entry(stream, member)
+                if isinstance(member, Seal):
+                    self.writes.put(member)  # after its file, through the writer to the hasher
+                else:
+                    self.entry(stream, member)
         finally:
             self.writes.put(None)
             for thread in self.threads:
@@ -356,6 +380,8 @@ class Unpacker:
                 except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
                     self.fail(exc)
                 self.free.put(buffer)
+            elif isinstance(job, Seal):
+                self.hashes.put(job)
             else:
                 try:
                     if self.error is None and not job.abandoned:
@@ -373,14 +399,36 @@ class Unpacker:
                 if self.error is None:
                     digest.update(memoryview(buffer)[:size])
                 self.free.put(buffer)
+            elif isinstance(job, Seal):
+                self.unseal(job)
+            elif self.sealed:
+                self.unseal(None)  # a file whose seal never came
+                self.unsealed = job
             else:
-                try:
-                    if self.error is None:
-                        self.land(job.rel, job.tmp, job.path, job.info())
-                except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
-                    self.fail(exc)
-                finally:
-                    unlink(job.tmp)
+                self.land_or_drop(job)
+        self.unseal(None)
+
+    def unseal(self, seal):
+        """Land the file waiting for `seal` if the seal agrees with what was written; else
+        it never reaches its name (`refuse_seal` says so)."""
+        job, self.unsealed = self.unsealed, None
+        if job is None:
+            return
+        info = job.info()
+        if seal is not None and (seal.digest, seal.size) == (info[job.digest.name], info["size"]):
+            self.land_or_drop(job)
+            return
+        unlink(job.tmp)
+        self.refuse_seal(job.rel, info)
+
+    def land_or_drop(self, job):
+        try:
+            if self.error is None:
+                self.land(job.rel, job.tmp, job.path, job.info())
+        except BaseException as exc:  # noqa: BLE001 (raised on the main thread)
+            self.fail(exc)
+        finally:
+            unlink(job.tmp)
 
     def entry(self, stream, member):
         checked = check_name(member.name)
@@ -420,6 +468,9 @@ class Unpacker:
     def land(self, rel, tmp, path, info):
         """Put file `tmp` (hashed: `info`) in place at `path`, or not."""
         raise NotImplementedError
+
+    def refuse_seal(self, rel, info):
+        """A sealed file (hashed: `info`) did not agree with its seal, or had none: not placed."""
 
     def landed_dir(self, rel):
         """A directory arrived (for a subclass's report)."""
@@ -520,6 +571,7 @@ class Written:
 
 class CopyUnpacker(Unpacker):
     new_digest = Crc32
+    sealed = True
 
     def __init__(self, base, sha256=False):
         super().__init__(base)
@@ -537,6 +589,9 @@ class CopyUnpacker(Unpacker):
     def land(self, rel, tmp, path, info):
         os.replace(tmp, path)
         self.found[rel] = {**info, "mode": os.lstat(path).st_mode & 0o7777}
+
+    def refuse_seal(self, rel, info):
+        self.found[rel] = {**info, "placed": False}
 
     def landed_dir(self, rel):
         self.found[rel] = {"t": "d"}

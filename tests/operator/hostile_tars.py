@@ -6,7 +6,10 @@ import io
 import os
 import stat
 import tarfile
+import zlib
 from pathlib import Path
+
+from dflashops.transfer import seal
 
 
 def member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", **fields) -> tuple:
@@ -23,6 +26,23 @@ def tar_of(*members: tuple) -> bytes:
         for info, data in members:
             tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
     return out.getvalue()
+
+
+def copy_tar_of(*members: tuple, seals: dict[str, tuple[str, int]] | None = None) -> bytes:
+    """A copy's stream as push sends it: each file's data followed by its seal (its CRC-32 and
+    size, or what `seals` says for that name)."""
+    out = b""
+    for info, data in members:
+        out += _entry_bytes(info, data)
+        if info.isreg():
+            digest, size = (seals or {}).get(info.name, (f"{zlib.crc32(data):08x}", len(data)))
+            out += seal(digest, size)
+    return out + b"\0" * (2 * tarfile.BLOCKSIZE)
+
+
+def _entry_bytes(info: tarfile.TarInfo, data: bytes) -> bytes:
+    head = info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
+    return head + data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
 
 
 def with_bad_checksum(stream: bytes) -> bytes:

@@ -13,7 +13,14 @@ import pytest
 
 from dflashops.remote import source
 from tests.operator.cli import dflashops
-from tests.operator.hostile_tars import EVIL_TAR, HOSTILE, member, special_files, tar_of
+from tests.operator.hostile_tars import (
+    EVIL_TAR,
+    HOSTILE,
+    copy_tar_of,
+    member,
+    special_files,
+    tar_of,
+)
 from tests.operator.rundirs import make_run
 
 pytestmark = pytest.mark.testbed
@@ -53,7 +60,7 @@ def test_an_offer_is_answered_with_what_is_there_then_the_tar_lands(ct):
     (ct.host_path(DST)).mkdir(parents=True)
     (ct.host_path(DST) / "kept").write_bytes(b"12345")
     offer = json.dumps({"offer": ["kept", "new"], "checksum": False}).encode() + b"\n"
-    ran = receive(ct, offer + tar_of(member("new", data=b"fresh")), "--offer")
+    ran = receive(ct, offer + copy_tar_of(member("new", data=b"fresh")), "--offer")
     assert ran.returncode == 0, ran.stderr
     held, report = ran.stdout.decode().splitlines()
     held = json.loads(held)
@@ -78,7 +85,7 @@ def test_an_offer_naming_a_path_outside_is_refused_before_anything_is_read(ct, n
 
 
 def test_setuid_setgid_and_sticky_bits_are_dropped_with_a_warning(ct):
-    stream = tar_of(
+    stream = copy_tar_of(
         member("suid", data=b"#!/bin/sh\n", mode=0o4755),
         member("sgid", data=b"x", mode=0o2750),
         member("sticky", tarfile.DIRTYPE, mode=0o1777),
@@ -101,11 +108,34 @@ def test_an_existing_link_at_the_destination_is_replaced_not_followed(ct):
     ct.host_path(DST).mkdir()
     (ct.host_path(DST) / "sub").symlink_to("/workspace/outside")
     (ct.host_path(DST) / "file").symlink_to("/workspace/outside/target")
-    ran = receive(ct, tar_of(member("sub/x", data=b"x"), member("file", data=b"y")))
+    ran = receive(ct, copy_tar_of(member("sub/x", data=b"x"), member("file", data=b"y")))
     assert ran.returncode == 0, ran.stderr
     assert list(outside.iterdir()) == []
     assert not (ct.host_path(DST) / "sub").is_symlink()
     assert (ct.host_path(DST) / "file").read_bytes() == b"y"
+
+
+def test_a_copied_file_reaches_its_name_only_when_its_seal_agrees(ct):
+    """The sender's digest comes after a file's data: a file whose seal disagrees (bytes
+    changed on the way) or never came (the stream cut, an unsealed tar) is not placed."""
+    ct.host_path(DST).mkdir(parents=True)
+    (ct.host_path(DST) / "bad").write_bytes(b"before")
+    stream = copy_tar_of(
+        member("good", data=b"good"),
+        member("bad", data=b"corrupted"),
+        member("short", data=b"abc"),
+        seals={"bad": ("00000000", 9), "short": ("352441c2", 4)},  # right CRC, wrong size
+    )
+    ran = receive(ct, stream)
+    assert ran.returncode == 0, ran.stderr
+    report = json.loads(ran.stdout)
+    assert report["good"]["crc32"] == "6c844e92" and "placed" not in report["good"]
+    assert report["bad"]["placed"] is False and report["short"]["placed"] is False
+    assert sorted(p.name for p in ct.host_path(DST).iterdir()) == ["bad", "good"]
+    assert (ct.host_path(DST) / "bad").read_bytes() == b"before"
+    unsealed = receive(ct, tar_of(member("unsealed", data=b"u")))
+    assert json.loads(unsealed.stdout)["unsealed"]["placed"] is False
+    assert sorted(p.name for p in ct.host_path(DST).iterdir()) == ["bad", "good"]
 
 
 def checkpoint_head(files: dict[str, bytes]) -> bytes:

@@ -165,6 +165,29 @@ def test_push_corrupted_in_flight_exits_1_from_the_cli(inventory, home, testbed,
     assert ran.code == 1 and "(crc32)" in ran.err and "Traceback" not in ran.err
 
 
+def test_a_push_corrupted_in_flight_leaves_the_old_file_and_its_rerun_sends_it(
+    inventory, home, testbed, tmp_path
+):
+    """The corrupted bytes never reach the file's name; the re-run finds the old file there,
+    not a copy it could take for unchanged (before: '1 unchanged, crc32 verified', exit 0)."""
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"old" * 1000)
+    assert dflashops("push", "ct301", str(f), "w.bin", inventory=inventory, home=home).code == 0
+    landed = testbed["pve2"][301].host_path("/workspace/w.bin")
+    new = os.urandom(200_000)
+    f.write_bytes(new)
+    testbed["pve2"].set_faults(corrupt_exec_stdin_at=5000)
+    ran = dflashops("push", "ct301", str(f), "w.bin", inventory=inventory, home=home)
+    assert ran.code == 1 and "w.bin" in ran.err and "run it again" in ran.err
+    assert landed.read_bytes() == b"old" * 1000
+    assert sorted(p.name for p in landed.parent.iterdir() if p.name.endswith(".part")) == []
+    testbed["pve2"].set_faults()
+    again = dflashops("push", "ct301", str(f), "w.bin", inventory=inventory, home=home)
+    assert again.code == 0, again.err
+    assert "unchanged" not in again.err + again.out
+    assert landed.read_bytes() == new
+
+
 def test_unknown_host_key_is_refused_then_trusted(testbed, tmp_path, home):
     inv = testbed.write_inventory(tmp_path / "hosts.yaml", {"ct201": ("pve1", 201)}, pin_keys=False)
     ran = dflashops("exec", "ct201", "--", "true", inventory=inv, home=home)
