@@ -315,6 +315,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="where to write the result JSON")
     p.add_argument("--allow-incomplete", action="store_true", help="accept a missing manifest")
     p.add_argument(
+        "--force", action="store_true", help="evaluate despite train-to-serve parity mismatches"
+    )
+    p.add_argument(
         "--check-real",
         type=int,
         default=0,
@@ -638,11 +641,38 @@ class Evaluation:
 
 
 def run(args: argparse.Namespace) -> dict:
+    evaluation = Evaluation(args)  # the inputs checked first
+    checked = parity_check(args)
     if args.engine == "vllm":
         from workload.eval_vllm import run_vllm
 
-        return run_vllm(Evaluation(args))
-    return Evaluation(args).run()
+        result = run_vllm(evaluation)
+    else:
+        result = evaluation.run()
+    return {**result, "parity": checked}
+
+
+def parity_check(args: argparse.Namespace) -> dict:
+    """Train-to-serve parity before anything loads (workload/parity.py): each mismatch is
+    a refusal line, unless --force (then recorded in the result)."""
+    from workload.parity import ParityError, before_eval
+
+    vllm = None
+    if args.engine == "vllm":
+        from workload.eval_vllm import vllm_python
+
+        vllm = vllm_python(args.vllm_python)
+    try:
+        lines = before_eval(args.config, args.checkpoint, args.chat_template_kwargs,
+                            args.overrides, vllm)  # fmt: skip
+    except ParityError as exc:
+        raise EvalError(f"parity: {exc}") from None
+    if lines and not args.force:
+        raise EvalError(
+            "\neval: error: ".join(f"parity: {line}" for line in lines)
+            + "\neval: error: (--force evaluates anyway, the mismatches recorded in the result)"
+        )
+    return {"mismatches": lines, "forced": bool(lines)}
 
 
 def sim_engine() -> dict:

@@ -14,6 +14,7 @@ import time
 import dflash.model as zlab
 import pytest
 import torch
+import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from workload import decode as dc
@@ -451,6 +452,32 @@ def _one_line_error(rc, out, err) -> str:
     assert rc == 2 and out == ""
     assert "Traceback" not in err and err.count("\n") == 1, err
     return err
+
+
+def test_cli_refuses_an_eval_that_renders_otherwise_than_training_unless_forced(
+    run_dir, capsys, tmp_path
+):
+    """Train-to-serve parity before an eval: a run trained with thinking off under a template
+    that thinks by default, evaluated with thinking on, is one line naming both sides."""
+    from tests.workload.test_parity import THINKING
+
+    (tmp_path / "thinking.jinja").write_text(THINKING)
+    cfg = yaml.safe_load((run_dir / "run.yaml").read_text())
+    cfg["data"]["chat_template"] = str(tmp_path / "thinking.jinja")
+    cfg["data"]["chat_template_kwargs"] = {"enable_thinking": False}
+    config = run_dir / "thinking-off.yaml"  # its relative paths as the run's
+    config.write_text(yaml.safe_dump(cfg))
+    thinking = ("--chat-template-kwargs", '{"enable_thinking": true}')
+    rc, out, err, r = _eval(capsys, run_dir, *thinking, config=config)
+    assert rc == 2 and r is None and "Traceback" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith("eval: error: parity: chat template kwargs: training renders with")
+    assert lines[-1].startswith("eval: error: (--force") and len(lines) == 2
+    rc, _, err, r = _eval(capsys, run_dir, *thinking, "--force", "--budgets", "8", config=config)
+    assert rc == 0, err
+    assert r["parity"]["forced"] is True and len(r["parity"]["mismatches"]) == 1
+    rc, _, err, r = _eval(capsys, run_dir, "--budgets", "8", config=config)
+    assert rc == 0 and r["parity"] == {"mismatches": [], "forced": False}
 
 
 def test_cli_refuses_a_checkpoint_without_manifest(run_dir, capsys, tmp_path):
