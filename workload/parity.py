@@ -388,11 +388,27 @@ def before_eval(config: Path, checkpoint: Path, kwargs: str | None, overrides: S
     return [m["line"] for m in check(args)["mismatches"]]
 
 
+def unchecked(facts: dict[str, Any]) -> list[str]:
+    """What could not be compared for want of its facts, and why."""
+    train = facts.get("train") or {}
+    out = []
+    if "target" not in facts:
+        out.append(f"no target model at {train.get('target_path')} here: the chat settings, "
+                   "the vocabulary and the layers")  # fmt: skip
+    if "checkpoint" not in facts:
+        out.append("no checkpoint: the drafter's block size, mask token, taps and layer types")
+    if "engine" not in facts:
+        out.append("no engine given (--vllm-python): the layer types it serves")
+    return out
+
+
 def check(args: argparse.Namespace) -> dict[str, Any]:
-    """The facts and their mismatches: {"facts", "mismatches": [{"key", "line"}]}."""
+    """The facts, their mismatches ([{"key", "line"}]) and what could not be compared."""
     facts = gather(args)
-    found = [] if args.gather_only else mismatches(facts)
-    return {"facts": facts, "mismatches": [m.doc() for m in found]}
+    if args.gather_only:
+        return {"facts": facts, "mismatches": [], "notes": []}
+    found = [m.doc() for m in mismatches(facts)]
+    return {"facts": facts, "mismatches": found, "notes": unchecked(facts)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,12 @@ def register(app: typer.Typer) -> None:
             False, "--follow", help="Stay with the job until it ends (Ctrl-C detaches)."
         ),
         detach: bool = typer.Option(False, "--detach", help="Start the job and return at once."),
+        force: bool = typer.Option(
+            False,
+            "--force",
+            help="Evaluate despite train-to-serve parity mismatches (the "
+            "result records them; see `dflashops check`).",
+        ),  # fmt: skip
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
@@ -119,7 +125,7 @@ def register(app: typer.Typer) -> None:
             return finish(opts, as_json, dest, job)
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
-                      host, engine)  # fmt: skip
+                      host, engine, force)  # fmt: skip
         if every is not None:
             return continuous(opts, as_json, run, every, dest, extra)
         with opts.sessions() as (reader, writer):

@@ -50,6 +50,7 @@ class Extra:
     budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
     host: str | None = None  # --host: the run's target where its name is on several
     engine: str = "sim"  # --engine: sim (the simulation) or vllm (the serving engine)
+    force: bool = False  # --force: evaluate despite train-to-serve parity mismatches
 
 
 def start_eval(
@@ -130,14 +131,26 @@ def check_end(machine: Machine, job: dict[str, Any]) -> None:
         return
     text = transfer.read_text(machine, posixpath.join(job["dir"], "console.log"))
     lines = [x for x in text.splitlines() if x.strip() and not x.startswith("[")]
-    refusal = [x for x in lines if x.startswith("eval: error: ")]
-    if code == 2 and refusal:
-        raise UsageError(f"{machine.name}: {refusal[-1].removeprefix('eval: error: ')}")
+    refusal = last_refusal(text.splitlines())
+    if code == 2 and refusal:  # one line each (the parity check's mismatches)
+        raise UsageError("\n".join(f"{machine.name}: {x}" for x in refusal))
     if code == 127:
         raise OpsError(f"{machine.name}: the target's python not found; run "
                        f"`dflashops setup {machine.name}`")  # fmt: skip
     raise OpsError(f"{machine.name}: the evaluation failed (exit {code}): "
                    f"{lines[-1] if lines else 'no output'}")  # fmt: skip
+
+
+def last_refusal(lines: list[str]) -> list[str]:
+    """The last evaluator's refusal: its run of `eval: error: ` lines (one per mismatch of
+    the parity check; the job's own lines come between its steps)."""
+    out: list[str] = []
+    for line in reversed(lines):
+        if line.startswith("eval: error: "):
+            out.insert(0, line.removeprefix("eval: error: "))
+        elif out:
+            break
+    return out
 
 
 def eval_argv(
@@ -179,6 +192,8 @@ def eval_argv(
         argv += ["--check-real", str(extra.check_real)]
     if extra.budgets:
         argv += ["--budgets", ",".join(map(str, extra.budgets))]
+    if extra.force:
+        argv += ["--force"]
     found = probe(reader, paths=list(checks)).paths
     missing = [f"{what} {path}" for path, what in checks.items() if found.get(path) == "missing"]
     if missing and not reader.dry_run:

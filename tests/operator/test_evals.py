@@ -264,6 +264,21 @@ def test_bad_eval_requests_are_one_line(cli, trained):
     assert "Traceback" not in bad.err + both.err + missing.err + budgets.err + nojob.err
 
 
+def test_an_eval_whose_settings_differ_from_training_is_refused_unless_forced(cli, trained):
+    """Train-to-serve parity before each step: one line per mismatch, naming both sides."""
+    other = ("--set", "drafter.block_size=4")  # the run config against the checkpoint's 8
+    ran = cli("eval", RUN, "--step", "4", "--on", "evalbox", *SMALL, *other)
+    assert ran.code == 2, ran.err
+    said = [x for x in ran.err.splitlines() if x.startswith("dflashops: error: ")]
+    assert said[0].startswith("dflashops: error: evalbox: parity: block size: the drafter drafts 8")
+    assert "the run config says 4" in said[0] and "Traceback" not in ran.err
+    assert "evalbox: (--force evaluates anyway" in ran.err
+    forced = cli("--json", "eval", RUN, "--step", "4", "--on", "evalbox", *SMALL, *other,
+                 "--force")  # fmt: skip
+    assert forced.code == 0, forced.err
+    assert "block size" in json.loads(forced.out)["parity"]["mismatches"][0]
+
+
 def test_a_failed_job_is_said_by_evals_and_by_follow(cli, trained):
     started = cli("eval", RUN, "--steps", "2,4", "--on", "evalbox", "--max-new-tokens", "0",
                   "--detach")  # fmt: skip

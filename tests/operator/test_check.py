@@ -1,0 +1,79 @@
+"""`dflashops check`: train-to-serve parity of a run on the `local` target (and on a second
+local target as the eval target: the facts gathered where the run trained, compared where it
+will serve), through the real command line, with the tiny target and a chat template that
+behaves like Qwen3.5/3.6's (workload/parity.py's own tests cover each setting)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import pytest
+import yaml
+
+from tests.operator.cli import Ran, dflashops
+from tests.operator.rundirs import make_run
+from tests.operator.tiny_target import tiny_build
+from tests.workload.test_parity import THINKING, write_checkpoint_config
+
+
+@pytest.fixture
+def bed(tmp_path):
+    ws, evals = tmp_path / "ws", tmp_path / "evalws"
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {sys.executable}}}\n"
+        f"  evalbox: {{kind: local, workspace: {evals}, python: {sys.executable}}}\n"
+    )
+    run = make_run(ws, "v1", ckpts=(10,))
+    cfg = yaml.safe_load((tiny_build() / "run.yaml").read_text())
+    cfg["target"]["path"] = str(tiny_build() / "target")
+    (run / "thinking.jinja").write_text(THINKING)
+    cfg["data"]["chat_template"] = "thinking.jinja"
+    cfg["data"]["chat_template_kwargs"] = {"enable_thinking": False}
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg))
+    ckpt = run / "checkpoints" / "step_10"
+    write_checkpoint_config(ckpt, cfg["drafter"])
+    names = ("config.json", "model.safetensors")
+    (ckpt / "MANIFEST.sha256").write_text("".join(
+        f"{hashlib.sha256((ckpt / n).read_bytes()).hexdigest()}  {n}\n" for n in names))  # fmt: skip
+
+    def cli(*args: str) -> Ran:
+        return dflashops(*args, inventory=inventory, home=tmp_path)
+
+    return run, cli
+
+
+def test_serving_with_the_engines_defaults_is_named_then_a_consistent_run_passes(bed):
+    run, cli = bed
+    ran = cli("check", "v1")
+    assert ran.code == 2, ran.err
+    lines = ran.out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("v1 step 10: chat template: training renders")
+    assert "serving with {}" in lines[0] and "--default-chat-template-kwargs" in lines[0]
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    del cfg["data"]["chat_template"], cfg["data"]["chat_template_kwargs"]
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg))
+    ran = cli("check", "v1")
+    assert ran.code == 0, ran.err + ran.out
+    assert "v1 step 10: training (local) and serving (local) agree" in ran.out
+
+
+def test_on_an_eval_target_the_facts_of_both_sides_meet(bed):
+    _, cli = bed
+    ran = cli("--json", "check", "v1", "--on", "evalbox", "--num-speculative-tokens", "15")
+    assert ran.code == 2, ran.err
+    doc = json.loads(ran.out)
+    assert (doc["target"], doc["on"], doc["step"]) == ("local", "evalbox", 10)
+    keys = [m["key"] for m in doc["mismatches"]]
+    assert keys == ["chat_template", "block_size"]
+    assert doc["facts"]["checkpoint"]["block_size"] == 8  # gathered on local, compared on evalbox
+
+
+def test_a_step_the_run_does_not_have_is_not_found(bed):
+    _, cli = bed
+    ran = cli("check", "v1", "--step", "99")
+    assert ran.code == 4 and "no complete checkpoint at step 99" in ran.err and "10" in ran.err
+    assert cli("check", "nope").code == 4
