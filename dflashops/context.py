@@ -112,7 +112,9 @@ def note(line: str) -> None:
 
 
 def fail(message: str, code: int) -> None:
-    sys.stderr.write(f"dflashops: error: {message}\n")
+    """The error, each of its lines prefixed (one per problem, e.g. parity's mismatches)."""
+    lines = message.splitlines() or [""]
+    sys.stderr.write("".join(f"dflashops: error: {line}\n" for line in lines))
     sys.stderr.flush()
     raise typer.Exit(code)
 

@@ -379,13 +379,24 @@ def before_eval(config: Path, checkpoint: Path, kwargs: str | None, overrides: S
     the checkpoint against the run and its target, and, for a drafter with sliding layers,
     the engine (probing it costs an import of vLLM)."""
     sliding = "sliding_attention" in (checkpoint_facts(checkpoint).get("layer_types") or [])
-    args = argparse.Namespace(
-        config=config, checkpoint=checkpoint, target=None, overrides=overrides, given_facts={},
-        eval_kwargs=_json_arg("--chat-template-kwargs", kwargs),
-        vllm_python=vllm_python if sliding else None,
-        num_speculative_tokens=None, serving_defaults=False, gather_only=False,
-    )  # fmt: skip
+    args = _here(config, overrides, checkpoint=checkpoint,
+                 eval_kwargs=_json_arg("--chat-template-kwargs", kwargs),
+                 vllm_python=vllm_python if sliding else None)  # fmt: skip
     return [m["line"] for m in check(args)["mismatches"]]
+
+
+def before_launch(config: Path, overrides: Sequence[str]) -> list[str]:
+    """The mismatches a launch can see (no checkpoint yet): the dataset's chat settings
+    against training's (and so the eval's, which renders as training by default)."""
+    return [m["line"] for m in check(_here(config, overrides))["mismatches"]]
+
+
+def _here(config: Path, overrides: Sequence[str], **given: Any) -> argparse.Namespace:
+    """The program's arguments for a check of what is here, as a caller in-process asks."""
+    args = {"checkpoint": None, "target": None, "given_facts": {}, "eval_kwargs": None,
+            "vllm_python": None, "num_speculative_tokens": None, "serving_defaults": False,
+            "gather_only": False, **given}  # fmt: skip
+    return argparse.Namespace(config=config, overrides=overrides, **args)
 
 
 def unchecked(facts: dict[str, Any]) -> list[str]:

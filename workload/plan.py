@@ -50,6 +50,7 @@ from typing import Any
 
 from workload import step_plan
 from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
+from workload.parity import ParityError, before_launch
 from workload.step_plan import Comm, StepTime
 
 GIB = 1 << 30
@@ -768,13 +769,14 @@ def main(argv: list[str] | None = None) -> int:
         hw = Hardware(gpu_name, args.peak_tflops, args.mfu, args.link_gbps)
         plan = estimate(cfg, target_config, args.nproc * args.nnodes, device=args.device,
                         gpu_memory=gpu, nnodes=args.nnodes, hardware=hw)  # fmt: skip
-    except (ConfigError, PlanError) as exc:
+        mismatches = before_launch(Path(args.config), args.set) if args.config else []
+    except (ConfigError, PlanError, ParityError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(json.dumps({**plan.to_json(), "parity": mismatches}))
     else:
-        print("\n".join(plan.lines()))
+        print("\n".join(plan.lines() + [f"parity: {line}" for line in mismatches]))
     return 0
 
 

@@ -325,7 +325,20 @@ def check_plan(
         if not force:
             raise UsageError(message)
         context.note(f"warning: {message} (--force: launching anyway)")
+    check_parity(placement.run, plan.get("parity") or [], force=force)
     return [plan]
+
+
+def check_parity(run: str, mismatches: list[str], *, force: bool) -> None:
+    """Train-to-serve parity as the plan found it (workload.parity): each mismatch one line,
+    a refusal unless `force`."""
+    if not mismatches:
+        return
+    lines = [f"{run}: parity: {line}" for line in mismatches]
+    if not force:
+        raise UsageError("\n".join([*lines, f"{run}: fix the config, or pass --force"]))
+    for line in lines:
+        context.note(f"warning: {line} (--force: launching anyway)")
 
 
 def show_plan(

@@ -77,3 +77,23 @@ def test_a_step_the_run_does_not_have_is_not_found(bed):
     ran = cli("check", "v1", "--step", "99")
     assert ran.code == 4 and "no complete checkpoint at step 99" in ran.err and "10" in ran.err
     assert cli("check", "nope").code == 4
+
+
+def test_a_launch_on_data_made_with_other_chat_settings_is_refused_before_it_starts(bed, tmp_path):
+    """The dataset was generated with the template's default (thinking on); the run trains
+    (and would evaluate) with thinking off: refused, nothing left, unless --force."""
+    run, cli = bed
+    data = tmp_path / "made"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"chat_template_kwargs": {}}))
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    cfg["data"]["path"] = str(data)
+    cfg["data"]["chat_template"] = str(run / "thinking.jinja")
+    config = tmp_path / "p.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    ran = cli("launch", "p1", "--host", "local", "--config", str(config))
+    assert ran.code == 2, ran.err
+    said = [x for x in ran.err.splitlines() if x.startswith("dflashops: error: ")]
+    assert said[0].startswith("dflashops: error: p1: parity: chat template kwargs: data renders")
+    assert said[-1] == "dflashops: error: p1: fix the config, or pass --force"
+    assert not (run.parent / "p1").exists()

@@ -132,3 +132,19 @@ def test_bad_input_is_one_line_exit_2(run, tmp_path, capsys):
     assert capsys.readouterr().err == "parity: error: --eval-kwargs: expected a JSON object\n"
     assert parity.main(["--config", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_the_plan_names_data_made_with_other_kwargs_before_a_launch(run, tmp_path, capsys):
+    """A datagen dataset made with thinking on, trained (and evaluated) with thinking off."""
+    from workload import plan
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"chat_template_kwargs": {}}))
+    cfg = yaml.safe_load(run["config"].read_text())
+    cfg["data"]["path"] = str(data)
+    run["config"].write_text(yaml.safe_dump(cfg))
+    assert plan.main(["--config", str(run["config"]), "--json"]) == 0
+    lines = json.loads(capsys.readouterr().out)["parity"]
+    assert len(lines) == 1 and lines[0].startswith("chat template kwargs: data renders with {}")
+    assert 'training with {"enable_thinking": false}' in lines[0]
