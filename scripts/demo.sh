@@ -66,6 +66,6 @@ dflashops ckpts "$RUN"
 dflashops pull-ckpt "$STEPS" --to local --run "$RUN"
 
 say "9/9 evaluating it: acceptance length tau (chain and DDTree) on the tiny target's prompts"
-dflashops eval "$RUN" --step "$STEPS" --on local --max-new-tokens 64 --max-prompts 8
+dflashops eval "$RUN" --step "$STEPS" --on local --engine sim --max-new-tokens 64 --max-prompts 8
 
 say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the eval in .dflashops/workspace/evals/$RUN/"

@@ -72,11 +72,12 @@ def register(app: typer.Typer) -> None:
             "same prompts in the same job.",
         ),
         engine: str = typer.Option(
-            "sim",
+            "auto",
             "--engine",
-            metavar="sim|vllm",
-            help="sim: the simulation (default); vllm: the checkpoint served by the eval "
-            "target's vLLM as the target's DFlash speculator (`setup TARGET --engine vllm`).",
+            metavar="auto|sim|vllm",
+            help="vllm: the checkpoint served by the eval target's vLLM as the target's DFlash "
+            "speculator (`setup TARGET --engine vllm`); sim: the simulation; auto (default): "
+            "vllm where the eval target has it, else sim.",
         ),
         max_new_tokens: int = typer.Option(None, "--max-new-tokens", metavar="N"),
         max_prompts: int = typer.Option(None, "--max-prompts", metavar="N"),

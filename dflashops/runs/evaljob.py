@@ -34,7 +34,7 @@ from dflashops.runs.view import RunView, ckpt_copy_dir, eval_result_path, tmux_s
 from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
-EVAL_ENGINES = ("sim", "vllm")
+EVAL_ENGINES = ("auto", "sim", "vllm")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Extra:
     check_real: int | None = None  # prompts checked against the real loop
     budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
     host: str | None = None  # --host: the run's target where its name is on several
-    engine: str = "sim"  # --engine: sim (the simulation) or vllm (the serving engine)
+    engine: str = "auto"  # --engine: vllm where the target has it, else sim (the simulation)
     force: bool = False  # --force: evaluate despite train-to-serve parity mismatches
 
 
@@ -57,6 +57,7 @@ def start_eval(
     reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
 ) -> dict[str, Any]:
     """Check what the evaluation needs, pull the missing checkpoints, start the job."""
+    extra.engine = chosen_engine(reader.machine(dest), extra.engine)
     engine = engine_argv(reader.machine(dest), extra.engine)  # before anything starts
     view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
     config = parse_config(view, extra.sets)
@@ -202,6 +203,21 @@ def eval_argv(
             "config elsewhere with --set target.path=PATH / --prompts FILE)"
         )
     return argv
+
+
+def chosen_engine(machine: Machine, engine: str) -> str:
+    """`auto`: vLLM, the engine the drafter will serve in, where the eval target has it; else
+    the simulation, said once."""
+    if engine not in EVAL_ENGINES:
+        raise UsageError(f"--engine {engine}: expected one of {', '.join(EVAL_ENGINES)}")
+    if engine != "auto":
+        return engine
+    python = engines.python_of(machine.target, "vllm")
+    if probe(machine, paths=[python]).paths.get(python) != "missing":
+        return "vllm"
+    context.note(f"{machine.name}: no vLLM environment: evaluating by simulation (`dflashops "
+                 f"setup {machine.name} --engine vllm` evaluates in the engine)")  # fmt: skip
+    return "sim"
 
 
 def engine_argv(machine: Machine, engine: str) -> list[str]:
