@@ -150,6 +150,9 @@ def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlas
         layer_types=d.layer_types,
         sliding_window=d.sliding_window,
         intermediate_size=d.intermediate_size,
+        num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads,
+        head_dim=d.head_dim,
     )
     return DFlashDrafter(config).float()
 

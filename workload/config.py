@@ -63,6 +63,13 @@ class DrafterConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     intermediate_size: int | None = None
+    # null = the target's (the published drafters keep its heads, KV heads and head dim)
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    # a published drafter's directory (or its config.json) whose layout this run takes: the
+    # keys of LAYOUT_KEYS; one also set here must agree
+    layout_from: str | None = None
     init_from: str | None = None  # a drafter checkpoint directory to start from
     fc_layers: str = "all"  # all | all_but_last (old runs only)
     # recompute each drafter layer in backward (torch.utils.checkpoint): null = on for CUDA
@@ -406,6 +413,8 @@ def _check(cfg: RunConfig, src: _Source) -> None:
     at_least("drafter.mask_token_id", 0, optional=True)
     at_least("drafter.sliding_window", 1, optional=True)
     at_least("drafter.intermediate_size", 1, optional=True)
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        at_least(f"drafter.{key}", 1, optional=True)
     _check_layers(cfg, fail)
     at_least("data.num_anchors", 1)
     at_least("data.max_anchors_per_row", 1, optional=True)
@@ -528,8 +537,66 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
         _apply_override(data, item, src)
     _drop_removed(data, src)
     cfg = _build(RunConfig, data, "", src)
+    _apply_layout(cfg, src, Path(path).parent if path else Path.cwd())
     _check(cfg, src)
     return cfg
+
+
+# drafter key -> where a published drafter's config.json holds it
+LAYOUT_KEYS = {
+    "num_layers": ("num_hidden_layers",),
+    "block_size": ("dflash_config.block_size", "block_size"),
+    "target_layer_ids": ("dflash_config.target_layer_ids",),
+    "mask_token_id": ("dflash_config.mask_token_id",),
+    "layer_types": ("layer_types",),
+    "sliding_window": ("sliding_window",),
+    "intermediate_size": ("intermediate_size",),
+    "num_attention_heads": ("num_attention_heads",),
+    "num_key_value_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+}
+
+
+def published_layout(where: Path) -> dict[str, Any]:
+    """The drafter keys a published drafter's config.json fixes (those it holds)."""
+    path = where / "config.json" if where.is_dir() else where
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"drafter.layout_from: {path}: not a drafter's config.json ({exc})"
+        ) from None
+    out: dict[str, Any] = {}
+    for key, paths in LAYOUT_KEYS.items():
+        for dotted in paths:
+            value: Any = doc
+            for part in dotted.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                out[key] = value
+                break
+    if "sliding_attention" not in (out.get("layer_types") or []):
+        out["sliding_window"] = None  # a window no layer uses (Qwen3 configs carry one)
+    return out
+
+
+def _apply_layout(cfg: RunConfig, src: _Source, base: Path) -> None:
+    """drafter.layout_from: the published layout's keys into the config; a key the run also
+    sets must agree (named with both values)."""
+    given = cfg.drafter.layout_from
+    if not given:
+        return
+    where = Path(given).expanduser()
+    if not where.is_absolute() and (base / where).exists():
+        where = base / where
+    for key, value in published_layout(where).items():
+        ours = getattr(cfg.drafter, key)
+        if f"drafter.{key}" in src.where and ours is not None and ours != value:
+            raise ConfigError(
+                f"{src.of('drafter.' + key)}: drafter.{key}: {ours!r} here, {value!r} in the "
+                f"published layout {where} (drafter.layout_from): drop one"
+            )
+        setattr(cfg.drafter, key, value)
 
 
 def from_dict(data: dict[str, Any], name: str = "config") -> RunConfig:
@@ -648,6 +715,27 @@ _RECIPE: list[tuple[str, Any, str]] = [
 ]
 
 
+# (key, our recipe's value, the peers' defaults, why ours): where the recipe departs from the
+# peers' trainers (SpecForge, vLLM speculators; dflash-recipe-sources.md), the audit says so
+_PEERS: list[tuple[str, Any, str, str]] = [
+    ("optim.betas", [0.9, 0.95], "SpecForge (0.9, 0.999) (AdamW's), speculators Muon + AdamW",
+     "a second moment of ~20 steps follows the loss scale as anchors are drawn anew each step"),
+    ("optim.lr", 6.0e-4, "speculators 1e-4 (AdamW; Muon 1e-3), linear",
+     "SpecForge's DFlash default, with its cosine schedule"),
+    ("optim.weight_decay", 0.0, "speculators 0.01 (AdamW), 0.1 (Muon)", "SpecForge's: none"),
+    ("loss.gamma", 7.0, "speculators 4.0", "SpecForge's examples for block 16 (the paper's)"),
+    ("noise.start", 0.05, "SpecForge none", "speculators' uniform noise on the fc inputs"),
+    ("loss.on_trajectory", True, "SpecForge and speculators train every slot",
+     "a slot past the first one off the target's greedy path is never verified when served"),
+    ("loss.type", "ce", "SpecForge CE on the data's tokens, speculators CE + D-PACE",
+     "CE on the target's own greedy tokens: what the verifier accepts"),
+    ("data.max_length", 4096, "SpecForge 3072 (2048 in its schema), speculators 8192 packed",
+     "the published drafters' training context"),
+    ("optim.epochs", 1.0, "SpecForge's examples 6, speculators' 20 (examples 5)",
+     "one pass over regenerated data; more where the plan's time allows"),
+]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class DataFacts:
     """What the audit needs to know about the data (read by the trainer from data.path)."""
@@ -693,7 +781,14 @@ def audit(
         items.extend(_audit_target(cfg, facts))
     if data is not None:
         items.extend(_audit_data(cfg, data))
+    items.extend(peer_departures(cfg))
     return items
+
+
+def peer_departures(cfg: RunConfig) -> list[AuditItem]:
+    """The recipe's settings this run keeps where the peers' trainers default otherwise."""
+    return [AuditItem(key, ours, ours, f"departs from peers ({peers}): {why}", "peer")
+            for key, ours, peers, why in _PEERS if cfg.get(key) == ours]  # fmt: skip
 
 
 _OFF_PATH = (

@@ -60,8 +60,12 @@ def build_drafter_config(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> Qwen3Config:
-    """A drafter config in z-lab's format, sized from the target's (text) config."""
+    """A drafter config in z-lab's format, sized from the target's (text) config where the
+    heads, KV heads, head dim and MLP width are not given (a published layout gives them)."""
     text = (
         target_config.get_text_config()
         if hasattr(target_config, "get_text_config")
@@ -71,7 +75,12 @@ def build_drafter_config(
     _check_drafter_args(
         text, num_layers, block_size, mask_token_id, target_layer_ids, layer_types, sliding_window
     )
-    heads = text.num_attention_heads
+    heads = num_attention_heads or text.num_attention_heads
+    kv_heads = num_key_value_heads or (
+        getattr(text, "num_key_value_heads", None) if num_attention_heads is None else heads
+    )
+    if heads % (kv_heads or heads):
+        raise ValueError(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
     dflash = {
         "target_layer_ids": list(target_layer_ids),
         "mask_token_id": mask_token_id,
@@ -82,8 +91,8 @@ def build_drafter_config(
         intermediate_size=intermediate_size or _default_intermediate(text),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        num_key_value_heads=kv_heads or heads,
+        head_dim=head_dim or getattr(text, "head_dim", None) or text.hidden_size // heads,
         hidden_act=getattr(text, "hidden_act", "silu"),
         rms_norm_eps=text.rms_norm_eps,
         vocab_size=text.vocab_size,

@@ -146,11 +146,15 @@ def target_facts(path: str | None) -> dict[str, Any] | None:
         return None
     c = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     text = c.get("text_config") or c  # multimodal targets (Qwen3.5/3.6) nest their LM's
+    try:
+        template = _tokenizer(path).chat_template
+    except (OSError, ValueError):  # a config without its tokenizer (a plan from configs)
+        template = None
     return {
         "path": path,
         "vocab_size": text.get("vocab_size") or c.get("vocab_size"),
         "num_layers": text.get("num_hidden_layers") or c.get("num_hidden_layers"),
-        "chat_template": _tokenizer(path).chat_template,
+        "chat_template": template,
         "dtype": text.get("dtype") or text.get("torch_dtype") or c.get("torch_dtype"),
     }
 
@@ -204,13 +208,13 @@ def mismatches(facts: dict[str, Any]) -> list[Mismatch]:
 
 def _chat(facts: dict[str, Any]) -> list[Mismatch]:
     train, target = facts.get("train"), facts.get("target")
-    if train is None or target is None:
+    if train is None or target is None or not (train["chat_template"] or target["chat_template"]):
         return []  # nothing to render with
     tokenizer = _tokenizer(target["path"])
     own = target["chat_template"]
     trained = train["chat_template"] or own
     sides = {"training": (trained, train["chat_template_kwargs"], f"run config {train['config']}")}
-    if facts.get("serving", {}).get("defaults"):
+    if facts.get("serving", {}).get("defaults") and own is not None:
         sides["serving"] = (own, {}, "the engine's defaults: the target tokenizer's template "
                             "and no kwargs, unless served with --chat-template and "
                             "--default-chat-template-kwargs")  # fmt: skip
@@ -406,6 +410,8 @@ def unchecked(facts: dict[str, Any]) -> list[str]:
     if "target" not in facts:
         out.append(f"no target model at {train.get('target_path')} here: the chat settings, "
                    "the vocabulary and the layers")  # fmt: skip
+    elif not (train.get("chat_template") or facts["target"]["chat_template"]):
+        out.append("no chat template (the run's or the target tokenizer's): the chat settings")
     if "checkpoint" not in facts:
         out.append("no checkpoint: the drafter's block size, mask token, taps and layer types")
     if "engine" not in facts:

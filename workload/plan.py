@@ -137,6 +137,7 @@ class Plan:
     comm: Comm = field(default_factory=Comm)
     time: StepTime | None = None
     accum: int = 1
+    length: dict[str, Any] = field(default_factory=dict)  # training_length's
 
     @property
     def fits(self) -> bool | None:
@@ -156,6 +157,7 @@ class Plan:
             "nnodes": self.nnodes,
             "comm_bytes": asdict(self.comm),
             "step_time": None if self.time is None else self.time.to_json(),
+            "length": self.length,
         }
 
     def lines(self) -> list[str]:
@@ -179,6 +181,8 @@ class Plan:
             )
         if self.time is not None:
             out += step_plan.lines(self.time, self.comm, self.nnodes, self.accum)
+        if self.length:
+            out.append(f"  training length: {length_line(self.length)}")
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -264,6 +268,9 @@ def meta_drafter(cfg: RunConfig, target_config: Any, fc_ids: list[int]):
             layer_types=d.layer_types,
             sliding_window=d.sliding_window,
             intermediate_size=d.intermediate_size,
+            num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads,
+            head_dim=d.head_dim,
         )
     except ValueError as exc:
         raise PlanError(f"drafter: {exc}") from None
@@ -655,8 +662,57 @@ def estimate(
         link_measured=hw.link_measured,
     )  # fmt: skip
     notes.append(f"gradients all-reduced in {grad_dtype} once per step; {step_plan.NOTE}")
+    length = training_length(cfg, world, time.step_s if time is not None else None)
     return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts, nnodes, comm,
-                time, cfg.optim.grad_accum)  # fmt: skip
+                time, cfg.optim.grad_accum, length)  # fmt: skip
+
+
+def training_length(cfg: RunConfig, world: int, step_s: float | None) -> dict[str, Any]:
+    """Steps from optim.epochs over the corpus (where data.path is readable here) or
+    optim.max_steps, whichever ends first, and their time at the planned step time."""
+    o = cfg.optim
+    per_step = o.batch_size * world * o.grad_accum
+    rows = corpus_rows(cfg.data.path) if o.epochs is not None else None
+    by_epochs = math.ceil(o.epochs * rows / per_step) if o.epochs and rows else None
+    steps = min((s for s in (o.max_steps, by_epochs) if s), default=None)
+    return {"steps": steps, "epochs": o.epochs, "max_steps": o.max_steps,
+            "conversations": rows, "rows_per_step": per_step,
+            "eta_s": steps * step_s if steps and step_s else None}  # fmt: skip
+
+
+def corpus_rows(path: str | None) -> int | None:
+    """Conversations in a corpus (a datagen dataset's manifest, or the lines of its JSONL
+    files); None where it cannot be read here."""
+    if not path:
+        return None
+    where = Path(path)
+    manifest = where / "manifest.json"
+    try:
+        if manifest.is_file():
+            return int(json.loads(manifest.read_text())["done"])
+        files = sorted(where.glob("*.jsonl")) if where.is_dir() else [where]
+        if not files or not all(f.is_file() for f in files):
+            return None
+        count = 0
+        for f in files:
+            with open(f, "rb") as lines:
+                count += sum(1 for line in lines if line.strip())
+        return count
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def length_line(length: dict[str, Any]) -> str:
+    steps, epochs = length["steps"], length["epochs"]
+    if epochs is not None and length["conversations"] is None:
+        cap = f", at most {length['max_steps']} steps" if length["max_steps"] else ""
+        return f"{epochs:g} epoch(s) of data.path (not readable here: the trainer counts it){cap}"
+    how = f"optim.max_steps {steps}"
+    if epochs is not None:
+        how = (f"{epochs:g} epoch(s) of {length['conversations']:,} conversations at "
+               f"{length['rows_per_step']} rows a step -> {steps:,} steps")  # fmt: skip
+    eta = length["eta_s"]
+    return how + (f", about {eta / 3600:.1f} h at the planned step time" if eta else "")
 
 
 def _notes(cfg: RunConfig, s: Shape, world: int, device: str) -> list[str]:

@@ -120,10 +120,15 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
     """The run's pieces, with the recipe audit and the memory plan said and written (rank 0:
     audit.json, resolved.yaml, plan.json)."""
     run, items = setup(cfg, d, say=say, run_dir=run_dir)
-    for item in items:
+    ours = [i for i in items if i.level != "peer"]
+    for item in ours:
         say(f"recipe audit: {item.line()}")
-    if not items:
+    if not ours:
         say("recipe audit: every setting matches the recipe")
+    peers = [i.key for i in items if i.level == "peer"]
+    if peers:
+        say(f"recipe audit: where the peers' trainers default otherwise (audit.json says why): "
+            f"{', '.join(peers)}")  # fmt: skip
     hardware = plan.hardware_of(d.device)
     measured = measure_link_gbps(d)  # every rank takes part; None on one node
     if measured is not None:

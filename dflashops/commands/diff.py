@@ -28,7 +28,7 @@ from dflashops.runs.view import RunView, check_name
 from dflashops.tables import Col
 
 FILES = ["resolved.yaml", "run.yaml", "audit.json"]
-MARKS = {"info": "*", "warn": "!", "error": "!!"}
+MARKS = {"peer": "~", "info": "*", "warn": "!", "error": "!!"}  # the least severe first
 UNSET = "(unset)"
 
 
@@ -243,5 +243,6 @@ def show(
         grid.add_row(*cells, audit_cell(row["audit"]))
     out.print(grid)
     out.print()
-    out.print("* differs from the recipe, ! warning, !! error (from each run's audit.json)"
+    out.print("* differs from the recipe, ! warning, !! error, ~ the recipe's where the peers' "
+              "trainers default otherwise (from each run's audit.json)"
               + ("" if all_ else "; only differing keys and warnings shown (--all: every key)"))  # fmt: skip

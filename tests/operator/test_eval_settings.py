@@ -128,7 +128,9 @@ def test_eval_with_vllm_where_the_target_has_none_is_one_line(unlike):
     ]
     assert not (ws / "ckpts").exists() and not (ws / "evals" / "base" / "jobs").exists()
     bad = cli("eval", "base", "--step", "10", "--on", "local", "--engine", "trt")
-    assert bad.code == 2 and bad.err.strip().endswith("--engine trt: expected one of auto, sim, vllm")
+    assert bad.code == 2 and bad.err.strip().endswith(
+        "--engine trt: expected one of auto, sim, vllm"
+    )
 
 
 DUMP = """

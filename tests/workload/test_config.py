@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,10 @@ def test_template_27b_matches_the_recipe():
     )
     items = audit(cfg, FACTS)
     assert audit_errors(items) == []
-    assert [i.key for i in items] == [], [i.line() for i in items]
+    ours = [i for i in items if i.level != "peer"]  # the template is the recipe
+    assert [i.key for i in ours] == [], [i.line() for i in ours]
+    peers = {i.key: i.note for i in items if i.level == "peer"}  # where the peers differ, why
+    assert "SpecForge (0.9, 0.999)" in peers["optim.betas"] and "optim.epochs" in peers
 
 
 def test_mask_token_errors():
@@ -189,3 +193,35 @@ def test_dump_round_trips_and_hash_ignores_logging(tmp_path):
     assert config_hash(again) == config_hash(cfg)
     again.loss.gamma = 6.0
     assert config_hash(again) != config_hash(cfg)
+
+
+PUBLISHED = {  # a published drafter's config.json, in the shape z-lab's carry
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 200, "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 64, "block_size": 4,
+    "dflash_config": {"block_size": 4, "target_layer_ids": [1, 3], "mask_token_id": 5},
+}  # fmt: skip
+
+
+def test_a_run_takes_its_layout_from_a_published_drafter(tmp_path):
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "config.json").write_text(json.dumps(PUBLISHED))
+    cfg = load_config(write(tmp_path, MINIMAL + f"drafter:\n  layout_from: {published}\n"))
+    d = cfg.drafter
+    assert (d.num_layers, d.block_size, d.target_layer_ids, d.mask_token_id) == (2, 4, [1, 3], 5)
+    assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim) == (8, 2, 16)
+    assert (d.layer_types, d.sliding_window, d.intermediate_size) == (
+        ["sliding_attention", "full_attention"], 64, 200)  # fmt: skip
+    agree = load_config(write(tmp_path, MINIMAL + f"drafter:\n  layout_from: {published}\n"
+                              "  block_size: 4\n"))  # fmt: skip
+    assert agree.drafter.block_size == 4
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MINIMAL + f"drafter:\n  layout_from: {published}\n"
+                          "  block_size: 16\n"))  # fmt: skip
+    assert str(err.value) == (
+        f"run.yaml:7: drafter.block_size: 16 here, 4 in the published layout {published} "
+        "(drafter.layout_from): drop one"
+    )
+    with pytest.raises(ConfigError, match="drafter.layout_from: .*nope: not a drafter"):
+        load_config(write(tmp_path, MINIMAL + f"drafter:\n  layout_from: {tmp_path / 'nope'}\n"))

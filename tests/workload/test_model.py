@@ -380,3 +380,23 @@ def test_config_builder_refuses_bad_settings():
         build_drafter_config(target, **{**ok, "target_layer_ids": [1, 8]})
     with pytest.raises(ValueError, match="sliding_window"):
         build_drafter_config(target, **ok, layer_types=["sliding_attention"] * 2)
+
+
+def test_a_published_layout_of_other_heads_trains_as_it_infers():
+    """A layout taken from a published drafter (drafter.layout_from): heads, KV heads and
+    head dim of its own, not the target's; the training path equals z-lab's inference."""
+    cfg = build_drafter_config(_target_config(), num_layers=2, block_size=K, mask_token_id=MASK,
+                               target_layer_ids=LAYER_IDS, layer_types=MIXED[0],
+                               sliding_window=MIXED[1], num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=8, intermediate_size=40)  # fmt: skip
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 4, 8)
+    torch.manual_seed(0)
+    model, feats = DFlashDrafter(cfg).eval(), _features(30)
+    assert model.layers[0].self_attn.q_proj.out_features == 64
+    anchors = [5, 17, 26]
+    embeds = _embeds(len(anchors))
+    with torch.no_grad():
+        train = _blocks(model, feats, embeds, anchors)
+        for j, a in enumerate(anchors):
+            infer = _infer(model, feats[:, :a], embeds[:, j * K : (j + 1) * K], a)
+            torch.testing.assert_close(train[:, j * K : (j + 1) * K], infer, rtol=1e-5, atol=1e-5)
