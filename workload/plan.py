@@ -675,7 +675,7 @@ def training_length(cfg: RunConfig, world: int, step_s: float | None) -> dict[st
     rows = corpus_rows(cfg.data.path) if o.epochs is not None else None
     by_epochs = math.ceil(o.epochs * rows / per_step) if o.epochs and rows else None
     steps = min((s for s in (o.max_steps, by_epochs) if s), default=None)
-    return {"steps": steps, "epochs": o.epochs, "max_steps": o.max_steps,
+    return {"steps": steps, "epochs": o.epochs, "max_steps": o.max_steps, "by_epochs": by_epochs,
             "conversations": rows, "rows_per_step": per_step,
             "eta_s": steps * step_s if steps and step_s else None}  # fmt: skip
 
@@ -710,7 +710,9 @@ def length_line(length: dict[str, Any]) -> str:
     how = f"optim.max_steps {steps}"
     if epochs is not None:
         how = (f"{epochs:g} epoch(s) of {length['conversations']:,} conversations at "
-               f"{length['rows_per_step']} rows a step -> {steps:,} steps")  # fmt: skip
+               f"{length['rows_per_step']} rows a step -> {length['by_epochs']:,} steps")  # fmt: skip
+        if steps != length["by_epochs"]:
+            how += f", ended at optim.max_steps {steps:,}"
     eta = length["eta_s"]
     return how + (f", about {eta / 3600:.1f} h at the planned step time" if eta else "")
 

@@ -296,6 +296,25 @@ def test_qwen36_27b_on_eight_gpus(capsys):
     assert p["per_rank"]["activations"] < kept / 3
 
 
+def test_the_27b_templates_length_is_one_epoch_of_the_corpus_and_its_time(capsys, tmp_path):
+    """optim.epochs over the corpus given: its conversations over the rows of a step, at the
+    planned step time on the stated GPUs; a corpus not readable where the plan runs is said."""
+    corpus = tmp_path / "train.jsonl"
+    corpus.write_text('{"messages": []}\n' * 1001)
+    base = ["--config", str(RUN_27B), "--target-config", str(TARGET_27B), "--nproc", "8",
+            "--gpu-name", "NVIDIA H200", "--gpu-memory-gib", "139"]  # fmt: skip
+    code, out, err = run_plan(capsys, *base, "--set", f"data.path={corpus}", "--json")
+    assert code == 0, err
+    length = json.loads(out)["length"]
+    assert (length["epochs"], length["conversations"], length["rows_per_step"]) == (1, 1001, 8)
+    assert length["steps"] == 126 and length["eta_s"] > 0  # ceil(1001 / 8)
+    code, out, err = run_plan(capsys, *base, "--set", f"data.path={corpus}",
+                              "--set", "optim.max_steps=100")  # fmt: skip
+    assert "-> 126 steps, ended at optim.max_steps 100, about " in out
+    code, out, err = run_plan(capsys, *base)
+    assert "training length: 1 epoch(s) of data.path (not readable here" in out
+
+
 def test_checkpointing_follows_the_key_and_the_device(tiny_dense):
     """null is on for cuda and off on cpu, as the trainer resolves it; on, the plan keeps
     fewer activations and says so."""
