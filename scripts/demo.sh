@@ -25,7 +25,8 @@ say() {
 say "1/9 setting up: Debian packages (tmux, python3-venv), then .venv (./scripts/setup-dev.sh)"
 if [ "${DEMO_SKIP_SETUP:-0}" != 1 ]; then
   ./scripts/install-system.sh demo
-  DFLASHOPS_SKIP_VLLM=1 ./scripts/setup-dev.sh  # the demo runs no vLLM engine
+  # the demo runs no vLLM engine and none of the tests' prebuilt models
+  DFLASHOPS_SKIP_VLLM=1 DFLASHOPS_PREBUILD=0 ./scripts/setup-dev.sh
 fi
 # The local target runs `python3`: the venv's, once its bin/ leads PATH.
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
@@ -59,13 +60,37 @@ dflashops status --all
 say "7/9 comparing the two runs at the same steps, then their configs"
 MID=$(( BUGGY_STEPS / 3 ))
 dflashops compare "$RUN" "$BUGGY" --steps "10,$MID,$BUGGY_STEPS,$STEPS"
+PLOT=.dflashops/demo-$RUN.png
+dflashops compare "$RUN" "$BUGGY" --plot "$PLOT" >/dev/null
+echo "the same curves drawn: $PLOT"
 dflashops diff "$RUN" "$BUGGY"
 
 say "8/9 pulling $RUN's last checkpoint (step_$STEPS), verified against its MANIFEST.sha256"
 dflashops ckpts "$RUN"
 dflashops pull-ckpt "$STEPS" --to local --run "$RUN"
 
-say "9/9 evaluating it: acceptance length tau (chain and DDTree) on the tiny target's prompts"
+say "9/9 evaluating both: acceptance length tau (chain and DDTree) on the tiny target's prompts"
 dflashops eval "$RUN" --step "$STEPS" --on local --engine sim --max-new-tokens 64 --max-prompts 8
+dflashops eval "$BUGGY" --step "$BUGGY_STEPS" --on local --engine sim --max-new-tokens 64 \
+  --max-prompts 8 >/dev/null
+dflashops --json evals | python -c '
+import json, sys
+taus = {(r["run"], r["step"]): r["tau"] for r in json.load(sys.stdin)["evals"]}
+good, bad = sys.argv[1:3]
+steps = {good: int(sys.argv[3]), bad: int(sys.argv[4])}
+t = {name: taus.get((name, steps[name])) for name in (good, bad)}
+print(f"tau: {good} {t[good]:.2f} at step {steps[good]}, {bad} {t[bad]:.2f} at step {steps[bad]}")
+print("What to take away: at the same steps the soft-KL run trails the recipe on acc and streak,")
+print("which the loss column alone cannot tell you (the two losses are on different scales); the")
+print("side-by-side at milestones and the recipe audit in diff (loss.type, marked *) catch it on")
+print("day one, not weeks later. A good tau here is about 3 (block 8, a 2-layer drafter on a tiny")
+print("target); published drafters reach 6-7 on Qwen3-8B (GSM8K, block 16).")
+' "$RUN" "$BUGGY" "$STEPS" "$BUGGY_STEPS"
 
-say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the eval in .dflashops/workspace/evals/$RUN/"
+say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the evals in .dflashops/workspace/evals/"
+cat <<'NEXT'
+Next, on your own servers (README: "Your servers, step by step"):
+  dflashops hosts trust pve1                        # pin your Proxmox host's key (after describing it in hosts.yaml)
+  dflashops doctor ct200 --config qwen36-27b        # what the container lacks, one line each
+  dflashops --dry-run launch v1 --host ct200 --config qwen36-27b --set target.path=... --set data.path=...
+NEXT
