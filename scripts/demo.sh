@@ -44,7 +44,7 @@ fi
 
 say "4/9 launching $RUN: a drafter for it, $STEPS steps on CPU, in a detached tmux session"
 dflashops launch "$RUN" --host local --config "$TINY/run.yaml" \
-  --set optim.max_steps="$STEPS" --set checkpoint.every=50 --set log.log_every=10
+  --set optim.max_steps="$STEPS" --set checkpoint.every=30 --set log.log_every=10
 
 say "5/9 launching $BUGGY: the same recipe, but with the old runs' soft KL loss (a bug to catch);"
 say "    --force: $RUN holds this target, and the two may share its CPU"
@@ -62,30 +62,30 @@ MID=$(( BUGGY_STEPS / 3 ))
 dflashops compare "$RUN" "$BUGGY" --steps "10,$MID,$BUGGY_STEPS,$STEPS"
 PLOT=.dflashops/demo-$RUN.png
 dflashops compare "$RUN" "$BUGGY" --plot "$PLOT" >/dev/null
-echo "the same curves drawn: $PLOT"
 dflashops diff "$RUN" "$BUGGY"
 
 say "8/9 pulling $RUN's last checkpoint (step_$STEPS), verified against its MANIFEST.sha256"
 dflashops ckpts "$RUN"
 dflashops pull-ckpt "$STEPS" --to local --run "$RUN"
 
-say "9/9 evaluating both: acceptance length tau (chain and DDTree) on the tiny target's prompts"
-dflashops eval "$RUN" --step "$STEPS" --on local --engine sim --max-new-tokens 64 --max-prompts 8
+say "9/9 evaluating both at step $BUGGY_STEPS, and $RUN at $STEPS: acceptance length tau (chain and DDTree)"
+dflashops eval "$RUN" --steps "$BUGGY_STEPS,$STEPS" --on local --engine sim --max-new-tokens 64 \
+  --max-prompts 8 --follow
 dflashops eval "$BUGGY" --step "$BUGGY_STEPS" --on local --engine sim --max-new-tokens 64 \
   --max-prompts 8 >/dev/null
 dflashops --json evals | python -c '
 import json, sys
 taus = {(r["run"], r["step"]): r["tau"] for r in json.load(sys.stdin)["evals"]}
-good, bad = sys.argv[1:3]
-steps = {good: int(sys.argv[3]), bad: int(sys.argv[4])}
-t = {name: taus.get((name, steps[name])) for name in (good, bad)}
-print(f"tau: {good} {t[good]:.2f} at step {steps[good]}, {bad} {t[bad]:.2f} at step {steps[bad]}")
-print("What to take away: at the same steps the soft-KL run trails the recipe on acc and streak,")
-print("which the loss column alone cannot tell you (the two losses are on different scales); the")
-print("side-by-side at milestones and the recipe audit in diff (loss.type, marked *) catch it on")
-print("day one, not weeks later. A good tau here is about 3 (block 8, a 2-layer drafter on a tiny")
-print("target); published drafters reach 6-7 on Qwen3-8B (GSM8K, block 16).")
-' "$RUN" "$BUGGY" "$STEPS" "$BUGGY_STEPS"
+good, bad, at, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+g, b, last = taus.get((good, at)), taus.get((bad, at)), taus.get((good, end))
+word = "below" if b < g else "not below"
+print(f"tau at step {at}: the recipe {g:.2f}, the soft-KL run {b:.2f} ({word}); the recipe at step {end}: {last:.2f}")
+print("What to take away: a loss bug does not show in the loss column (the two losses are on")
+print("different scales) and can even look ahead early on; the runs compared at the same")
+print("milestones (acc, streak, dds8, tau) and the recipe audit in diff (loss.type, marked *)")
+print("show it on day one, not weeks later. A good tau here is about 3 (block 8, a 2-layer")
+print("drafter on a tiny target); published drafters reach 6-7 on Qwen3-8B (GSM8K, block 16).")
+' "$RUN" "$BUGGY" "$BUGGY_STEPS" "$STEPS"
 
 say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the evals in .dflashops/workspace/evals/"
 cat <<'NEXT'
