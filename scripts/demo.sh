@@ -44,7 +44,8 @@ fi
 
 say "4/9 launching $RUN: a drafter for it, $STEPS steps on CPU, in a detached tmux session"
 dflashops launch "$RUN" --host local --config "$TINY/run.yaml" \
-  --set optim.max_steps="$STEPS" --set checkpoint.every=30 --set log.log_every=10
+  --set optim.max_steps="$STEPS" --set checkpoint.every=30 --set checkpoint.keep_every="$BUGGY_STEPS" \
+  --set log.log_every=10
 
 say "5/9 launching $BUGGY: the same recipe, but with the old runs' soft KL loss (a bug to catch);"
 say "    --force: $RUN holds this target, and the two may share its CPU"
