@@ -84,8 +84,9 @@ print(f"tau at step {at}: the recipe {g:.2f}, the soft-KL run {b:.2f} ({word}); 
 print("What to take away: a loss bug does not show in the loss column (the two losses are on")
 print("different scales) and can even look ahead early on; the runs compared at the same")
 print("milestones (acc, streak, dds8, tau) and the recipe audit in diff (loss.type, marked *)")
-print("show it on day one, not weeks later. A good tau here is about 3 (block 8, a 2-layer")
-print("drafter on a tiny target); published drafters reach 6-7 on Qwen3-8B (GSM8K, block 16).")
+print("show it on day one, not weeks later. For scale: a 2-layer drafter of block 8 on this")
+print("tiny target reaches about 2 in 150 steps and about 3 in 200; published drafters reach")
+print("6-7 on Qwen3-8B (GSM8K, block 16).")
 ' "$RUN" "$BUGGY" "$BUGGY_STEPS" "$STEPS"
 
 say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the evals in .dflashops/workspace/evals/"
