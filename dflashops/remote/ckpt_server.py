@@ -4,7 +4,7 @@ complete checkpoints from, over HTTP on the training target's own address.
 
 argv: SERVE_DIR. Reads SERVE_DIR/serve.json, written by `dflashops eval --every`:
 {"run_dir": the run's directory (node 0), "address": where to listen, "token_file": a 0600
-JSON file {"token": ...} (never on a command line), "linger": seconds to stay once the run has
+JSON file {"token": ...} (never on a command line; deleted once read), "linger": seconds to stay once the run has
 ended}. It listens on a free port of that address and writes SERVE_DIR/state.json
 {"status": "running", "pid", "pid_start", "address", "port"}; what it says goes to
 SERVE_DIR/console.log.
@@ -17,6 +17,7 @@ the follower is done, the server ends. It also ends on SIGTERM, and once the run
 nobody asked anything for `linger` seconds. Each connection has a 60 s deadline.
 """
 
+import contextlib
 import hmac
 import http.server
 import json
@@ -156,11 +157,14 @@ def handler(run, token, seen, bye):
 
 def main():
     serve_dir = sys.argv[1]
-    log = os.open(os.path.join(serve_dir, "console.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    log = os.open(os.path.join(serve_dir, "console.log"),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # fmt: skip
     os.dup2(log, 1)
     os.dup2(log, 2)
     conf = read_json(os.path.join(serve_dir, "serve.json"))
     token = read_json(conf["token_file"]).get("token")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(conf["token_file"])  # held in memory from here: no secret left at rest
     if not token:
         say(f"no token in {conf['token_file']}; not serving")
         return 2
