@@ -36,8 +36,8 @@ from dflashops.runs.config import parse_config
 from dflashops.runs.evaljob import Extra, engine_argv, eval_argv, start_on
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
-from dflashops.runs.probe import probe
 from dflashops.runs.placement import LOOPBACK, Node, Placement, new_run_id
+from dflashops.runs.probe import probe
 from dflashops.runs.pulls import beside
 from dflashops.runs.start import TMUX, write_run_files, write_secrets
 from dflashops.runs.survey import find
