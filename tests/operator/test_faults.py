@@ -13,6 +13,7 @@ import pytest
 
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import make_run
+from tests.operator.test_failure_paths import Here, one_line
 
 RUN = "f-run"
 STAND_IN_EVALUATOR = """\
@@ -104,3 +105,35 @@ def test_a_continuous_eval_on_the_runs_own_target_scores_and_leaves_no_token(cli
     wait_for("no token file left", lambda: not list(secrets.glob("ckpt-*")), 30)
     serve = next((ws / "evals" / RUN / "serve").glob("*"))
     assert (serve / "console.log").stat().st_mode & 0o777 == 0o600
+
+
+# ---------------------------------------------------------------- item 7: real causes
+
+
+@pytest.fixture
+def here(tmp_path):
+    bed = Here(tmp_path)
+    yield bed
+    bed.close()
+
+
+@pytest.fixture
+def small_archive_disk(here):
+    """The workspace's archive/ on a 1 MiB filesystem of its own: too small for the run."""
+    mount = here.ws / "archive"
+    mount.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_an_archive_onto_a_full_disk_names_the_full_disk(here, small_archive_disk):
+    run = make_run(here.ws, "full7", ckpts=(10,))
+    (run / "checkpoints" / "step_10" / "big.bin").write_bytes(os.urandom(3 << 20))
+    ran = here.cli("archive", "full7")
+    assert ran.code == 1, ran.out
+    line = one_line(ran)
+    assert "No space left on device" in line and "not there" not in line, line
+    assert (run / "checkpoints" / "step_10" / "big.bin").stat().st_size == 3 << 20
+    assert not list(small_archive_disk.iterdir())  # no temporary left on the full disk
+    assert json.loads(here.cli("--json", "status", "full7").out)["state"] == "finished"
