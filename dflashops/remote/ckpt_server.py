@@ -32,8 +32,17 @@ import urllib.parse
 from dflashops.remote.manifest import MANIFEST, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)\Z")
 ENDED = ("finished", "stopped", "failed")
+MAX_STEP_DIGITS = 18
+
+
+def step_number(text):
+    """A step given in a request, or None: ASCII digits only (not "²"), and never so many
+    that int() refuses them."""
+    if not (text.isascii() and text.isdigit() and len(text) <= MAX_STEP_DIGITS):
+        return None
+    return int(text)
 
 
 def say(text):
@@ -122,15 +131,16 @@ def handler(run, token, seen, bye):
                 doc = {"ended": ended, "status": status, "checkpoints": steps,
                        "landed": {str(s): run.landed(s) for s in steps}}  # fmt: skip
                 return self.reply(200, json.dumps(doc).encode())
-            if not step.isdigit():
-                return self.reply(404, b"no such thing\n", "text/plain")
+            step = step_number(step)
+            if step is None:
+                return self.reply(400, b"step: a number of ASCII digits\n", "text/plain")
             if url.path == "/manifest":
-                text = run.manifest(int(step))
+                text = run.manifest(step)
                 if text is None:
                     return self.reply(404, b"no such checkpoint\n", "text/plain")
                 return self.reply(200, text.encode(), "text/plain")
             if url.path == "/file":
-                return self.send_file(run.file(int(step), query.get("name", "")))
+                return self.send_file(run.file(step, query.get("name", "")))
             self.reply(404, b"no such thing\n", "text/plain")
 
         def send_file(self, path):

@@ -174,7 +174,7 @@ def send(run_dir, req):
     return {"pid": pid, "sent": time.time()}
 
 
-ALERT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+ALERT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,120}\Z")
 
 
 def alert(run_dir, req):
