@@ -12,7 +12,7 @@ from typing import Any
 from dflashops.errors import InventoryError, NotFoundError
 from dflashops.yamlfile import LocatedYaml, YamlFileError, did_you_mean, load_located
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ROLES = ("train", "eval")
 KINDS = ("pct", "ssh", "local")
@@ -30,8 +30,8 @@ CONNECTION_KEYS = (
 )  # fmt: skip
 # What may name a host and a login: these reach ssh's command line, a ProxyCommand's %h and
 # %r and `Match exec` (run by /bin/sh), so no whitespace, `%`, leading `-` or shell syntax.
-ADDRESS_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._:-]{0,252}$")  # an IP address, a host name
-USER_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._-]{0,63}$")
+ADDRESS_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._:-]{0,252}\Z")  # an IP address, a host name
+USER_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._-]{0,63}\Z")
 NOT_AN_ADDRESS = "is not an IP address or host name (letters, digits, '.', '_', '-', ':')"
 NOT_A_USER = "is not a user name (letters, digits, '.', '_', '-')"
 TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *DEFAULTS, *CONNECTION_KEYS)
@@ -383,7 +383,7 @@ class _Parser:
             raise self.fail(key, "expected a mapping of NAME: value")
         out = {}
         for name, item in value.items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", str(name)):
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(name)):
                 raise self.fail(f"{key}.{name}", "not a valid environment variable name")
             if isinstance(item, (dict, list)) or item is None:
                 raise self.fail(f"{key}.{name}", "expected a string or number")

@@ -172,7 +172,16 @@ def _text(cell: Any) -> Any:
     """A cell as rich Text, shown literally (brackets and all)."""
     from rich.text import Text
 
-    return cell if isinstance(cell, Text) else Text("" if cell is None else str(cell))
+    if isinstance(cell, Text):
+        return Text(visible(cell.plain), style=cell.style, spans=cell.spans)  # same length
+    return Text("" if cell is None else visible(str(cell)))
+
+
+def visible(text: str) -> str:
+    """`text` with each control character (an escape sequence's ESC, a CR, a bidi override)
+    shown as U+FFFD, so that a name from a target never acts on the user's terminal; one
+    character for one, so that a styled span still covers what it did."""
+    return "".join(c if c.isprintable() or c == "\n" else "\ufffd" for c in text)
 
 
 def _cell_width(cell: Any) -> int:

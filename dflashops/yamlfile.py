@@ -41,6 +41,7 @@ class LocatedYaml:
 
 _MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 MAX_VALUES = 100_000  # values built from one file: past this, aliases are multiplying it
+MAX_DEPTH = 100  # levels of nesting in one file; far past any config of ours
 
 
 def load_located(path: Path, text: str | None = None) -> LocatedYaml:
@@ -49,7 +50,24 @@ def load_located(path: Path, text: str | None = None) -> LocatedYaml:
     a value its tag refuses (`!!int abc`, `2023-13-45`), an alias inside itself, or aliases
     that multiply a small file into millions of values."""
     if text is None:
-        text = path.read_text(encoding="utf-8")
+        text = _utf8(path, path.read_bytes())
+    try:
+        return _load(path, text)
+    except RecursionError:
+        raise YamlFileError(f"{path}: values nested too deeply (more than {MAX_DEPTH} levels); "
+                            "write it flatter") from None  # fmt: skip
+
+
+def _utf8(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise YamlFileError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); "
+                            "save the file as UTF-8") from None  # fmt: skip
+
+
+def _load(path: Path, text: str) -> LocatedYaml:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.reader.ReaderError as exc:
@@ -85,8 +103,11 @@ class _Builder:
         key = f"{where}: " if where else ""
         return YamlFileError(f"{self.path}:{node.start_mark.line + 1}: {key}{problem}")
 
-    def build(self, node: yaml.Node, prefix: str) -> Any:
+    def build(self, node: yaml.Node, prefix: str, depth: int = 0) -> Any:
         self.values += 1
+        if depth > MAX_DEPTH:
+            raise self.error(node, "", f"values nested more than {MAX_DEPTH} levels deep; "
+                             "write it flatter")  # fmt: skip
         if self.values > MAX_VALUES:
             raise self.error(node, prefix, f"more than {MAX_VALUES} values (aliases repeating "
                              "aliases?); write the values out")  # fmt: skip
@@ -100,12 +121,13 @@ class _Builder:
         self.open.add(id(node))
         try:
             if isinstance(node, yaml.MappingNode):
-                return self.mapping(node, prefix)
-            return [self.build(item, f"{prefix}[{i}]") for i, item in enumerate(node.value)]
+                return self.mapping(node, prefix, depth)
+            return [self.build(item, f"{prefix}[{i}]", depth + 1)
+                    for i, item in enumerate(node.value)]  # fmt: skip
         finally:
             self.open.discard(id(node))
 
-    def mapping(self, node: yaml.MappingNode, prefix: str) -> dict[str, Any]:
+    def mapping(self, node: yaml.MappingNode, prefix: str, depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
@@ -115,7 +137,7 @@ class _Builder:
             if key in out:
                 raise self.error(key_node, dotted, "duplicate key")
             self.lines[dotted] = key_node.start_mark.line + 1
-            out[key] = self.build(value_node, dotted)
+            out[key] = self.build(value_node, dotted, depth + 1)
         return out
 
     def scalar(self, node: yaml.ScalarNode, where: str) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}  # fmt: skip
 NO_USER_TURN = "no user turn"
+MAX_LINE_BYTES = 16 << 20  # one conversation a line; a longer line is not one we can generate for
 
 
 class InputError(Exception):
@@ -126,7 +128,20 @@ def parse_line(raw: bytes, where: str) -> list[dict[str, Any]] | None:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to be a conversation") from None
     return _messages_of(record, where)
+
+
+def lines(f: Any, path: Path | str, number: int = 1) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of an open binary file, each at most MAX_LINE_BYTES (else
+    InputError naming it): a huge line is refused before it is held whole."""
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise InputError(f"{_where(path, number)}: a line longer than "
+                             f"{MAX_LINE_BYTES >> 20} MiB; one conversation a line")  # fmt: skip
+        yield number, raw
+        number += 1
 
 
 def scan(path: str | Path, chunk: int) -> Source:
@@ -138,7 +153,7 @@ def scan(path: str | Path, chunk: int) -> Source:
     total = offset = 0
     try:
         with open(path, "rb") as f:
-            for number, raw in enumerate(f, 1):
+            for number, raw in lines(f, path):
                 digest.update(raw)
                 if parse_line(raw.rstrip(b"\r\n"), _where(path, number)) is not None:
                     if total % chunk == 0:
@@ -159,13 +174,12 @@ def read_chunk(source: Source, k: int) -> list[Conversation]:
     out: list[Conversation] = []
     with open(source.path, "rb") as f:
         f.seek(offset)
-        for raw in f:
-            messages = parse_line(raw.rstrip(b"\r\n"), _where(source.path, number))
+        for at, raw in lines(f, source.path, number):
+            messages = parse_line(raw.rstrip(b"\r\n"), _where(source.path, at))
             if messages is not None:
-                out.append(Conversation(first + len(out), number, messages))
+                out.append(Conversation(first + len(out), at, messages))
                 if len(out) == want:
                     break
-            number += 1
     return out
 
 

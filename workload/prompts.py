@@ -211,6 +211,8 @@ def _records_jsonl(path: Path) -> list[tuple[str, Any]]:
             records.append((where, json.loads(line)))
         except json.JSONDecodeError as exc:
             raise PromptsError(f"{where}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise PromptsError(f"{where}: JSON nested too deeply to be a prompt") from None
     return records
 
 

@@ -10,6 +10,7 @@ argument never is: shell completion (complete.py) marks each command's own.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -17,7 +18,7 @@ import typer
 
 from dflashops.errors import UsageError
 
-SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # The deadline of every remote call when --timeout is not given (see Machine.run): reading
 # commands answer in well under a second, so their deadline is short. Where calls move data
@@ -118,3 +119,15 @@ def secret_values(names: list[str]) -> dict[str, str]:
             raise UsageError(f"--secret {name}: not set in your environment")
         values[name] = value
     return values
+
+
+MAX_INTERVAL_S = 86400.0
+
+
+def check_interval(seconds: float, least: float = 1.0) -> float:
+    """A polling period: a finite number of seconds, `least`..a day (never inf, nan, 0 or <0)."""
+    if not math.isfinite(seconds) or not least <= seconds <= MAX_INTERVAL_S:
+        raise UsageError(
+            f"--interval {seconds}: a number of seconds, {least:g}..{MAX_INTERVAL_S:g}"
+        )
+    return seconds

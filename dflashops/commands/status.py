@@ -65,7 +65,9 @@ def register(app: typer.Typer) -> None:
             view = resolve(session, run, records="recent", host=host)
             other = find(session, vs, records="all", host=host, strict=False) if vs else None
             emit = opts.emit if as_json else None
-            code = follow_run(session, view, other, interval=max(1.0, interval), emit=emit)
+            code = follow_run(
+                session, view, other, interval=_options.check_interval(interval), emit=emit
+            )
             raise typer.Exit(code)
         if vs:
             view = resolve(session, run, records="all", host=host)

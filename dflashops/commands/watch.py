@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         check_name(run)
+        interval = _options.check_interval(interval)
         rule = make_rule(metric, vs, margin, stall)
         argv = alert_argv(on_alert)
         if vs is not None:
@@ -93,7 +94,7 @@ def register(app: typer.Typer) -> None:
                                    as_json)  # fmt: skip
                 if once or ended:
                     break
-                time.sleep(max(1.0, interval))
+                time.sleep(interval)
         except KeyboardInterrupt:
             context.note(f"stopped watching {run}")
             raise typer.Exit(int(ExitCode.INTERRUPTED)) from None

@@ -4,7 +4,7 @@ complete checkpoints from, over HTTP on the training target's own address.
 
 argv: SERVE_DIR. Reads SERVE_DIR/serve.json, written by `dflashops eval --every`:
 {"run_dir": the run's directory (node 0), "address": where to listen, "token_file": a 0600
-JSON file {"token": ...} (never on a command line), "linger": seconds to stay once the run has
+JSON file {"token": ...} (never on a command line; deleted once read), "linger": seconds to stay once the run has
 ended}. It listens on a free port of that address and writes SERVE_DIR/state.json
 {"status": "running", "pid", "pid_start", "address", "port"}; what it says goes to
 SERVE_DIR/console.log.
@@ -17,6 +17,7 @@ the follower is done, the server ends. It also ends on SIGTERM, and once the run
 nobody asked anything for `linger` seconds. Each connection has a 60 s deadline.
 """
 
+import contextlib
 import hmac
 import http.server
 import json
@@ -31,8 +32,17 @@ import urllib.parse
 from dflashops.remote.manifest import MANIFEST, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)\Z")
 ENDED = ("finished", "stopped", "failed")
+MAX_STEP_DIGITS = 18
+
+
+def step_number(text):
+    """A step given in a request, or None: ASCII digits only (not "²"), and never so many
+    that int() refuses them."""
+    if not (text.isascii() and text.isdigit() and len(text) <= MAX_STEP_DIGITS):
+        return None
+    return int(text)
 
 
 def say(text):
@@ -121,15 +131,16 @@ def handler(run, token, seen, bye):
                 doc = {"ended": ended, "status": status, "checkpoints": steps,
                        "landed": {str(s): run.landed(s) for s in steps}}  # fmt: skip
                 return self.reply(200, json.dumps(doc).encode())
-            if not step.isdigit():
-                return self.reply(404, b"no such thing\n", "text/plain")
+            step = step_number(step)
+            if step is None:
+                return self.reply(400, b"step: a number of ASCII digits\n", "text/plain")
             if url.path == "/manifest":
-                text = run.manifest(int(step))
+                text = run.manifest(step)
                 if text is None:
                     return self.reply(404, b"no such checkpoint\n", "text/plain")
                 return self.reply(200, text.encode(), "text/plain")
             if url.path == "/file":
-                return self.send_file(run.file(int(step), query.get("name", "")))
+                return self.send_file(run.file(step, query.get("name", "")))
             self.reply(404, b"no such thing\n", "text/plain")
 
         def send_file(self, path):
@@ -156,11 +167,14 @@ def handler(run, token, seen, bye):
 
 def main():
     serve_dir = sys.argv[1]
-    log = os.open(os.path.join(serve_dir, "console.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    log = os.open(os.path.join(serve_dir, "console.log"),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # fmt: skip
     os.dup2(log, 1)
     os.dup2(log, 2)
     conf = read_json(os.path.join(serve_dir, "serve.json"))
     token = read_json(conf["token_file"]).get("token")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(conf["token_file"])  # held in memory from here: no secret left at rest
     if not token:
         say(f"no token in {conf['token_file']}; not serving")
         return 2

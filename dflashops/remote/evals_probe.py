@@ -18,7 +18,7 @@ import time
 
 from dflashops.remote.shared import proc_start, read_json
 
-STEP_FILE = re.compile(r"^step_(\d+)\.json$")
+STEP_FILE = re.compile(r"^step_(\d+)\.json\Z")
 SUMMARY = ("tau", "ddtree", "per_position", "n_prompts", "max_new_tokens", "checkpoint",
            "budgets", "prompts_file", "timing", "check_real", "real_loop_rounds_checked",
            "engine", "fingerprint", "prompt_set", "checkpoint_sha256",

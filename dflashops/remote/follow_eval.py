@@ -339,6 +339,16 @@ class Follower:
 
 def main():
     job_dir = sys.argv[1]
+    try:
+        return follow(job_dir)
+    finally:  # a resume whose token is gone gets a new server and token (runs/follow.py)
+        token_file = read_json(os.path.join(job_dir, "job.json")).get("token_file")
+        if token_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(token_file)
+
+
+def follow(job_dir):
     follower = Follower(job_dir)
     signal.signal(signal.SIGTERM, follower.on_term)
     job = follower.job

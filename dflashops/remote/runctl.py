@@ -78,13 +78,19 @@ def run_lock(run_dir):
         except BlockingIOError:
             raise ValueError(f"{run_dir} is busy: another dflashops command is changing it; "
                              "try again when it is done") from None  # fmt: skip
-        with contextlib.suppress(OSError):
-            if os.stat(os.path.join(run_dir, LOCK)).st_ino == os.fstat(fd).st_ino:
-                yield
-                return
-        raise ValueError(f"{run_dir} is not there (moved or removed meanwhile)")
+        if not same_file(os.path.join(run_dir, LOCK), fd):
+            raise ValueError(f"{run_dir} is not there (moved or removed meanwhile)")
+        yield  # what the action raises is its own (a full disk, EIO, EACCES), never "not there"
     finally:
         os.close(fd)
+
+
+def same_file(path, fd):
+    """`path` is still the file open as `fd` (not moved away or replaced)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
 
 
 def expect_unchanged(run_dir, req):
@@ -168,7 +174,7 @@ def send(run_dir, req):
     return {"pid": pid, "sent": time.time()}
 
 
-ALERT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+ALERT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,120}\Z")
 
 
 def alert(run_dir, req):

@@ -45,7 +45,7 @@ from dflashops.remote.shared import read_json, same_process
 
 LOG = "train_log.jsonl"
 MANIFEST = "MANIFEST.sha256"
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)\Z")
 TEMP_DIR = re.compile(r"^\.tmp-step_(\d+)-")
 PROGRESS = re.compile(rb"^step (\d+)/(\d+) ", re.M)
 PLANNED = re.compile(rb"^drafter: .*?, (\d+) steps,", re.M)

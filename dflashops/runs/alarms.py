@@ -138,4 +138,5 @@ def facts_env(alert: Alert, view: RunView, rule: Rule, baseline: str | None) -> 
         "STALL": "" if rule.stall is None else str(rule.stall),
         "WANDB_URL": str(view.status.get("wandb_url") or ""),
     }
-    return {f"DFLASHOPS_ALERT_{k}": v for k, v in facts.items()}
+    # a NUL (from a hostile state.json) cannot be in an environment variable: shown as \0
+    return {f"DFLASHOPS_ALERT_{k}": v.replace("\0", "\\0") for k, v in facts.items()}

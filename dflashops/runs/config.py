@@ -15,7 +15,7 @@ from dflashops.errors import NotFoundError, UsageError
 from dflashops.runs.view import RunView
 from dflashops.yamlfile import YamlFileError, load_located, load_value
 
-KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+KEY_PART = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # The header line that lists a launch's --set items: one JSON line (a newline or any other
 # character of a value stays inside it), which the trainer's config loader reads to name the
 # --set a key came from.

@@ -294,6 +294,9 @@ def read_manifest(machine: Machine, job_dir: str) -> dict[str, Any]:
 
 def collect(reader: Session, writer: Session, view: RunView) -> dict[str, Any]:
     """The other nodes' chunks into node 0's directory, then its complete manifest."""
+    if view.where != DATAGEN.home:
+        raise UsageError(f"{view.name} is not a datagen job ({view.target}:{view.where}/); "
+                         f"--collect combines a datagen job's shares")  # fmt: skip
     nodes = view.nodes or [view]
     if view.running or any(v.running for v in nodes):
         raise UsageError(f"{view.name} is {view.state}; its shares are combined once it ends")

@@ -7,8 +7,10 @@ operator): on the run's target (node 0, where its checkpoints are), the checkpoi
 the inventory (other targets reach it there: containers on a bridge, no DNS); on the eval
 target, the follower job (remote/follow_eval.py) in <ws>/evals/RUN/follow/ID/, started as any
 job starts (start.py). The two share a random token, written by us into a new 0600 file on each
-side (<ws>/dflashops/secrets/ckpt-RUN-ID.json): never on a command line, in a log or in a
-job's files. A follower that fails to start takes its server down with it. Once the run has
+side (<ws>/dflashops/secrets/ckpt-RUN-ID-serve.json and ckpt-RUN-ID-follow.json: two names,
+as both sides may be one target): never on a command line, in a log or in a job's files. The
+server deletes its file once it has read it; the follower deletes its own as it ends (a resume
+whose token is gone gets a new server, as below). A follower that fails to start takes its server down with it. Once the run has
 ended the server waits `linger` seconds (LINGER_S; DFLASHOPS_CKPT_LINGER_S) for a follower gone
 quiet; a follower resumed after its server has gone gets a new one (`revive_server`: a new
 port, a new token), so it still scores what it missed.
@@ -42,6 +44,7 @@ from dflashops.runs.evaljob import (
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import LOOPBACK, Node, Placement, new_run_id
+from dflashops.runs.probe import probe
 from dflashops.runs.pulls import beside
 from dflashops.runs.start import TMUX, write_run_files, write_secrets
 from dflashops.runs.survey import find
@@ -122,8 +125,9 @@ def refuse_second(session: Session, run: str, dest: Target) -> None:
             )
 
 
-def token_path(target: Target, run: str, job_id: str) -> str:
-    return posixpath.join(secrets_home(target), f"ckpt-{run}-{job_id}.json")
+def token_path(target: Target, run: str, job_id: str, side: str) -> str:
+    """The token file of one side ("serve" or "follow") of a continuous eval."""
+    return posixpath.join(secrets_home(target), f"ckpt-{run}-{job_id}-{side}.json")
 
 
 def serve_dir(target: Target, run: str, job_id: str) -> str:
@@ -143,7 +147,7 @@ def start_server(machine: Machine, view: RunView, address: str, job_id: str, tok
     server started again for a resumed follower has an id of its own: `job_id` is that.)"""
     target = machine.target
     where = serve_dir(target, view.name, job_id)
-    secret = token_path(target, view.name, job_id)
+    secret = token_path(target, view.name, job_id, "serve")
     write_secrets(machine, secret, {"token": token})
     conf = {"run_dir": view.dir, "address": address, "token_file": secret, "linger": linger_s()}
     write_run_files(machine, where, {SERVER: helper_source(SERVER),
@@ -195,20 +199,29 @@ def revive_server(reader: Session, writer: Session, follower: RunView) -> None:
         raise OpsError(f"{dest.name}: {path} is not JSON; start a new `dflashops eval {run} "
                        "--every N --on TARGET`") from None  # fmt: skip
     source = reader.inventory.target(s.get("from") or "")
-    if server_alive(reader.machine(source), run, plan.get("serve_id") or job_id):
-        return
+    old_id = plan.get("serve_id") or job_id
+    if server_alive(reader.machine(source), run, old_id):
+        if _has_token(reader.machine(dest), plan.get("token_file")):
+            return
+        stop_server(writer.machine(source), run, old_id)  # its token is gone with the follower
     trained = find(reader, run, host=source.name, records="none")
     serve_id = f"{job_id}-r{random_tokens.token_hex(2)}"
     token = random_tokens.token_hex(32)
     address = plan["server"]["address"]
     port = start_server(writer.machine(source), trained, address, serve_id, token)
-    secret = token_path(dest, run, serve_id)
+    secret = token_path(dest, run, serve_id, "follow")
     write_secrets(writer.machine(dest), secret, {"token": token})
     plan.update(server={"address": address, "port": port}, token_file=secret, serve_id=serve_id)
     write_run_files(writer.machine(dest), follower.dir,
                     {"job.json": json.dumps(plan, indent=2) + "\n"})  # fmt: skip
     context.note(f"{source.name}: the checkpoint server of {run} had ended; started again "
                  f"at {address}:{port} for {follower.name}")  # fmt: skip
+
+
+def _has_token(machine: Machine, path: Any) -> bool:
+    if not isinstance(path, str) or not path:
+        return False
+    return probe(machine, paths=[path]).paths.get(path) not in (None, "missing")
 
 
 def start_follower(
@@ -224,7 +237,7 @@ def start_follower(
 ) -> dict[str, Any]:
     name, job_id = names
     run, ws = view.name, dest.workspace
-    secret = token_path(dest, run, job_id)
+    secret = token_path(dest, run, job_id, "follow")
     write_secrets(writer.machine(dest), secret, {"token": token})
     plan = {"run": run, "every": every, "server": server, "token_file": secret, "argv": base,
             "ckpts": posixpath.join(ws, "ckpts", run), "results": posixpath.join(ws, "evals", run),

@@ -1,0 +1,258 @@
+"""Failure paths of issue 24 on the `local` target: real tmux, real processes, the real command
+line. The evaluator is a stand-in interpreter (no torch here) that writes a result and exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.operator.cli import Ran, dflashops
+from tests.operator.rundirs import make_run
+from tests.operator.test_failure_paths import Here, one_line
+
+RUN = "f-run"
+REPO = Path(__file__).resolve().parents[2]
+STAND_IN_EVALUATOR = """\
+#!/usr/bin/python3
+import json, sys
+if "workload.eval" in sys.argv:
+    out = sys.argv[sys.argv.index("--out") + 1]
+    json.dump({"step": 0, "tau": 1.5}, open(out, "w"))
+"""
+
+
+@pytest.fixture
+def ws(tmp_path) -> Path:
+    return tmp_path / "ws"
+
+
+@pytest.fixture
+def tmux_dir(tmp_path):
+    """A private tmux server for the test (TMUX_TMPDIR), killed afterwards."""
+    path = tmp_path / "tmux"
+    path.mkdir()
+    yield path
+    env = {**os.environ, "TMUX_TMPDIR": str(path)}
+    for server in (["-L", "dflashops"], []):
+        subprocess.run(["tmux", *server, "kill-server"], env=env, capture_output=True)
+
+
+@pytest.fixture
+def inventory(tmp_path, ws, tmux_dir) -> Path:
+    python = tmp_path / "evalpy"
+    python.write_text(STAND_IN_EVALUATOR)
+    python.chmod(0o755)
+    path = tmp_path / "hosts.yaml"
+    env = json.dumps({"TMUX_TMPDIR": str(tmux_dir)})
+    path.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {python}, env: {env}}}\n"
+    )
+    return path
+
+
+@pytest.fixture
+def cli(inventory):
+    def run(*args: str, **kw) -> Ran:
+        env = {"DFLASHOPS_CKPT_LINGER_S": "30", **kw.pop("env", {})}
+        return dflashops(*args, inventory=inventory, env=env, **kw)
+
+    return run
+
+
+def wait_for(what: str, check, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+def ended_run(ws: Path, tmp_path: Path) -> Path:
+    """A finished training run with two complete checkpoints, and what its eval names."""
+    run = make_run(ws, RUN, ckpts=(10, 20))
+    model = tmp_path / "target-model"
+    model.mkdir()
+    (run / "run.yaml").write_text(f"target: {{path: {model}}}\noptim: {{max_steps: 20}}\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    return run
+
+
+def follow_state(ws: Path) -> dict:
+    jobs = list((ws / "evals" / RUN / "follow").glob("*/state.json"))
+    return json.loads(jobs[0].read_text()) if jobs else {}
+
+
+def test_a_continuous_eval_on_the_runs_own_target_scores_and_leaves_no_token(cli, ws, tmp_path):
+    """Item 2 (the server's and the follower's tokens one path) and item 9 (token files kept)."""
+    ended_run(ws, tmp_path)
+    ran = cli("eval", RUN, "--every", "10", "--on", "local",
+              "--prompts", str(tmp_path / "prompts.jsonl"))  # fmt: skip
+    assert ran.code == 0, ran.err
+    wait_for("the follower finished", lambda: follow_state(ws).get("status") == "finished")
+    assert follow_state(ws).get("done") == [10, 20]
+    assert sorted(p.name for p in (ws / "evals" / RUN).glob("step_*.json")) == [
+        "step_10.json",
+        "step_20.json",
+    ]
+    secrets = ws / "dflashops" / "secrets"
+    wait_for("no token file left", lambda: not list(secrets.glob("ckpt-*")), 30)
+    serve = next((ws / "evals" / RUN / "serve").glob("*"))
+    assert (serve / "console.log").stat().st_mode & 0o777 == 0o600
+
+
+# ---------------------------------------------------------------- item 7: real causes
+
+
+@pytest.fixture
+def here(tmp_path):
+    bed = Here(tmp_path)
+    yield bed
+    bed.close()
+
+
+@pytest.fixture
+def small_archive_disk(here):
+    """The workspace's archive/ on a 1 MiB filesystem of its own: too small for the run."""
+    mount = here.ws / "archive"
+    mount.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_an_archive_onto_a_full_disk_names_the_full_disk(here, small_archive_disk):
+    run = make_run(here.ws, "full7", ckpts=(10,))
+    (run / "checkpoints" / "step_10" / "big.bin").write_bytes(os.urandom(3 << 20))
+    ran = here.cli("archive", "full7")
+    assert ran.code == 1, ran.out
+    line = one_line(ran)
+    assert "No space left on device" in line and "not there" not in line, line
+    assert (run / "checkpoints" / "step_10" / "big.bin").stat().st_size == 3 << 20
+    assert not list(small_archive_disk.iterdir())  # no temporary left on the full disk
+    assert json.loads(here.cli("--json", "status", "full7").out)["state"] == "finished"
+
+
+# ---------------------------------------------------------------- item 8: hostile inputs
+
+
+def deep_yaml(levels: int) -> str:
+    return "version: 1\ntargets: " + "[" * levels + "]" * levels + "\n"
+
+
+@pytest.mark.parametrize(
+    ("what", "text", "said"),
+    [
+        ("deep", deep_yaml(3000), "nested"),
+        ("latin1", "version: 1\n# caf\xe9\n", "not UTF-8"),
+    ],
+)
+def test_a_hostile_inventory_or_config_is_one_line_exit_2(here, tmp_path, what, text, said):
+    bad = tmp_path / f"{what}.yaml"
+    bad.write_bytes(text.encode("latin-1"))
+    ran = dflashops("--inventory", str(bad), "status", home=tmp_path)
+    assert ran.code == 2 and said in one_line(ran) and str(bad) in ran.err, ran.err
+    ran = here.cli("launch", "cfg8", "--host", "local", "--config", str(bad))
+    assert ran.code == 2 and said in one_line(ran) and str(bad) in ran.err, ran.err
+    assert not (here.ws / "runs" / "cfg8").exists()
+
+
+def test_a_trailing_newline_is_not_part_of_a_name_or_key(here):
+    ran = here.launch("n8\n")
+    assert ran.code == 2 and "run name" in one_line(ran), ran.err
+    assert not (here.ws / "runs").exists() or not list((here.ws / "runs").iterdir())
+    ran = here.launch("k8", "--set", "a\n.b=1")
+    assert ran.code == 2, ran.err
+    assert not (here.ws / "runs" / "k8").exists()
+
+
+def test_watch_survives_a_nul_in_state_json_and_refuses_a_bad_interval(here, tmp_path):
+    records = [{"step": s, "time": 1000 + s, "loss": 1.0, "acc": 0.5} for s in (10, 20, 30)]
+    run = make_run(here.ws, "nul8", records)
+    state = json.loads((run / "state.json").read_text())
+    (run / "state.json").write_text(json.dumps({**state, "wandb_url": "https://w/x\0y"}))
+    seen = tmp_path / "alert.env"
+    hook = tmp_path / "hook"
+    hook.write_text(f"#!/bin/sh\nenv > {seen}\n")
+    hook.chmod(0o755)
+    ran = here.cli("watch", "nul8", "--stall", "2", "--metric", "acc", "--once",
+                   "--on-alert", str(hook))  # fmt: skip
+    assert ran.code == 0 and "internal error" not in ran.err, ran.err
+    assert "DFLASHOPS_ALERT_WANDB_URL=https://w/x\\0y" in seen.read_text()
+    for bad in ("inf", "0", "-5", "nan"):
+        ran = here.cli("watch", "nul8", "--stall", "2", f"--interval={bad}")
+        assert ran.code == 2 and "--interval" in one_line(ran), (bad, ran.err)
+
+
+def test_datagen_input_nested_deep_or_with_a_huge_line_is_file_line_exit_2(tmp_path):
+    good = b'{"messages": [{"role": "user", "content": "hi"}]}\n'
+    cases = {
+        "deep": (good + b"[" * 100_000 + b"]" * 100_000 + b"\n", ":2: JSON nested too deeply"),
+        "huge": (good + b'{"messages": "' + b"a" * (17 << 20) + b'"}\n', ":2: a line longer"),
+    }
+    for name, (data, said) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(data)
+        ran = subprocess.run(
+            [sys.executable, "-m", "workload.datagen", "--check-only", "--prompts", str(path)],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )  # fmt: skip
+        lines = ran.stderr.strip().splitlines()
+        assert ran.returncode == 2 and len(lines) == 1, ran.stderr[-500:]
+        assert f"{path}{said}" in lines[0], lines
+
+
+def test_status_all_shows_an_escape_sequence_in_a_name_safely(here):
+    make_run(here.ws, "\x1b[2J\x1b[31mevil")
+    make_run(here.ws, "fine8")
+    ran = here.cli("status", "--all")
+    assert ran.code == 0, ran.err
+    assert "\x1b" not in ran.out and "fine8" in ran.out and "[2J" in ran.out, ran.out
+
+
+def test_datagen_collect_of_a_training_run_is_refused_as_the_wrong_kind(here):
+    make_run(here.ws, "train8", ckpts=(10,))
+    ran = here.cli("datagen", "train8", "--collect")
+    assert ran.code == 2 and "not a datagen job" in one_line(ran), ran.err
+    assert (here.ws / "runs" / "train8" / "checkpoints" / "step_10").is_dir()
+
+
+def test_the_checkpoint_server_answers_a_bad_step_with_a_4xx_and_no_traceback(ws, tmp_path):
+    run = make_run(ws, RUN, ckpts=(10,))
+    serve = tmp_path / "serve"
+    serve.mkdir()
+    token_file = tmp_path / "token.json"
+    token_file.write_text(json.dumps({"token": "t0k"}))
+    conf = {"run_dir": str(run), "address": "127.0.0.1", "token_file": str(token_file),
+            "linger": 60}  # fmt: skip
+    (serve / "serve.json").write_text(json.dumps(conf))
+    server = REPO / "dflashops" / "remote" / "ckpt_server.py"
+    proc = subprocess.Popen([sys.executable, str(server), str(serve)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    try:
+        state = wait_for("the port", lambda: json.loads((serve / "state.json").read_text())
+                         if (serve / "state.json").exists() else None, 20)  # fmt: skip
+        base = f"http://127.0.0.1:{state['port']}"
+        for step in ("\u00b2", "9" * 5000, "-1"):
+            for path in ("/manifest", "/file"):
+                url = f"{base}{path}?" + urllib.parse.urlencode({"step": step, "name": "x"})
+                request = urllib.request.Request(url, headers={"Authorization": "Bearer t0k"})
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(request, timeout=10)
+                assert 400 <= refused.value.code < 500, (step, path)
+        assert "Traceback" not in (serve / "console.log").read_text()
+        assert not token_file.exists()  # item 9: the server holds it in memory only
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
