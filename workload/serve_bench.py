@@ -234,9 +234,18 @@ def _env(bench: Bench) -> dict[str, str]:
     return env
 
 
+@dataclass
+class Started:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    t0: float
+
+
 @contextlib.contextmanager
-def server(bench: Bench, subject: Subject, log: Path) -> Iterator[str]:
-    """A server for `subject`, ready; its base URL. Stopped on leaving, however we leave."""
+def server(bench: Bench, subject: Subject, log: Path) -> Iterator[Started]:
+    """A server for `subject`, starting (`ready` awaits it). Stopped on leaving, however we
+    leave."""
     port = free_port()
     t0 = time.perf_counter()
     with open(log, "w") as out:
@@ -244,16 +253,18 @@ def server(bench: Bench, subject: Subject, log: Path) -> Iterator[str]:
                                 stdout=out, stderr=subprocess.STDOUT, env=_env(bench),
                                 start_new_session=True)  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(proc, url, bench.args.ready_timeout, log)
-        subject.timing["start_s"] = time.perf_counter() - t0
-        say(f"serve: {subject.name}: server ready on 127.0.0.1:{port} "
-            f"({subject.timing['start_s']:.1f}s)")  # fmt: skip
-        yield url
+        yield Started(proc, f"http://127.0.0.1:{port}", log, t0)
     finally:
         t1 = time.perf_counter()
         stop_server(proc, port)
         subject.timing["stop_s"] = time.perf_counter() - t1
+
+
+def ready(bench: Bench, subject: Subject, up: Started) -> None:
+    wait_ready(up.proc, up.url, bench.args.ready_timeout, up.log)
+    subject.timing["start_s"] = time.perf_counter() - up.t0
+    say(f"serve: {subject.name}: server ready on {up.url.removeprefix('http://')} "
+        f"({subject.timing['start_s']:.1f}s)")  # fmt: skip
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
@@ -327,56 +338,69 @@ def passes_of(bench: Bench, subject: Subject) -> list[dict]:
     return out
 
 
-def run_client(bench: Bench, subject: Subject, url: str, log: Path) -> None:
-    """workload.serve_client in the vLLM python against `url`; its figures per pass."""
-    passes = passes_of(bench, subject)
-    request = {
+def request_of(bench: Bench, subject: Subject, url: str) -> dict:
+    return {
         "label": subject.name,
         "base_url": url,
+        "ready_timeout": bench.args.ready_timeout,
         "model": str(bench.settings.target_path),
         "tokenizer": str(bench.settings.target_path),
         "max_new_tokens": bench.args.max_new_tokens,
         "extra_body": {"stop_token_ids": bench.stops},
         "prompts": bench.ids,
-        "passes": passes,
+        "passes": passes_of(bench, subject),
     }
-    t0 = time.perf_counter()
-    result = _client_process(bench, request, log)
-    subject.timing["client_s"] = time.perf_counter() - t0
-    subject.timing["passes_s"] = sum(p["wall_s"] for p in result["passes"].values())
-    bench.version = result["version"]
-    for p in passes:
-        subject.passes[p["name"]] = {**result["passes"][p["name"]],
-                                     **{k: p[k] for k in ("category", "bucket") if k in p}}  # fmt: skip
 
 
-def _client_process(bench: Bench, request: dict, log: Path) -> dict:
+@contextlib.contextmanager
+def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[Any]:
+    """workload.serve_client in the vLLM python, started at once (it imports vLLM while the
+    server starts, then awaits it); the context's value waits for its figures and keeps them
+    in `subject.passes`. Killed on leaving early."""
+    request = request_of(bench, subject, up.url)
     with tempfile.TemporaryDirectory(prefix="dflash-serve-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
         argv = [bench.python, "-m", "workload.serve_client", "--request", str(req), "--out",
                 str(out)]  # fmt: skip
         lines: list[str] = []
+        t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, env=_env(bench), cwd=tmp,
                                 start_new_session=True)  # fmt: skip
         reader = threading.Thread(target=_forward_serve, args=(proc.stderr, lines), daemon=True)
         reader.start()
+
+        def finish() -> None:
+            code = _wait(proc, bench.args.bench_timeout, log, lines)
+            reader.join(timeout=5)
+            if code != 0 or not out.is_file():
+                raise EngineError(f"the benchmark client failed (exit {code}): "
+                                  f"{last_error(lines)}" + _kept(log, lines))  # fmt: skip
+            subject.timing["client_s"] = time.perf_counter() - t0
+            keep(bench, subject, request["passes"], json.loads(out.read_text()))
+
         try:
-            code = proc.wait(timeout=bench.args.bench_timeout)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            raise EngineError(f"the benchmark client did not finish in "
-                              f"{bench.args.bench_timeout:.0f}s (--bench-timeout)"
-                              + _kept(log, lines)) from None  # fmt: skip
-        except BaseException:
-            _kill(proc)
-            raise
-        reader.join(timeout=5)
-        if code != 0 or not out.is_file():
-            raise EngineError(f"the benchmark client failed (exit {code}): {last_error(lines)}"
-                              + _kept(log, lines))  # fmt: skip
-        return json.loads(out.read_text())
+            yield finish
+        finally:
+            if proc.poll() is None:
+                _kill(proc)
+
+
+def _wait(proc: subprocess.Popen, timeout: float, log: Path, lines: list[str]) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"the benchmark client did not finish in {timeout:.0f}s "
+                          "(--bench-timeout)" + _kept(log, lines)) from None  # fmt: skip
+
+
+def keep(bench: Bench, subject: Subject, passes: list[dict], result: dict) -> None:
+    subject.timing["passes_s"] = sum(p["wall_s"] for p in result["passes"].values())
+    bench.version = result["version"]
+    for p in passes:
+        subject.passes[p["name"]] = {**result["passes"][p["name"]],
+                                     **{k: p[k] for k in ("category", "bucket") if k in p}}  # fmt: skip
 
 
 def _forward_serve(stream: Any, lines: list[str]) -> None:
@@ -576,8 +600,12 @@ def run(bench: Bench, out: Path) -> dict:
     logs = out.with_name(out.name + ".logs")
     logs.mkdir(parents=True, exist_ok=True)
     for s in bench.subjects:
-        with server(bench, s, logs / f"{s.name}.server.log") as url:
-            run_client(bench, s, url, logs / f"{s.name}.client.log")
+        with (
+            server(bench, s, logs / f"{s.name}.server.log") as up,
+            client(bench, s, up, logs / f"{s.name}.client.log") as finish,
+        ):
+            ready(bench, s, up)
+            finish()
     shutil.rmtree(logs, ignore_errors=True)
     plain = bench.subjects[-1]
     mine = bench.subjects[0]

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -103,12 +104,28 @@ def summary(result: dict) -> dict:
     return {k: result[k] for k in KEYS if k in result}
 
 
+def await_server(url: str, timeout: float) -> None:
+    """Started beside its server: wait for /health (the caller watches the server itself)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"serve client: {url} not ready in {timeout:.0f}s")
+
+
 def run(request: dict, out_dir: str) -> dict:
-    """request: {"label", "base_url", "model", "tokenizer", "max_new_tokens", "extra_body",
+    """request: {"label", "base_url", "ready_timeout", "model", "tokenizer", "max_new_tokens", "extra_body",
     "prompts": [[ids]], "passes": [{"name", "prompts": [index], "concurrency", "warmups"}]};
     result: {"version", "passes": {NAME: the client's figures}}."""
     import vllm
+    import vllm.benchmarks.serve  # noqa: F401  (imported while the server starts)
 
+    await_server(request["base_url"], request.get("ready_timeout", 1800.0))
     passes = {}
     for p in request["passes"]:
         passes[p["name"]] = run_pass(request, p, out_dir)
