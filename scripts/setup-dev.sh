@@ -49,7 +49,13 @@ fi
 # torch first, pinned: a plain requirement would pull a multi-GB CUDA build. Where pip has no
 # local CPU build, TORCH_INDEX (e.g. a CPU wheel index) says where to get one.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
+  if [ -n "${TORCH_INDEX:-}" ]; then
+    pip install --index-url "$TORCH_INDEX" torch==2.13.0
+  elif ! pip install --no-index torch==2.13.0 2>/dev/null; then  # a local CPU build, if pip has one
+    echo "setup-dev: torch 2.13.0 from PyPI: its CUDA build, about 2.5 GiB (for the CPU build set" \
+      "TORCH_INDEX=https://download.pytorch.org/whl/cpu)" >&2
+    "$VENV/bin/python" -m pip --disable-pip-version-check install --progress-bar on torch==2.13.0
+  fi
 fi
 # the train and dev extras (pyproject.toml); never the gpu extra here: causal-conv1d does not
 # build without CUDA (docs/operator-design.md, GPU targets)

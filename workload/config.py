@@ -781,7 +781,8 @@ def audit(
         items.extend(_audit_target(cfg, facts))
     if data is not None:
         items.extend(_audit_data(cfg, data))
-    items.extend(peer_departures(cfg))
+    said = {i.key for i in items}
+    items.extend(p for p in peer_departures(cfg) if p.key not in said)
     return items
 
 

@@ -92,16 +92,31 @@ def run_facts(config: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
         if not path.is_file():
             raise ParityError(f"{config}: data.chat_template {template}: no such file")
         template = path.read_text(encoding="utf-8")
+    said = _drafter_keys_given(config, overrides)
     return {
         "config": str(config),
         "target_path": str(_under(cfg.target.path, base)) if cfg.target.path else None,
         "data_path": str(_under(cfg.data.path, base)) if cfg.data.path else None,
         "chat_template": template,  # None: the target tokenizer's
         "chat_template_kwargs": dict(cfg.data.chat_template_kwargs or {}),
-        "block_size": cfg.drafter.block_size,
-        "mask_token_id": cfg.drafter.mask_token_id,
-        "target_layer_ids": cfg.drafter.target_layer_ids,
-    }
+        # the drafter as the run set it (a default is no claim about a checkpoint)
+        **{key: getattr(cfg.drafter, key) if key in said else None
+           for key in ("block_size", "mask_token_id", "target_layer_ids")},
+    }  # fmt: skip
+
+
+def _drafter_keys_given(config: Path, overrides: Sequence[str]) -> set[str]:
+    """The drafter keys the run config (or a --set) gives: launch's run.yaml gives them all."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        raw = {}
+    section = raw.get("drafter") if isinstance(raw, dict) else None
+    given = set(section) if isinstance(section, dict) else set()
+    sets = (item.split("=", 1)[0].strip() for item in overrides)
+    return given | {key.removeprefix("drafter.") for key in sets if key.startswith("drafter.")}
 
 
 def data_facts(data_path: str | None) -> dict[str, Any] | None:

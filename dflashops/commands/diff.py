@@ -238,11 +238,12 @@ def show(
         for v in views:
             value = UNSET if v.name in row["unset"] else row["values"][v.name]
             item = row["audit"].get(v.name)
-            mark = f" {MARKS.get(item.get('level', 'info'), '*')}" if item else ""
+            level = item.get("level", "info") if item else None
+            mark = f" {MARKS.get(level, '*')}" if level not in (None, "peer") else ""
             cells.append(text_of(value) + mark)
         grid.add_row(*cells, audit_cell(row["audit"]))
     out.print(grid)
     out.print()
-    out.print("* differs from the recipe, ! warning, !! error, ~ the recipe's where the peers' "
-              "trainers default otherwise (from each run's audit.json)"
+    out.print("* differs from the recipe, ! warning, !! error (from each run's audit.json; an "
+              "audit note alone: the recipe's value where the peers' trainers default otherwise)"
               + ("" if all_ else "; only differing keys and warnings shown (--all: every key)"))  # fmt: skip

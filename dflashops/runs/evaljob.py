@@ -61,12 +61,14 @@ def start_eval(
     reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
 ) -> dict[str, Any]:
     """Check what the evaluation needs, pull the missing checkpoints, start the job."""
-    extra.engine = "vllm" if extra.serve else chosen_engine(reader.machine(dest), extra.engine)
+    chosen = "vllm" if extra.serve else chosen_engine(reader.machine(dest), extra.engine)
+    extra.engine = chosen.removesuffix("-auto")
     engine = engine_argv(reader.machine(dest), extra.engine)  # before anything starts
     view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
     config = parse_config(view, extra.sets)
     machine = writer.machine(dest)
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
+    vs_view = None
     if extra.serve:
         base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest)
         vs_view = pull_vs(reader, writer, extra.vs, dest)
@@ -74,7 +76,7 @@ def start_eval(
         base += engine
     for s in steps:
         pull(reader, writer, view, s, dest)
-    if extra.serve and vs_view is not None:
+    if vs_view is not None and extra.vs is not None and extra.vs.step is not None:
         pull(reader, writer, vs_view, extra.vs.step, dest)
     result_path = serve_result_path if extra.serve else eval_result_path
     name, job_id = EVAL.new_job(run)
@@ -95,7 +97,8 @@ def start_eval(
                                                    state=own), plan)  # fmt: skip
     job = {**own, "target": dest.name, "tmux": tmux_session(name), "launched": time.time()}
     context.note(f"{dest.name}: eval job {job_id} of {run} started (steps "
-                 f"{', '.join(map(str, steps))}; tmux {job['tmux']})")  # fmt: skip
+                 f"{', '.join(map(str, steps))}, {engine_said(dest, chosen)}; tmux "
+                 f"{job['tmux']})")  # fmt: skip
     return {**job, "dir": placement.dir(placement.nodes[0]), "name": name}
 
 
@@ -234,17 +237,22 @@ def eval_argv(
 
 def chosen_engine(machine: Machine, engine: str) -> str:
     """`auto`: vLLM, the engine the drafter will serve in, where the eval target has it; else
-    the simulation, said once."""
+    the simulation (`engine_said` says so once the job started)."""
     if engine not in EVAL_ENGINES:
         raise UsageError(f"--engine {engine}: expected one of {', '.join(EVAL_ENGINES)}")
     if engine != "auto":
         return engine
     python = engines.python_of(machine.target, "vllm")
-    if probe(machine, paths=[python]).paths.get(python) != "missing":
-        return "vllm"
-    context.note(f"{machine.name}: no vLLM environment: evaluating by simulation (`dflashops "
-                 f"setup {machine.name} --engine vllm` evaluates in the engine)")  # fmt: skip
-    return "sim"
+    return "sim-auto" if probe(machine, paths=[python]).paths.get(python) == "missing" else "vllm"
+
+
+def engine_said(target: Target, engine: str) -> str:
+    """The engine an eval runs in, as its start line says it ('sim-auto': chosen for want of
+    vLLM there)."""
+    if engine == "sim-auto":
+        return (f"by simulation: no vLLM environment on {target.name} (`dflashops setup "
+                f"{target.name} --engine vllm` evaluates in the engine)")  # fmt: skip
+    return "in vLLM" if engine == "vllm" else "by simulation"
 
 
 def engine_argv(machine: Machine, engine: str) -> list[str]:

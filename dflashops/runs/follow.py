@@ -31,7 +31,14 @@ from dflashops.remote import argv as helper_argv
 from dflashops.remote import source as helper_source
 from dflashops.runs.claim import secrets_home
 from dflashops.runs.config import parse_config
-from dflashops.runs.evaljob import Extra, chosen_engine, engine_argv, eval_argv, start_on
+from dflashops.runs.evaljob import (
+    Extra,
+    chosen_engine,
+    engine_argv,
+    engine_said,
+    eval_argv,
+    start_on,
+)
 from dflashops.runs.kind_follow import FOLLOW
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import LOOPBACK, Node, Placement, new_run_id
@@ -63,7 +70,8 @@ def start_follow(
     address = server_address(source, dest)
     refuse_second(reader, run, dest)
     config = parse_config(view, extra.sets)
-    extra.engine = chosen_engine(reader.machine(dest), extra.engine)
+    chosen = chosen_engine(reader.machine(dest), extra.engine)
+    extra.engine = chosen.removesuffix("-auto")
     engine = engine_argv(reader.machine(dest), extra.engine)
     base = eval_argv(reader.machine(dest), writer.machine(dest), run, config, extra) + engine
     beside(writer.machine(dest), ckpt_copy_dir(dest, run, 0),
@@ -77,7 +85,8 @@ def start_follow(
     except BaseException:
         stop_server(writer.machine(source), run, job_id)
         raise
-    context.note(f"{dest.name}: continuous eval {name} of {run} started (every {every} steps; "
+    context.note(f"{dest.name}: continuous eval {name} of {run} started (every {every} steps, "
+                 f"{engine_said(dest, chosen)}; "
                  f"checkpoints from {source.name} at {address}:{port}; tmux {job['tmux']})")  # fmt: skip
     return job
 

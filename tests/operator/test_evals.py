@@ -91,7 +91,7 @@ def test_a_sweep_stores_three_results_listed_tabled_and_drawn(cli, trained, bed,
     seconds = time.monotonic() - started
     assert ran.code == 0, ran.err
     assert "eval job" in ran.err and "prompt 2/2" in ran.err  # the job's progress, followed
-    assert "evalbox: no vLLM environment: evaluating by simulation" in ran.err  # --engine auto
+    assert "by simulation: no vLLM environment on evalbox" in ran.err  # --engine auto
     assert [line.split()[0] for line in ran.out.splitlines()[2:5]] == ["2", "4", "6"]
     for step in (2, 4, 6):
         kept = bed["evalbox"].host_path(f"/workspace/evals/{RUN}/step_{step}.json")

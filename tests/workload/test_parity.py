@@ -108,11 +108,14 @@ def test_a_mask_token_outside_the_vocabulary_is_named(run, capsys):
 def test_a_checkpoint_that_disagrees_with_its_run_config_is_named(run, capsys):
     cfg = yaml.safe_load(run["config"].read_text())
     write_checkpoint_config(run["checkpoint"], cfg["drafter"], target_layer_ids=[2, 3, 4],
-                            block_size=16)  # fmt: skip
+                            block_size=16, mask_token_id=7)  # fmt: skip
     code, lines = check(run, capsys=capsys)
     assert code == 2
-    assert [line.split(":")[0] for line in lines] == ["block size", "target_layer_ids"]
-    assert "the run config says [1, 2, 3]" in lines[1]
+    keys = ["block size", "mask_token_id", "target_layer_ids"]
+    assert [line.split(":")[0] for line in lines] == keys
+    assert lines[1].startswith("mask_token_id: 7 (checkpoint ")
+    assert lines[1].endswith(f"the run config says {cfg['drafter']['mask_token_id']}")
+    assert "the run config says [1, 2, 3]" in lines[2]
 
 
 def test_facts_gathered_on_one_machine_are_compared_on_another(run, tmp_path, capsys):
