@@ -18,6 +18,9 @@ second turn's context holds the target's own reply to the first, so its prompt w
 generation and differ between engines and precisions wherever their replies differ; the first
 turn is fixed by the file, as every other benchmark's prompt is.
 
+A record's `category` (MT-Bench's) or `task` (the tiny build's), where it has one, is kept as the
+prompt's category: the serving benchmark gives τ per category (else per file kind).
+
 Files: `.jsonl` (one JSON object a line; `.jsonl.gz` too), `.json` (an array of objects) and
 `.parquet` (needs pyarrow). A record can carry `chat_template_kwargs`, applied over the run's.
 A malformed file is one `PromptsError` naming FILE:LINE (the 1-based line, array item or row).
@@ -189,6 +192,9 @@ def _prompt(record: Any, kind: str | None, where: str) -> tuple[str, dict]:
         raise PromptsError(f"{where}: chat_template_kwargs must be an object")
     if kwargs:
         item["chat_template_kwargs"] = kwargs
+    category = record.get("category") or record.get("task")
+    if isinstance(category, str) and category.strip():
+        item["category"] = category.strip()  # τ per category (serve_bench); not hashed
     return kind, {**item, "where": where}
 
 

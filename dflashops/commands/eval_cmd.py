@@ -33,6 +33,8 @@ from dflashops.render import console, metric, table
 from dflashops.runs.evaljob import Extra, newest_job, read_result, start_eval
 from dflashops.runs.evaljob import follow as follow_job
 from dflashops.runs.evals import engine_note, gap, real_rounds
+from dflashops.runs.serve import concurrency_levels, parse_vs, serve_result_path
+from dflashops.runs.serve_view import show_serve
 from dflashops.runs.view import check_name, eval_result_path
 
 
@@ -107,6 +109,24 @@ def register(app: typer.Typer) -> None:
             help="Evaluate despite train-to-serve parity mismatches (the "
             "result records them; see `dflashops check`).",
         ),  # fmt: skip
+        serve: bool = typer.Option(
+            False,
+            "--serve",
+            help="The serving benchmark instead: the target served by the eval target's vLLM "
+            "server with the checkpoint as its speculator and without it, driven by vLLM's "
+            "benchmark client at each --concurrency: tokens/s, TTFT, TPOT, speedup.",
+        ),
+        concurrency: str = typer.Option(
+            None, "--concurrency", metavar="1,4,16", help="--serve's concurrencies."
+        ),
+        vs: str = typer.Option(
+            None,
+            "--vs",
+            metavar="RUN2:STEP|PATH",
+            help="--serve beside another drafter: a run's checkpoint, a drafter directory on "
+            "the target, or a stored serving result (.json); the difference where the "
+            "fingerprints agree.",
+        ),
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
@@ -118,6 +138,7 @@ def register(app: typer.Typer) -> None:
         if every is not None and (step is not None or steps):
             raise UsageError("--every and --step/--steps: give one")
         chosen = [] if every is not None else chosen_steps(step, steps, follow)
+        check_serve(serve, concurrency, vs, chosen, every, reference, check_real, budgets, engine)
         if check_real is not None and check_real < 0:
             raise UsageError(f"--check-real {check_real}: a number of prompts, >= 0")
         dest = opts.inventory().target(on)
@@ -126,7 +147,8 @@ def register(app: typer.Typer) -> None:
             return finish(opts, as_json, dest, job)
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
-                      host, engine, force)  # fmt: skip
+                      host, engine, force, serve, concurrency_levels(concurrency) if serve
+                      else None, parse_vs(vs))  # fmt: skip
         if every is not None:
             return continuous(opts, as_json, run, every, dest, extra)
         with opts.sessions() as (reader, writer):
@@ -137,6 +159,26 @@ def register(app: typer.Typer) -> None:
         if detach or (len(chosen) > 1 and not follow):
             return started(opts, as_json, dest, job)
         finish(opts, as_json, dest, job)
+
+
+def check_serve(serve: bool, concurrency: str | None, vs: str | None, chosen: list[int],
+                every: int | None, reference: str | None, check_real: int | None,
+                budgets: str | None, engine: str) -> None:  # fmt: skip
+    """--serve takes one --step, and none of the offline eval's own options."""
+    if not serve:
+        given = [n for n, v in (("--concurrency", concurrency), ("--vs", vs)) if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only with --serve")
+        return
+    if every is not None or len(chosen) > 1:
+        raise UsageError("--serve: one checkpoint at a time; give --step N")
+    offline = [n for n, v in (("--reference", reference), ("--check-real", check_real),
+                              ("--budgets", budgets)) if v is not None]  # fmt: skip
+    if engine == "sim":
+        offline.append("--engine sim")
+    if offline:
+        raise UsageError(f"--serve: {', '.join(offline)} belong to the offline eval (--vs puts "
+                         "another drafter beside it)")  # fmt: skip
 
 
 def chosen_steps(step: int | None, steps: str | None, follow: bool) -> list[int]:
@@ -177,6 +219,12 @@ def finish(opts: context.Context, as_json: bool, dest: Target, job: dict[str, An
     except KeyboardInterrupt:
         context.note(f"detached; eval job {job['job']} keeps running on {dest.name}")
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    if job.get("serve"):
+        out = serve_result_path(dest, job["run"], job["steps"][0])
+        result = read_result(session, dest, out)
+        if as_json:
+            return opts.emit(result)
+        return show_serve(job["run"], job["steps"][0], dest, out, result)
     if len(job["steps"]) == 1:
         result = read_result(session, dest, done[0]["file"])
         if as_json:

@@ -4,7 +4,9 @@ Every target's <ws>/evals/RUN/step_N.json (written by `eval`), one row each, gro
 set (the prompts' sha256 in the result's fingerprint, and their name): run, step, target,
 prompts, engine, tau (chain), tau per DDTree budget, the reference drafter's tau (and the gap)
 when the job had one, the real loop's rounds as simulated / checked (eval --check-real) when any
-result has them, SETTINGS (the fingerprint's keys that differ from the first row's: runs/
+result has them, SERVE SPEEDUP (the serving benchmark's speedup per concurrency, `eval --serve`, of the
+same run, step and target; a serving result without an eval result is a row of its own, ENGINE
+"... serve"), SETTINGS (the fingerprint's keys that differ from the first row's: runs/
 settings.py; "?": a result without one) and the date; eval jobs still running are listed below,
 and the continuous evals (`eval RUN --every N`): run, job, target, every N, state (running,
 ended, stopped, failed), the newest step scored and the step it evaluates or waits for next.
@@ -20,7 +22,7 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, metric, table
-from dflashops.runs.evals import Stored, engine_name, gap, real_rounds, stored
+from dflashops.runs.evals import Stored, engine_name, gap, real_rounds, speedups, stored
 from dflashops.runs.settings import differs, mark, prompt_group
 from dflashops.runs.survey import not_found, survey
 from dflashops.runs.view import check_name
@@ -49,7 +51,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             opts.dry_run_done(run=run)
             return
-        found.results = grouped(found.results)
+        found.results = grouped(with_serves(found.results, found.serves))
         if as_json:
             opts.emit({"evals": found.results, "jobs": found.jobs, "follows": found.follows})
         else:
@@ -62,6 +64,20 @@ def date(seconds: float | None) -> str:
         return "-"
     moment = datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc)
     return moment.strftime("%Y-%m-%d %H:%M")
+
+
+def with_serves(results: list[dict[str, Any]], serves: list[dict[str, Any]]
+                ) -> list[dict[str, Any]]:  # fmt: skip
+    """Each eval result with the serving result of its run, step and target (`serve`: speedup
+    and tokens/s per concurrency); a serving result without an eval result is a row of its own
+    (`kind`: "serve", its tau the server's pooled 1 + accepted/drafts)."""
+    by = {(s["run"], s["step"], s["target"]): s for s in serves}
+    out = []
+    for r in results:
+        s = by.pop((r["run"], r["step"], r["target"]), None)
+        out.append({**r, "serve": s["serve"]} if s else r)
+    out += [{**s, "kind": "serve"} for s in by.values()]
+    return sorted(out, key=lambda r: (r["run"], r["step"], r["target"]))
 
 
 def grouped(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,6 +134,7 @@ def show_grid(found: Stored) -> None:
     out = console()
     budgets = found.budgets()
     checked = any("check_real" in r for r in found.results)
+    served = any("serve" in r for r in found.results)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in found.results:
         groups.setdefault(r["prompt_group"]["label"], []).append(r)
@@ -126,6 +143,7 @@ def show_grid(found: Stored) -> None:
             Col("RUN", keep=True), Col("STEP", keep=True), Col("TARGET", keep=True), "PROMPTS",
             Col("TAU", keep=True), *(Col(f"DDTREE {b}", priority=1) for b in budgets),
             Col("REF TAU", priority=2), *([Col("REAL ROUNDS", priority=1)] if checked else []),
+            *([Col("SERVE SPEEDUP", keep=True)] if served else []),
             Col("ENGINE", priority=2), Col("SETTINGS", keep=True), Col("DATE", priority=0),
             title=f"prompts: {label}",
         )  # fmt: skip
@@ -136,12 +154,16 @@ def show_grid(found: Stored) -> None:
             cells += [metric((r.get("ddtree") or {}).get(b), "streak") for b in budgets]
             cells += [gap(r.get("tau"), ref.get("tau"))]
             cells += [real_rounds(r.get("check_real"))] if checked else []
-            cells += [engine_name(r), mark(r["settings"]["differs"]) or "="]
+            cells += [speedups(r)] if served else []
+            engine = engine_name(r) + (" serve" if r.get("kind") == "serve" else "")
+            cells += [engine, mark(r["settings"]["differs"]) or "="]
             grid.add_row(*cells, date(r.get("mtime")))
         out.print(grid)
     first = found.results[0]
     out.print("tau = mean accepted + 1 per round; REF TAU: the reference drafter's, "
-              "(ours - reference)" + ("; REAL ROUNDS: the real loop's rounds as simulated / "
+              "(ours - reference)" + ("; SERVE SPEEDUP: tokens/s with the drafter over without, "
+              "per concurrency, in the engine's server (eval --serve)" if served else "")
+              + ("; REAL ROUNDS: the real loop's rounds as simulated / "
               "rounds run (eval --check-real)" if checked else "") + f"; SETTINGS: against "
               f"{first['run']} step {first['step']} on {first['target']} (=: the same; "
               "≠KEY: measured differently; ?: no fingerprint)")  # fmt: skip

@@ -1,8 +1,9 @@
-"""`watch RUN [--vs BASELINE --margin X] [--stall K] [--metric tau|acc|streak|...]
+"""`watch RUN [--vs BASELINE --margin X] [--stall K] [--metric tau|speedup@C|acc|streak|...]
 [--on-alert CMD] [--interval S] [--once]`: alarms on a run, left running.
 
 Every --interval seconds (default 60) the run is read again (and, for tau, the stored
-evaluations of both runs), and each rule of runs/alarms.py is checked at the newest milestone:
+evaluations of both runs; for speedup@C, their serving results' speedup at concurrency C,
+`eval --serve`), and each rule of runs/alarms.py is checked at the newest milestone:
 --margin X raises an alert when the run is not ahead of BASELINE by more than X there (tau:
 only at steps both were evaluated with equal settings); --stall K when the run has not risen over
 its last K values. Each alert (rule, metric, step) is raised once: a line on stdout, and
@@ -32,7 +33,7 @@ from dflashops.commands import _options
 from dflashops.errors import ExitCode, UsageError
 from dflashops.render import console
 from dflashops.runs.alarms import Alert, Rule, check, facts_env
-from dflashops.runs.evals import stored
+from dflashops.runs.evals import SPEEDUP, stored
 from dflashops.runs.survey import find
 from dflashops.runs.view import TERMINAL, RunView, check_name
 from dflashops.runs.wandb_alert import logs_to_wandb, request
@@ -60,7 +61,8 @@ def register(app: typer.Typer) -> None:
             "tau",
             "--metric",
             metavar="KEY",
-            help="tau (stored evaluations; ddtreeB too) or a train_log key (acc, streak, ...).",
+            help="tau (stored evaluations; ddtreeB too), speedup@C (serving results, eval "
+            "--serve, at concurrency C) or a train_log key (acc, streak, ...).",
         ),  # fmt: skip
         on_alert: str = typer.Option(
             None,
@@ -150,7 +152,8 @@ def poll(
     evals = stored(session, [n for n in (run, vs) if n]) if rule.is_tau() else None
     if evals is not None:
         evals.warn_errors()
-    for alert in check(rule, view, other, evals.results if evals else []):
+    results = (evals.serves if rule.metric.startswith(SPEEDUP) else evals.results) if evals else []
+    for alert in check(rule, view, other, results):
         if alert.key in raised:
             continue
         raised[alert.key] = alert

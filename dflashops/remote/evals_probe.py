@@ -1,7 +1,7 @@
 """Runs inside a target with its python3 (stdlib only): the stored eval results and eval jobs.
 
 stdin: {"ws": workspace, "runs": [run, ...] or null for all}.
-stdout: {"now": time, "results": [...], "jobs": [...]}: a result is the summary of
+stdout: {"now": time, "results": [...], "jobs": [...], "serves": [...]}: a result is the summary of
 <ws>/evals/RUN/step_N.json (its keys without the per-prompt records, with run, step, file and
 mtime; the real loop's check, check_real, and vLLM's greedy and simulation checks without their
 per-prompt details; engine, fingerprint and prompt_set as they are); a job is <ws>/evals/RUN/jobs/ID/state.json with its exit code and whether it still runs
@@ -19,6 +19,10 @@ import time
 from dflashops.remote.shared import proc_start, read_json
 
 STEP_FILE = re.compile(r"^step_(\d+)\.json\Z")
+SERVE_FILE = re.compile(r"^serve_(\d+)\.json\Z")  # eval --serve's
+SERVE_SUMMARY = ("tau", "per_position", "n_prompts", "max_new_tokens", "checkpoint", "engine",
+                 "fingerprint", "prompt_set", "checkpoint_sha256", "tau_by_category",
+                 "tau_by_length", "timing")  # fmt: skip
 SUMMARY = ("tau", "ddtree", "per_position", "n_prompts", "max_new_tokens", "checkpoint",
            "budgets", "prompts_file", "timing", "check_real", "real_loop_rounds_checked",
            "engine", "fingerprint", "prompt_set", "checkpoint_sha256",
@@ -45,10 +49,20 @@ def summary(doc):
     return out
 
 
-def results(base, run):
+def serve_summary(doc):
+    out = {k: doc[k] for k in SERVE_SUMMARY if k in doc}
+    serve = doc.get("serve") if isinstance(doc.get("serve"), dict) else {}
+    out["serve"] = {c: {"speedup": e.get("speedup"),
+                        "spec": (e.get("spec") or {}).get("output_tokens_per_s"),
+                        "plain": (e.get("plain") or {}).get("output_tokens_per_s")}
+                    for c, e in serve.items() if isinstance(e, dict)}  # fmt: skip
+    return out
+
+
+def results(base, run, pattern=STEP_FILE, summarize=summary):
     found = []
     for name in listdir(os.path.join(base, run)):
-        match = STEP_FILE.match(name)
+        match = pattern.match(name)
         path = os.path.join(base, run, name)
         if not match:
             continue
@@ -57,7 +71,7 @@ def results(base, run):
             continue
         entry = {"run": run, "step": int(match.group(1)), "file": path}
         entry["mtime"] = os.path.getmtime(path)
-        entry.update(summary(doc))
+        entry.update(summarize(doc))
         found.append(entry)
     return found
 
@@ -92,9 +106,10 @@ def main():
     wanted = req.get("runs")
     names = [n for n in listdir(base) if os.path.isdir(os.path.join(base, n))]
     names = [n for n in names if wanted is None or n in wanted]
-    out = {"now": time.time(), "results": [], "jobs": [], "follows": []}
+    out = {"now": time.time(), "results": [], "jobs": [], "follows": [], "serves": []}
     for run in names:
         out["results"] += results(base, run)
+        out["serves"] += results(base, run, SERVE_FILE, serve_summary)
         out["jobs"] += jobs(base, run)
         out["follows"] += jobs(base, run, "follow")
     json.dump(out, sys.stdout)

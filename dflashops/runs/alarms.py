@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.metrics import higher_is_better
-from dflashops.runs.evals import tau_value
+from dflashops.runs.evals import SPEEDUP, tau_value
 from dflashops.runs.settings import differs
 from dflashops.runs.view import RunView
 
@@ -31,7 +31,7 @@ class Rule:
     stall: int | None = None  # K
 
     def is_tau(self) -> bool:
-        return self.metric in TAU_KEYS or self.metric.startswith("ddtree")
+        return self.metric in TAU_KEYS or self.metric.startswith(("ddtree", SPEEDUP))
 
     def sign(self) -> float:
         return -1.0 if higher_is_better(self.metric) is False else 1.0

@@ -27,6 +27,7 @@ from dflashops.runs.logs import stream_log
 from dflashops.runs.placement import Node, Placement, new_run_id
 from dflashops.runs.probe import probe
 from dflashops.runs.pulls import pull
+from dflashops.runs.serve import Vs, serve_argv, serve_result_path
 from dflashops.runs.snapshot import local_code
 from dflashops.runs.start import start_job
 from dflashops.runs.survey import find
@@ -51,32 +52,47 @@ class Extra:
     host: str | None = None  # --host: the run's target where its name is on several
     engine: str = "auto"  # --engine: vllm where the target has it, else sim (the simulation)
     force: bool = False  # --force: evaluate despite train-to-serve parity mismatches
+    serve: bool = False  # --serve: the serving benchmark (runs/serve.py) instead of the eval
+    concurrency: list[int] | None = None  # --serve's concurrencies
+    vs: Vs | None = None  # --serve's second subject
 
 
 def start_eval(
     reader: Session, writer: Session, run: str, steps: list[int], dest: Target, extra: Extra
 ) -> dict[str, Any]:
     """Check what the evaluation needs, pull the missing checkpoints, start the job."""
-    chosen = chosen_engine(reader.machine(dest), extra.engine)
+    chosen = "vllm" if extra.serve else chosen_engine(reader.machine(dest), extra.engine)
     extra.engine = chosen.removesuffix("-auto")
     engine = engine_argv(reader.machine(dest), extra.engine)  # before anything starts
     view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
     config = parse_config(view, extra.sets)
     machine = writer.machine(dest)
-    base = eval_argv(reader.machine(dest), machine, run, config, extra) + engine
+    base = eval_argv(reader.machine(dest), machine, run, config, extra)
+    vs_view = None
+    if extra.serve:
+        base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest)
+        vs_view = pull_vs(reader, writer, extra.vs, dest)
+    else:
+        base += engine
     for s in steps:
         pull(reader, writer, view, s, dest)
+    if vs_view is not None and extra.vs is not None and extra.vs.step is not None:
+        pull(reader, writer, vs_view, extra.vs.step, dest)
+    result_path = serve_result_path if extra.serve else eval_result_path
     name, job_id = EVAL.new_job(run)
     plan = {
         "run": run,
         "evals": [
             {"step": s, "argv": base + ["--checkpoint", ckpt_copy_dir(dest, run, s),
-                                        "--out", eval_result_path(dest, run, s)]}
+                                        "--out", result_path(dest, run, s)]}
             for s in steps
         ],
     }  # fmt: skip
     own = {"kind": EVAL.name, "run": run, "job": job_id, "steps": steps,
            "reference": extra.reference, "engine": extra.engine}  # fmt: skip
+    if extra.serve:
+        own.update(serve=True, concurrency=extra.concurrency,
+                   vs=extra.vs.on(dest) if extra.vs else None)  # fmt: skip
     placement = start_on(reader, writer, Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)],
                                                    state=own), plan)  # fmt: skip
     job = {**own, "target": dest.name, "tmux": tmux_session(name), "launched": time.time()}
@@ -96,6 +112,18 @@ def start_on(reader: Session, writer: Session, placement: Placement, plan: dict[
     files = {"job.json": json.dumps(plan, indent=2) + "\n"}
     start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
     return placement
+
+
+def pull_vs(reader: Session, writer: Session, vs: Vs | None, dest: Target) -> RunView | None:
+    """--vs RUN2:STEP: that run (its checkpoint is pulled with ours); --vs PATH: checked there."""
+    if vs is None:
+        return None
+    if vs.run is not None:
+        return find(reader, vs.run, records="none", files=["run.yaml"])
+    there = probe(reader.machine(dest), paths=[vs.path]).paths.get(vs.path)
+    if there == "missing" and not reader.dry_run:
+        raise NotFoundError(f"{dest.name}: not there: --vs {vs.path}")
+    return None
 
 
 def newest_job(session: Session, run: str, dest: Target) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from dflashops.render import metric
 from dflashops.runs.survey import Unread
 from dflashops.ssh.session import Session
 
+SPEEDUP = "speedup@"  # a serving result's metric: speedup@16
+
 
 @dataclass
 class Stored(Unread):
@@ -25,6 +27,7 @@ class Stored(Unread):
     results: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     follows: list[dict[str, Any]] = field(default_factory=list)
+    serves: list[dict[str, Any]] = field(default_factory=list)  # eval --serve's results
     errors: dict[str, OpsError] = field(default_factory=dict)
 
     def budgets(self) -> list[str]:
@@ -54,9 +57,11 @@ def stored(session: Session, names: list[str] | None = None) -> Stored:
         if isinstance(answer, OpsError):
             out.errors[target.name] = answer
             continue
-        for item in answer["results"] + answer["jobs"]:
+        serves = answer.get("serves") or []
+        for item in answer["results"] + answer["jobs"] + serves:
             item["target"] = target.name
         out.results += answer["results"]
+        out.serves += serves
         out.jobs += answer["jobs"]
         out.follows += [follower_row(j, target.name) for j in answer.get("follows") or []]
     out.results.sort(key=lambda r: (r["run"], r["step"], r["target"]))
@@ -83,12 +88,27 @@ def follower_row(job: dict[str, Any], target: str) -> dict[str, Any]:
 
 
 def tau_value(result: dict[str, Any], key: str) -> float | None:
-    """A result's "tau" (chain), "ddtreeB" (DDTree budget B) or "ref_tau" (the reference's)."""
+    """A result's "tau" (chain), "ddtreeB" (DDTree budget B), "ref_tau" (the reference's) or,
+    of a serving result, "speedup@C" (at concurrency C)."""
+    if key.startswith(SPEEDUP):
+        entry = (result.get("serve") or {}).get(key.removeprefix(SPEEDUP)) or {}
+        return entry.get("speedup")
     if key == "tau":
         return result.get("tau")
     if key == "ref_tau":
         return (result.get("reference") or {}).get("tau")
     return (result.get("ddtree") or {}).get(key.removeprefix("ddtree"))
+
+
+def speedups(result: dict[str, Any]) -> str:
+    """'1.08/1.73/0.56x @1,4,16': a serving result's speedup per concurrency."""
+    serve = result.get("serve") or {}
+    levels = sorted(serve, key=int)
+    if not levels:
+        return "-"
+    values = [serve[c].get("speedup") for c in levels]
+    text = "/".join("-" if v is None else f"{v:.2f}" for v in values)
+    return f"{text}x @{','.join(levels)}"
 
 
 def gap(ours: float | None, ref: float | None) -> str:

@@ -23,7 +23,7 @@ STEPS = 200  # the dense drafter learns (test_train) and drafts a tau near 3 (te
 # the eval side: a change here does not retrain the drafter
 NOT_TRAINING = {"eval.py", "eval_vllm.py", "vllm_engine.py", "prompts.py", "fingerprint.py",
                 "decode.py", "ddtree.py", "inspect_data.py", "datagen.py", "engines.py",
-                "parity.py"}  # fmt: skip
+                "parity.py", "serve_bench.py", "serve_client.py"}  # fmt: skip
 
 
 def build_settings(build: Path) -> list[str]:

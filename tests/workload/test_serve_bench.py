@@ -1,0 +1,72 @@
+"""The serving benchmark's side-by-side (workload/serve_bench.py): the difference of two results
+only where their fingerprints agree, and otherwise what differs, named with both values; and its
+own inputs refused in one line. (The benchmark itself, servers and all: tests/operator/test_serve.py.)"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+from tests.workload.conftest import WORKLOAD
+from workload.serve_bench import attach_vs, bucket_of
+
+
+def result(tokens_per_s: float, tau: float, prompts: str = "p1") -> dict:
+    part = {"output_tokens_per_s": tokens_per_s, "ttft_ms": {"p50": 10.0, "p99": 20.0},
+            "tpot_ms": {"p50": 5.0, "p99": 9.0}}  # fmt: skip
+    plain = {**part, "output_tokens_per_s": 100.0}
+    return {
+        "checkpoint": "/ws/ckpts/r/step_2",
+        "checkpoint_sha256": "abc",
+        "fingerprint": {"prompts_sha256": prompts, "max_new_tokens": 64, "concurrency": [1, 4]},
+        "serve": {
+            c: {"spec": part, "plain": plain, "speedup": tokens_per_s / 100.0} for c in ("1", "4")
+        },  # fmt: skip
+        "tau": tau,
+        "per_position": [0.8, 0.5],
+        "tau_by_category": {"gsm8k": tau},
+        "tau_by_length": {"<1k": tau},
+    }
+
+
+def test_two_drafters_on_the_same_prompts_show_both_and_their_difference():
+    mine, other = result(250.0, 3.0), result(200.0, 2.5)
+    attach_vs(mine, copy.deepcopy(other))
+    assert mine["vs"]["tau"] == 2.5 and mine["vs"]["serve"]["4"]["speedup"] == 2.0
+    diff = mine["diff"]
+    assert diff["tau"] == pytest.approx(0.5)
+    assert diff["serve"]["4"]["speedup"] == pytest.approx(0.5)
+    assert diff["serve"]["1"]["output_tokens_per_s"] == pytest.approx(50.0)
+    assert diff["tau_by_category"] == {"gsm8k": pytest.approx(0.5)}
+    assert "diff_refused" not in mine
+
+
+def test_an_ab_whose_prompts_differ_computes_no_difference_and_says_why():
+    mine, other = result(250.0, 3.0), result(200.0, 2.5, prompts="p2")
+    attach_vs(mine, other)
+    assert "diff" not in mine and mine["vs"]["tau"] == 2.5
+    assert mine["diff_refused"] == ['prompts_sha256: "p1" vs "p2"']
+
+
+def test_length_buckets():
+    assert [bucket_of(n) for n in (10, 1023, 1024, 4095, 4096, 16384)] == [
+        "<1k", "<1k", "1-4k", "1-4k", "4-16k", ">16k"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--concurrency", "0"], "--concurrency 0: expected numbers >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, said):
+    argv = [sys.executable, "-m", "workload.serve_bench", "--config", str(tmp_path / "run.yaml"),
+            "--checkpoint", str(tmp_path), "--out", str(tmp_path / "o.json"), *args]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=WORKLOAD.parent)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "o.json").exists()
