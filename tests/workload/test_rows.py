@@ -11,8 +11,8 @@ import json
 import pytest
 
 from workload.data import Example, render_rows, rows_of_record
-from workload.token_store import RenderSettings, build
 from workload.data_source import open_source
+from workload.token_store import RenderSettings, build
 
 # A Qwen3.5/3.6-like template: reasoning from `reasoning_content` or a think block in the content;
 # kept only for assistant turns after the last user turn (or all, with preserve_thinking); the
@@ -178,9 +178,8 @@ def test_every_turn_is_trained_on_its_serving_prompt(thinking_tokenizer, setting
     # in the next prompt, so that turn needs a row of its own)
     blank_token = len(tok("\n\n", add_special_tokens=False)["input_ids"]) == 1
     empty = any(_reasoning_and_answer(messages[i])[0] in ("", None) for i in turns[:-1])
-    if setting == "chatml" or len(turns) == 1:
-        assert len(r.rows) == 1
-    elif setting == "qwen36 preserve_thinking" and not (blank_token and empty):
+    preserved = setting == "qwen36 preserve_thinking" and not (blank_token and empty)
+    if setting == "chatml" or len(turns) == 1 or preserved:
         assert len(r.rows) == 1
     elif setting != "qwen3 no thinking" and "reasoning" in name and "no reasoning" not in name:
         assert len(r.rows) == len(turns)  # earlier reasoning dropped: a row per turn
