@@ -1,7 +1,8 @@
 """The output directory of `workload.datagen` (CONTRACTS §7): chunks, their records, the manifest.
 
 ```
-DIR/chunk_<K>.jsonl        chunk K's finished conversations, {"messages", "source": "FILE:LINE"}
+DIR/chunk_<K>.jsonl        chunk K's finished conversations, {"messages", "source": "FILE:LINE",
+                           "turns": [{"prompt_ids", "reply_ids", "finish_reason"}, ...]}
 DIR/chunks/chunk_<K>.json  chunk K's record: counts, failures and skips with source and reason,
                            the jsonl's size and sha256, the job's settings digest; written last
 DIR/job.json               the settings every chunk was made with (a rerun must match them)
@@ -286,7 +287,8 @@ def reconcile(out: Path, *, verify: bool = False) -> dict:
             "chat_template_sha256": settings["chat_template_sha256"],
             "source": {k: settings["source"][k] for k in ("path", "sha256")},
             "max_model_len": settings["max_model_len"], "chunk": chunk,
-            "truncated": counts["truncated"], "prompt_tokens": counts["prompt_tokens"],
+            "truncated": counts["truncated"], "cut": counts["truncated"],
+            "prompt_tokens": counts["prompt_tokens"],
             "generated_tokens": counts["generated_tokens"],
             "failures": [f for k in sorted(good) for f in good[k]["failures"]],
             "skips": [s for k in sorted(good) for s in good[k]["skips"]],
