@@ -21,7 +21,7 @@ python -m workload.datagen --prompts FILE --target PATH --out DIR
   vLLM runs with the target's dtype (float32 on CPU, with enforce_eager; VLLM_CPU_KVCACHE_SPACE=1
   unless set) and `--tensor-parallel-size` GPUs per process; transformers runs `generate` on
   left-padded batches of `--batch-size` (default 64), one GPU (or the CPU) per process.
-- `--max-new-tokens` (default 2048), `--temperature` (default 0: greedy; above 0 plain sampling,
+- `--max-new-tokens` (default 8192: thinking replies often run past 2048), `--temperature` (default 0: greedy; above 0 plain sampling,
   top-p 1, no top-k, in both engines), `--seed` (default 0).
 - `--max-model-len` (default: the target's max_position_embeddings): a prompt of N tokens leaves
   `max-model-len - N` for its reply (the reply budget is the smaller of that and
@@ -98,7 +98,7 @@ from workload.datagen_output import ChunkResult, OutputError
 from workload.stop_flag import StopFlag
 
 DEFAULT_CHUNK = 512
-DEFAULT_MAX_NEW_TOKENS = 2048
+DEFAULT_MAX_NEW_TOKENS = 8192  # thinking replies run long: docs/workload-design.md
 DEFAULT_BATCH = 64
 TORCHRUN_PREFIXES = ("TORCHELASTIC_",)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -360,6 +360,7 @@ def _answer(p: _Pending, turn: int, prompt: list[int], reply: Any, render: Rende
         p.error = "empty reply" + _turn_note(p, turn)
         return
     result.truncated += not reply.finished
+    result.replies += 1
     ends = [reply.stop_id] if reply.finished and reply.stop_id is not None else []
     p.turns.append({"prompt_ids": list(prompt), "reply_ids": [*reply.token_ids, *ends],
                     "finish_reason": "stop" if reply.finished else "length"})  # fmt: skip
