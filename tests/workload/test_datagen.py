@@ -591,3 +591,40 @@ def test_the_store_trains_a_datagen_dataset_from_its_ids(thinking_runs, thinking
         n = row.loss_mask.index(1)
         assert (tuple(row.input_ids[:n]), tuple(row.input_ids[n:])) in served
         assert row.loss_mask == [0] * n + [1] * (len(row.input_ids) - n)
+
+
+@needs_vllm
+def test_vllm_keeps_the_same_token_ids_as_transformers(thinking_runs, thinking_target, corpus,
+                                                       vllm_python, tmp_path):  # fmt: skip
+    out = tmp_path / "data"
+    argv = datagen_argv(vllm_python, corpus, thinking_target, out, "--chunk", "8")
+    argv[argv.index("--max-new-tokens") + 1] = str(THINK_NEW)
+    r = run(argv, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    def turns(d: Path) -> dict[str, list]:
+        return {rec["source"]: rec["turns"] for rec in outputs(d)}
+
+    assert turns(out) == turns(thinking_runs["transformers"])
+    cut = [json.loads((d / "manifest.json").read_text())["cut"]
+           for d in (out, thinking_runs["transformers"])]  # fmt: skip
+    assert cut[0] == cut[1] > 0
+
+
+def test_a_thinking_multi_turn_dataset_trains(thinking_runs, thinking_target, tiny_dense,
+                                              tmp_path):  # fmt: skip
+    import torch.distributed as dist
+
+    from tests.workload.test_train import config, read_log
+    from workload import train as T
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    run_dir = tmp_path / "run"
+    cfg = config(tiny_dense, f"data.path={thinking_runs['transformers']}",
+                 f"target.path={thinking_target}", "optim.max_steps=2",
+                 f"data.cache_dir={tmp_path / 'tokens'}")  # fmt: skip
+    assert T.train(cfg, run_dir) == 0
+    assert [r["step"] for r in read_log(run_dir)] == [1, 2]
+    audit = {i["key"]: i for i in json.loads((run_dir / "audit.json").read_text())}
+    assert audit["dataset.cut"]["level"] == "warn"  # max_new_tokens 24: most replies cut
