@@ -231,3 +231,28 @@ def test_a_turn_that_cannot_be_placed_is_counted_not_fatal(chat_tokenizer, tmp_p
         sum(m["role"] == "assistant" for m in c) - 1 for c in CONVERSATIONS.values()
     )
     assert header["unplaced_examples"][0].startswith(f"{data}:4: ")
+
+
+def test_inspect_data_json_prints_the_trainers_rows(chat_tokenizer, tiny_dense, tmp_path, capsys):
+    """`inspect_data --json`: every row one JSON line, its source, ids and supervised mask; a
+    multi-turn conversation under a template that drops earlier reasoning gives a row a turn."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from workload.inspect_data import main
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS.values()))
+    cfg = yaml.safe_load((tiny_dense / "run.yaml").read_text())
+    cfg["data"].update(path=str(data), chat_template=QWEN35_LIKE, max_length=512)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "run.yaml"), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tok = AutoTokenizer.from_pretrained(cfg["target"]["path"])
+    want = render_rows(tok, CONVERSATIONS["two turns, reasoning"], max_length=512,
+                       chat_template=QWEN35_LIKE).rows  # fmt: skip
+    fourth = [r for r in rows if r["source"] == f"{data}:4"]
+    assert [(r["ids"], r["supervised"]) for r in fourth] == [
+        (w.input_ids, w.loss_mask) for w in want
+    ]
+    assert len(fourth) == 2 and len(rows) == 10  # a row per turn: 1 + 1 + 1 + 2 + 2 + 3
