@@ -832,6 +832,7 @@ def _audit_data(cfg: RunConfig, data: DataFacts) -> list[AuditItem]:
             items.append(AuditItem("loss.on_trajectory", True, True,
                                    f"on, with data not made by this target: {_OFF_PATH}",
                                    "warn"))  # fmt: skip
+    items.extend(_audit_cut(m))
     made_with = m.get("chat_template_kwargs") or {}
     trained_with = cfg.data.chat_template_kwargs or {}
     if made_with != trained_with:
@@ -841,6 +842,25 @@ def _audit_data(cfg: RunConfig, data: DataFacts) -> list[AuditItem]:
         items.append(AuditItem("data.chat_template_kwargs", trained_with, made_with, note,
                                "warn"))  # fmt: skip
     return items
+
+
+CUT_WARN_SHARE = 0.05  # replies cut at the length limit above which the audit warns
+
+
+def _audit_cut(m: dict[str, Any]) -> list[AuditItem]:
+    """A warning when many replies ended at datagen's max_new_tokens: each is trained up to
+    the cut (no end token), and what the target writes after the cut is never learned."""
+    cut, replies = m.get("cut"), m.get("replies")
+    if not isinstance(cut, int) or not isinstance(replies, int) or not replies:
+        return []
+    if cut / replies <= CUT_WARN_SHARE:
+        return []
+    limit = (m.get("sampling") or {}).get("max_new_tokens")
+    note = (f"{cut} of {replies} replies ({cut / replies:.0%}) were cut at max_new_tokens "
+            f"{limit}: they train with no end token and their endings are never learned; "
+            "generate again with a larger --max-new-tokens")  # fmt: skip
+    return [AuditItem("dataset.cut", f"{cut / replies:.0%} cut", f"<= {CUT_WARN_SHARE:.0%} cut",
+                      note, "warn")]  # fmt: skip
 
 
 def _audit_target(cfg: RunConfig, facts: TargetFacts) -> list[AuditItem]:

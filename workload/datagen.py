@@ -21,7 +21,7 @@ python -m workload.datagen --prompts FILE --target PATH --out DIR
   vLLM runs with the target's dtype (float32 on CPU, with enforce_eager; VLLM_CPU_KVCACHE_SPACE=1
   unless set) and `--tensor-parallel-size` GPUs per process; transformers runs `generate` on
   left-padded batches of `--batch-size` (default 64), one GPU (or the CPU) per process.
-- `--max-new-tokens` (default 2048), `--temperature` (default 0: greedy; above 0 plain sampling,
+- `--max-new-tokens` (default 8192: thinking replies often run past 2048), `--temperature` (default 0: greedy; above 0 plain sampling,
   top-p 1, no top-k, in both engines), `--seed` (default 0).
 - `--max-model-len` (default: the target's max_position_embeddings): a prompt of N tokens leaves
   `max-model-len - N` for its reply (the reply budget is the smaller of that and
@@ -48,7 +48,10 @@ engine starts, so vLLM's own processes never take them for theirs. No process gr
 ranks share nothing but DIR.
 
 Output in DIR (see workload/datagen_output.py for the layout): `chunk_<K>.jsonl` of
-`{"messages", "source": "FILE:LINE"}` records and `chunks/chunk_<K>.json` with the chunk's
+`{"messages", "source": "FILE:LINE", "turns"}` records (`turns`: per assistant turn the
+engine's own `prompt_ids`, `reply_ids`, ending with the stop token it produced, and
+`finish_reason` "stop" or "length"; a reply with reasoning goes into the messages as
+`reasoning_content` + `content`) and `chunks/chunk_<K>.json` with the chunk's
 done / failed / skipped and each failure's reason ("too long for the context (...)", "empty
 reply", "engine error: ...", "chat template: ...") and source line, written atomically per
 chunk. Run again with the same arguments (any world size), a job repeats no finished chunk; a
@@ -76,7 +79,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +98,7 @@ from workload.datagen_output import ChunkResult, OutputError
 from workload.stop_flag import StopFlag
 
 DEFAULT_CHUNK = 512
-DEFAULT_MAX_NEW_TOKENS = 2048
+DEFAULT_MAX_NEW_TOKENS = 8192  # thinking replies run long: docs/workload-design.md
 DEFAULT_BATCH = 64
 TORCHRUN_PREFIXES = ("TORCHELASTIC_",)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -289,6 +292,7 @@ class _Pending:
     messages: list[dict[str, Any]]
     points: list[int]
     error: str | None = None
+    turns: list[dict[str, Any]] = field(default_factory=list)  # the engine's own tokens
 
 
 def regenerate_chunk(k: int, convs: list[Conversation], source_name: str, render: Renderer,
@@ -314,14 +318,15 @@ def regenerate_chunk(k: int, convs: list[Conversation], source_name: str, render
                 prompts.append(ids)
                 budgets.append(min(max_new_tokens, max_model_len - len(ids)))
         result.prompt_tokens += sum(map(len, prompts))
-        for p, reply in zip(asked, engine.generate(prompts, budgets), strict=True):
+        replies = engine.generate(prompts, budgets)
+        for p, ids, reply in zip(asked, prompts, replies, strict=True):
             result.generated_tokens += len(reply.token_ids)
-            _answer(p, turn, reply, render, result)
+            _answer(p, turn, ids, reply, render, result)
         turn += 1
     for p in pending:
         src = f"{source_name}:{p.conv.line}"
         if p.error is None:
-            result.records.append({"messages": p.messages, "source": src})
+            result.records.append({"messages": p.messages, "source": src, "turns": p.turns})
         else:
             result.failures.append({"source": src, "reason": p.error})
     result.seconds = time.time() - t0
@@ -345,7 +350,8 @@ def _prompt(p: _Pending, turn: int, render: Renderer, max_model_len: int) -> lis
     return ids
 
 
-def _answer(p: _Pending, turn: int, reply: Any, render: Renderer, result: ChunkResult) -> None:
+def _answer(p: _Pending, turn: int, prompt: list[int], reply: Any, render: Renderer,
+            result: ChunkResult) -> None:  # fmt: skip
     if reply.error:
         p.error = reply.error + _turn_note(p, turn)
         return
@@ -354,11 +360,26 @@ def _answer(p: _Pending, turn: int, reply: Any, render: Renderer, result: ChunkR
         p.error = "empty reply" + _turn_note(p, turn)
         return
     result.truncated += not reply.finished
-    at, message = p.points[turn], {"role": "assistant", "content": text}
+    result.replies += 1
+    ends = [reply.stop_id] if reply.finished and reply.stop_id is not None else []
+    p.turns.append({"prompt_ids": list(prompt), "reply_ids": [*reply.token_ids, *ends],
+                    "finish_reason": "stop" if reply.finished else "length"})  # fmt: skip
+    at, message = p.points[turn], reply_message(text)
     if at == len(p.messages):
         p.messages.append(message)
     else:
         p.messages[at] = message
+
+
+def reply_message(text: str) -> dict[str, Any]:
+    """The reply as the next turn's history, as a served client sends it back: the reasoning
+    (up to `</think>`) as `reasoning_content`, the answer as `content`; the template decides
+    whether the reasoning is rendered."""
+    if "</think>" not in text:
+        return {"role": "assistant", "content": text}
+    reasoning, answer = text.split("</think>", 1)
+    reasoning = reasoning.split("<think>")[-1].strip("\n")
+    return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning}
 
 
 # ---------------------------------------------------------------- progress

@@ -1,7 +1,8 @@
 """The output directory of `workload.datagen` (CONTRACTS §7): chunks, their records, the manifest.
 
 ```
-DIR/chunk_<K>.jsonl        chunk K's finished conversations, {"messages", "source": "FILE:LINE"}
+DIR/chunk_<K>.jsonl        chunk K's finished conversations, {"messages", "source": "FILE:LINE",
+                           "turns": [{"prompt_ids", "reply_ids", "finish_reason"}, ...]}
 DIR/chunks/chunk_<K>.json  chunk K's record: counts, failures and skips with source and reason,
                            the jsonl's size and sha256, the job's settings digest; written last
 DIR/job.json               the settings every chunk was made with (a rerun must match them)
@@ -63,7 +64,8 @@ class ChunkResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, str]] = field(default_factory=list)
     skips: list[dict[str, str]] = field(default_factory=list)
-    truncated: int = 0
+    truncated: int = 0  # replies cut at the length limit (the manifest's `cut`)
+    replies: int = 0  # assistant turns written
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -100,7 +102,7 @@ def write_chunk(out: Path, result: ChunkResult, settings_digest: str, rank: int)
     record = {
         "chunk": result.chunk, "first_line": result.first_line, "count": result.count,
         "done": result.done, "failed": len(result.failures), "skipped": len(result.skips),
-        "truncated": result.truncated, "failures": result.failures, "skips": result.skips,
+        "truncated": result.truncated, "replies": result.replies, "failures": result.failures, "skips": result.skips,
         "file": chunk_name(result.chunk), "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(), "settings": settings_digest,
         "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
@@ -273,8 +275,8 @@ def reconcile(out: Path, *, verify: bool = False) -> dict:
         extra = sorted(k for k in records if k >= expected_chunks)
         problems += [f"chunk {k}: beyond the input's {expected_chunks} chunks" for k in extra]
         missing = [k for k in range(expected_chunks) if k not in good]
-        counts = {key: sum(r[key] for r in good.values())
-                  for key in ("done", "failed", "skipped", "truncated",
+        counts = {key: sum(r.get(key, 0) for r in good.values())
+                  for key in ("done", "failed", "skipped", "truncated", "replies",
                               "prompt_tokens", "generated_tokens")}  # fmt: skip
         finished = counts["done"] + counts["failed"] + counts["skipped"]
         manifest = {
@@ -286,7 +288,9 @@ def reconcile(out: Path, *, verify: bool = False) -> dict:
             "chat_template_sha256": settings["chat_template_sha256"],
             "source": {k: settings["source"][k] for k in ("path", "sha256")},
             "max_model_len": settings["max_model_len"], "chunk": chunk,
-            "truncated": counts["truncated"], "prompt_tokens": counts["prompt_tokens"],
+            "truncated": counts["truncated"], "cut": counts["truncated"],
+            "replies": counts["replies"],
+            "prompt_tokens": counts["prompt_tokens"],
             "generated_tokens": counts["generated_tokens"],
             "failures": [f for k in sorted(good) for f in good[k]["failures"]],
             "skips": [s for k in sorted(good) for s in good[k]["skips"]],

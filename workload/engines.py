@@ -28,6 +28,7 @@ class Reply:
     token_ids: list[int]  # without the stop token
     finished: bool  # ended with a stop token; False: cut at its token budget
     error: str | None = None
+    stop_id: int | None = None  # the stop token it ended with (when finished)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def _is_fatal(exc: BaseException) -> bool:
 def _cut(ids: list[int], stops: set[int], budget: int) -> Reply:
     for j, t in enumerate(ids[:budget]):
         if t in stops:
-            return Reply(list(ids[:j]), True)
+            return Reply(list(ids[:j]), True, stop_id=t)
     return Reply(list(ids[:budget]), False)
 
 

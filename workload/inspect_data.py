@@ -1,4 +1,4 @@
-"""`python -m workload.inspect_data --config RUN.yaml [--n 2] [--index I]`
+"""`python -m workload.inspect_data --config RUN.yaml [--n 2] [--index I] [--json]`
 
 Answers "are we training on inputs?": prints samples with the supervised tokens marked (bold
 green and inside [[ ]]; the rest dim), per-sample counts, and a summary over the data set.
@@ -10,6 +10,7 @@ takes works here and a large one is never held in memory.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -127,8 +128,8 @@ def summary(tokenizer, store: TokenStore, s: DataSettings) -> str:
     n, skipped = len(store), store.header["skipped"]
     lines = [
         f"data: {s.data_path}",
-        f"examples: {n} of {n + skipped} conversations "
-        f"({skipped} skipped: nothing supervised within max_length {s.max_length})",
+        f"rows: {n} ({skipped} more skipped: nothing to learn within max_length {s.max_length})",
+        f"store: {store.summary()}",
         f"tokens: mean {lengths.mean():.1f}, max {lengths.max()}, total {lengths.sum()}",
         f"supervised: {store.header['supervised'] / lengths.sum():.1%} of tokens",
         f"truncated: {store.truncated_count()} examples longer than {s.max_length}",
@@ -149,6 +150,16 @@ def open_store(tokenizer, s: DataSettings) -> TokenStore:
                          say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
 
 
+def print_rows(store: TokenStore) -> None:
+    """The trainer's rows as JSON lines (CONTRACTS §6): {"source", "ids", "supervised"}."""
+    out = sys.stdout
+    for i in range(len(store)):
+        ex = store.example(i)
+        row = {"source": ex.source, "ids": ex.input_ids, "supervised": ex.loss_mask}
+        out.write(json.dumps(row, separators=(",", ":")) + "\n")
+    out.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workload.inspect_data", description=__doc__)
     p.add_argument("--config", required=True, help="run config (YAML)")
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, action="append", help="print this example (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    p.add_argument("--json", action="store_true",
+                   help="every row, one JSON line each: source, ids, supervised")  # fmt: skip
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -171,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.json:
+        print_rows(store)
+        return 0
     color = a.color == "always" or (a.color == "auto" and sys.stdout.isatty())
     n = len(store)
     picks = a.index or random.Random(a.seed).sample(range(n), min(a.n, n))

@@ -47,14 +47,71 @@ from typing import Any
 
 import numpy as np
 
-from workload.data import DataError, Example, TokenArrays, has_anchor, parse_line, render_at
+from workload.data import (
+    DataError,
+    Example,
+    Rendered,
+    TokenArrays,
+    has_anchor,
+    parse_line,
+    render_at,
+)
 from workload.data_source import DataSource, raw_lines, source_digest
 from workload.jsonfile import write_json_atomic
 
-STORE_FORMAT = 1  # bump when render_chat's output or this layout changes
+STORE_FORMAT = 2  # bump when render_chat's output or this layout changes
 HEADER = "header.json"
 CHUNK = 512  # conversations a tokenizer worker renders at a time
 PROGRESS_S = 10.0
+EXAMPLES_KEPT = 20  # unplaced turns named in the header, beside the counts
+
+
+@dataclass
+class Report:
+    """What the build made of the conversations beyond the rows: the store's report."""
+
+    conversations: int = 0  # lines read
+    turns: int = 0  # assistant turns placed in rows
+    cut: int = 0  # of them, replies cut at the length limit (trained with no end token)
+    no_reasoning: int = 0  # turns trained without the data's reasoning (thinking off)
+    skipped: int = 0  # rows with no eligible anchor within max_length
+    unplaced: dict[str, int] = field(default_factory=dict)  # reason -> turns left out
+    examples: list[str] = field(default_factory=list)  # "FILE:LINE: reason", the first few
+
+    def add(self, out: Rendered, where: str) -> None:
+        self.conversations += 1
+        self.turns += out.turns
+        self.cut += out.cut
+        self.no_reasoning += out.no_reasoning
+        for why in out.unplaced:
+            self.unplaced[why] = self.unplaced.get(why, 0) + 1
+            if len(self.examples) < EXAMPLES_KEPT:
+                self.examples.append(f"{where}: {why}")
+
+    def merge(self, other: Report) -> None:
+        for name in ("conversations", "turns", "cut", "no_reasoning", "skipped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for why, n in other.unplaced.items():
+            self.unplaced[why] = self.unplaced.get(why, 0) + n
+        self.examples += other.examples[: EXAMPLES_KEPT - len(self.examples)]
+
+    def fields(self) -> dict[str, Any]:
+        return {"conversations_read": self.conversations, "turns": self.turns, "cut": self.cut,
+                "no_reasoning": self.no_reasoning, "skipped": self.skipped,
+                "unplaced": dict(sorted(self.unplaced.items())),
+                "unplaced_examples": self.examples}  # fmt: skip
+
+
+def report_line(h: dict[str, Any]) -> str:
+    """The store's report in one line (header fields)."""
+    left = sum(h.get("unplaced", {}).values())
+    why = "; ".join(f"{n} {reason}" for reason, n in h.get("unplaced", {}).items())
+    return (f"{h['conversations']} rows from {h.get('conversations_read', '?')} conversations "
+            f"({h.get('turns', '?')} assistant turns, {h.get('cut', 0)} cut at the length limit"
+            f"{f', {left} left out: {why}' if left else ''}), {h['tokens']} tokens "
+            f"({h['supervised']} supervised), {h['skipped']} rows skipped without an anchor")  # fmt: skip
+
+
 _ARRAYS = {  # name -> dtype, per token (ids, mask) or per conversation
     "ids.i32": np.int32,
     "mask.u8": np.uint8,
@@ -166,9 +223,7 @@ class TokenStore:
         return int(self._map("truncated.u8").sum())
 
     def summary(self) -> str:
-        h = self.header
-        return (f"{h['conversations']} conversations, {h['tokens']} tokens "
-                f"({h['supervised']} supervised), {h['skipped']} skipped without an anchor")  # fmt: skip
+        return report_line(self.header)
 
 
 def find_or_build(
@@ -196,9 +251,10 @@ def find_or_build(
             header = build(source, tokenizer, settings, dest, key=key, workers=workers, say=say,
                            digests={"source": source_sha, "tokenizer": tokenizer_sha})  # fmt: skip
             say(f"data: tokenized {source.describe()} into {dest} in "
-                f"{time.monotonic() - t0:.1f}s: {header['conversations']} conversations, "
-                f"{header['tokens']} tokens, {header['skipped']} skipped without an anchor "
-                f"within max_length {settings.max_length}")  # fmt: skip
+                f"{time.monotonic() - t0:.1f}s: {report_line(header)} (max_length "
+                f"{settings.max_length})")  # fmt: skip
+            for example in header["unplaced_examples"][:3]:
+                say(f"data: left out: {example}")
             return TokenStore(dest)
     store = TokenStore(dest)
     say(f"data: reusing {dest} (tokenized {time.ctime(store.header['built'])}): "
@@ -233,24 +289,26 @@ def _render_chunk(items: list[tuple[int, int, bytes]]) -> tuple[Any, ...]:
     ids: list[list[int]] = []
     masks: list[list[int]] = []
     lines, files, truncated = [], [], []
-    skipped = 0
+    report = Report()
     for fi, lineno, raw in items:
         where = f"{names[fi]}:{lineno}"
-        ex = render_at(tokenizer, parse_line(raw, where), where, max_length=s.max_length,
-                       template=s.chat_template, template_kwargs=s.template_kwargs)  # fmt: skip
-        if not has_anchor(ex.loss_mask):
-            skipped += 1
-            continue
-        ids.append(ex.input_ids)
-        masks.append(ex.loss_mask)
-        lines.append(lineno)
-        files.append(fi)
-        truncated.append(ex.truncated)
+        out = render_at(tokenizer, parse_line(raw, where), where, max_length=s.max_length,
+                        template=s.chat_template, template_kwargs=s.template_kwargs)  # fmt: skip
+        report.add(out, where)
+        for ex in out.rows:
+            if not has_anchor(ex.loss_mask):
+                report.skipped += 1
+                continue
+            ids.append(ex.input_ids)
+            masks.append(ex.loss_mask)
+            lines.append(lineno)
+            files.append(fi)
+            truncated.append(ex.truncated)
     lengths = np.array([len(x) for x in ids], dtype=np.int64)
     flat_ids = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(lengths.sum()))
     flat_mask = np.fromiter((m for x in masks for m in x), dtype=np.uint8, count=len(flat_ids))
     return (flat_ids, flat_mask, lengths, np.array(lines, np.int64), np.array(files, np.int32),
-            np.array(truncated, np.uint8), skipped)  # fmt: skip
+            np.array(truncated, np.uint8), report)  # fmt: skip
 
 
 def _chunks(source: DataSource) -> Iterable[list[tuple[int, int, bytes]]]:
@@ -316,22 +374,25 @@ def build(
     tmp.mkdir(parents=True)
     _JOB.update(tokenizer=tokenizer, settings=settings, names=names)
     t0 = last = time.monotonic()
-    n = tokens = supervised = skipped = 0
+    n = tokens = supervised = 0
+    report = Report()
     try:
         outs = {name: (tmp / name).open("wb") for name in (*_ARRAYS, "offsets.i64")}
         try:
             outs["offsets.i64"].write(np.zeros(1, np.int64).tobytes())
-            for ids, mask, lengths, lines, files, trunc, skip in _rendered(source, workers):
+            for ids, mask, lengths, lines, files, trunc, part in _rendered(source, workers):
                 for name, values in (("ids.i32", ids), ("mask.u8", mask), ("lines.i64", lines),
                                      ("files.i32", files), ("truncated.u8", trunc)):  # fmt: skip
                     outs[name].write(values.tobytes())
                 outs["offsets.i64"].write((tokens + np.cumsum(lengths)).tobytes())
                 n, tokens = n + len(lengths), tokens + int(lengths.sum())
-                supervised, skipped = supervised + int(mask.sum()), skipped + skip
+                supervised = supervised + int(mask.sum())
+                report.merge(part)
                 if time.monotonic() - last >= PROGRESS_S:
                     last = time.monotonic()
-                    say(f"data: tokenizing {source.describe()}: {n + skipped} conversations, "
-                        f"{(n + skipped) / (last - t0):.0f}/s, {workers} worker(s)")  # fmt: skip
+                    done = report.conversations
+                    say(f"data: tokenizing {source.describe()}: {done} conversations, "
+                        f"{done / (last - t0):.0f}/s, {workers} worker(s)")  # fmt: skip
             for f in outs.values():
                 f.flush()
                 os.fsync(f.fileno())
@@ -353,10 +414,10 @@ def build(
             "chat_template_sha256": template_digest(tokenizer, settings),
             "chat_template_kwargs": settings.template_kwargs,
             "max_length": settings.max_length,
-            "conversations": n,
+            "conversations": n,  # rows (the name of format 1, kept for readers)
             "tokens": tokens,
             "supervised": supervised,
-            "skipped": skipped,
+            **report.fields(),
             "workers": workers,
             "seconds": round(time.monotonic() - t0, 2),
             "built": time.time(),

@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
             help="Default: vllm where every target has its environment (setup --engine vllm), "
             "else transformers.",
         ),  # fmt: skip
-        max_new_tokens: int = typer.Option(2048, "--max-new-tokens", min=1, metavar="N"),
+        max_new_tokens: int = typer.Option(8192, "--max-new-tokens", min=1, metavar="N"),
         temperature: float = typer.Option(
             0.0, "--temperature", min=0.0, metavar="T", help="0: greedy (the recipe's)."
         ),

@@ -99,7 +99,18 @@ def dataset_rows(dataset: dict[str, Any]) -> dict[str, Any]:
             "dataset.engine": f"{engine.get('name')} {engine.get('version')}",
             "dataset.temperature": made.get("temperature"),
             "dataset.max_new_tokens": made.get("max_new_tokens"),
+            "dataset.cut": cut_share(made),
             "dataset.chat_template_kwargs": made.get("chat_template_kwargs")}  # fmt: skip
+
+
+def cut_share(made: dict[str, Any]) -> str | None:
+    """How many replies ended at the length limit, e.g. "12 of 480 replies (2.5%)"."""
+    cut, replies = made.get("cut"), made.get("replies")
+    if cut is None:
+        return None
+    if not replies:
+        return f"{cut} replies"
+    return f"{cut} of {replies} replies ({100 * cut / replies:.1f}%)"
 
 
 def dataset_line(dataset: dict[str, Any]) -> str:
@@ -107,9 +118,11 @@ def dataset_line(dataset: dict[str, Any]) -> str:
     if not made:
         return f"  data: {dataset.get('path') or '(unset)'}"
     rows = dataset_rows(dataset)
+    cut = rows["dataset.cut"]
+    cut = f", cut at max_new_tokens {rows['dataset.max_new_tokens']}: {cut}" if cut else ""
     return (f"  data: {dataset['path']} (datagen: target {rows['dataset.target']}, engine "
             f"{rows['dataset.engine']}, temperature {rows['dataset.temperature']}, chat template "
-            f"kwargs {json.dumps(rows['dataset.chat_template_kwargs'])})")  # fmt: skip
+            f"kwargs {json.dumps(rows['dataset.chat_template_kwargs'])}{cut})")  # fmt: skip
 
 
 def read_config(view: RunView) -> tuple[dict[str, Any], str]:

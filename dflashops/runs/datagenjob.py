@@ -374,7 +374,7 @@ def finalize(machine: Machine, head: RunView) -> dict[str, Any]:
 
 def dataset_of(machine: Machine, data_path: str) -> dict[str, Any] | None:
     """What a datagen dataset's manifest says of how it was made (None: not one, or not
-    readable there): {"target", "engine", "temperature", "max_new_tokens",
+    readable there): {"target", "engine", "temperature", "max_new_tokens", "cut", "replies",
     "chat_template_kwargs", "complete", "input", "done"}."""
     found = machine.run(["cat", "--", posixpath.join(data_path, MANIFEST)])
     if machine.dry_run or not found.ok:
@@ -390,4 +390,5 @@ def dataset_of(machine: Machine, data_path: str) -> dict[str, Any] | None:
             "temperature": sampling.get("temperature"),
             "max_new_tokens": sampling.get("max_new_tokens"),
             "chat_template_kwargs": m.get("chat_template_kwargs"),
-            "complete": m.get("complete"), "input": m.get("input"), "done": m.get("done")}  # fmt: skip
+            "complete": m.get("complete"), "input": m.get("input"), "done": m.get("done"),
+            "cut": m.get("cut"), "replies": m.get("replies")}  # fmt: skip

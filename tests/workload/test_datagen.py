@@ -501,3 +501,130 @@ def test_a_stop_of_the_pid_in_state_json_stops_every_local_rank(tiny_dense, tmp_
     beats = [json.loads((out / "ranks" / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [b["status"] for b in beats] == ["stopped", "stopped"]
     assert sum(b["done"] + b["failed"] + b["skipped"] for b in beats) < 240
+
+
+# ---------------------------------------------------------------- the engine's own tokens
+
+
+@pytest.fixture(scope="module")
+def thinking_target(tiny_dense, tmp_path_factory) -> Path:
+    """The tiny target served with a Qwen3.5-like thinking template (tests/workload/test_rows.py):
+    its generation prompt opens a think block, earlier turns lose their reasoning."""
+    from transformers import AutoTokenizer
+
+    from tests.workload.test_rows import QWEN35_LIKE
+
+    target = tmp_path_factory.mktemp("thinking") / "target"
+    shutil.copytree(tiny_dense / "target", target)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = QWEN35_LIKE
+    tok.save_pretrained(target)
+    return target
+
+
+THINK_NEW = 24  # short enough that some replies are cut, long enough that some stop
+
+
+@pytest.fixture(scope="module")
+def thinking_runs(thinking_target, corpus, tmp_path_factory) -> dict[str, Path]:
+    runs = {}
+    for engine in ("transformers",):
+        out = tmp_path_factory.mktemp(f"think-{engine}") / "data"
+        argv = datagen_argv(sys.executable, corpus, thinking_target, out, "--engine", engine,
+                            "--chunk", "8")  # fmt: skip
+        argv[argv.index("--max-new-tokens") + 1] = str(THINK_NEW)
+        r = run(argv)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[engine] = out
+    return runs
+
+
+def test_records_keep_the_engines_prompt_and_reply_ids(thinking_runs, thinking_target):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(thinking_target)
+    out = thinking_runs["transformers"]
+    records, lengths = outputs(out), 0
+    assert any(len(r["turns"]) > 1 for r in records)
+    for rec in records:
+        points = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+        assert len(rec["turns"]) == len(points)
+        for i, turn in zip(points, rec["turns"], strict=True):
+            served = tok.apply_chat_template(rec["messages"][:i], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+            assert served.endswith("<|im_start|>assistant\n<think>\n")
+            assert turn["prompt_ids"] == tok(served, add_special_tokens=False)["input_ids"]
+            reply = turn["reply_ids"]
+            if turn["finish_reason"] == "stop":
+                assert reply[-1] == tok.eos_token_id and tok.eos_token_id not in reply[:-1]
+                reply = reply[:-1]
+            else:
+                assert len(reply) == THINK_NEW and tok.eos_token_id not in reply
+                lengths += 1
+            assert tok.decode(reply, skip_special_tokens=True) == rec["messages"][i]["content"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cut"] == lengths > 0
+    assert lengths < sum(len(r["turns"]) for r in records)  # some stopped: both kinds checked
+
+
+def test_the_store_trains_a_datagen_dataset_from_its_ids(thinking_runs, thinking_target, tmp_path):
+    from workload.data_source import open_source
+    from workload.token_store import RenderSettings, TokenStore, build
+
+    out = thinking_runs["transformers"]
+    turns = [t for r in outputs(out) for t in r["turns"]]
+    # a template that cannot render these conversations: the ids are trained, not re-rendered
+    header = build(open_source(out), None, RenderSettings(4096, "{{ raise_exception('no') }}"),
+                   tmp_path / "store", key="k", digests={"source": "s", "tokenizer": "t"},
+                   say=lambda m: None)  # fmt: skip
+    store = TokenStore(tmp_path / "store")
+    rows = [store.example(i) for i in range(len(store))]
+    assert header["turns"] == len(turns) and header["cut"] == sum(
+        t["finish_reason"] == "length" for t in turns
+    )
+    assert not header["unplaced"]
+    # earlier turns lose the think block in the next prompt: every turn is a row of its own,
+    # its prompt then its reply exactly, the reply alone supervised (a cut one: no end token)
+    assert len(rows) + header["skipped"] == len(turns)
+    served = {(tuple(t["prompt_ids"]), tuple(t["reply_ids"])) for t in turns}
+    for row in rows:
+        n = row.loss_mask.index(1)
+        assert (tuple(row.input_ids[:n]), tuple(row.input_ids[n:])) in served
+        assert row.loss_mask == [0] * n + [1] * (len(row.input_ids) - n)
+
+
+@needs_vllm
+def test_vllm_keeps_the_same_token_ids_as_transformers(thinking_runs, thinking_target, corpus,
+                                                       vllm_python, tmp_path):  # fmt: skip
+    out = tmp_path / "data"
+    argv = datagen_argv(vllm_python, corpus, thinking_target, out, "--chunk", "8")
+    argv[argv.index("--max-new-tokens") + 1] = str(THINK_NEW)
+    r = run(argv, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    def turns(d: Path) -> dict[str, list]:
+        return {rec["source"]: rec["turns"] for rec in outputs(d)}
+
+    assert turns(out) == turns(thinking_runs["transformers"])
+    cut = [json.loads((d / "manifest.json").read_text())["cut"]
+           for d in (out, thinking_runs["transformers"])]  # fmt: skip
+    assert cut[0] == cut[1] > 0
+
+
+def test_a_thinking_multi_turn_dataset_trains(thinking_runs, thinking_target, tiny_dense,
+                                              tmp_path):  # fmt: skip
+    import torch.distributed as dist
+
+    from tests.workload.test_train import config, read_log
+    from workload import train as T
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    run_dir = tmp_path / "run"
+    cfg = config(tiny_dense, f"data.path={thinking_runs['transformers']}",
+                 f"target.path={thinking_target}", "optim.max_steps=2",
+                 f"data.cache_dir={tmp_path / 'tokens'}")  # fmt: skip
+    assert T.train(cfg, run_dir) == 0
+    assert [r["step"] for r in read_log(run_dir)] == [1, 2]
+    audit = {i["key"]: i for i in json.loads((run_dir / "audit.json").read_text())}
+    assert audit["dataset.cut"]["level"] == "warn"  # max_new_tokens 24: most replies cut
