@@ -19,6 +19,7 @@ from dflashops.errors import UsageError
 from dflashops.runs.config import resolve_config
 from dflashops.runs.evaljob import Extra
 from dflashops.runs.launch import launch as start_run
+from dflashops.runs.rehearse import check_config
 from dflashops.runs.view import check_name
 from dflashops.runs.watch import then_follow
 
@@ -101,6 +102,8 @@ def register(app: typer.Typer) -> None:
         if eval_every is not None and eval_every < 1:
             raise UsageError(f"--eval-every {eval_every}: a number of steps, >= 1")
         text = resolve_config(config, sets or [], run)
+        if opts.dry_run:
+            check_config(run, text)
         values = _options.secret_values(secrets or [])
         inventory = opts.inventory()
         targets = [inventory.target(name) for name in _options.parse_hosts(host)]

@@ -352,13 +352,20 @@ def show_plan(
 ) -> None:
     """Under --dry-run: the memory plan from the snapshot already in node 0 (nothing is sent)."""
     node = placement.nodes[0]
+    machine = reader.machine(node.target)
+    if machine.dry_run:  # an offline reader: the plan needs node 0's target config.json
+        context.note(
+            f"{placement.run}: memory plan: not computed under --dry-run (it reads the target "
+            f"model's config.json on {node.target.name}; there: python -m workload.plan "
+            "--config run.yaml --nproc N)"
+        )
+        return
     if not seen.have_code(node.target, code):
         context.note(
             f"{placement.run}: memory plan: not shown (the workload snapshot is not on "
             f"{node.target.name} yet; a real launch sends it and prints the plan first)"
         )
         return
-    machine = reader.machine(node.target)
     argv = plan_argv(placement, node, seen)
     argv[argv.index("run.yaml")] = "/dev/stdin"
     result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())

@@ -1,0 +1,65 @@
+"""What `--dry-run` checks here, with no host: a run config validated by the workload's own
+loader (workload/config.py, which imports no torch) in a subprocess of the local python, so the
+operator itself never imports the workload (nor torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dflashops import bundle, context
+from dflashops.errors import UsageError
+
+CHECK_S = 60.0  # the deadline of the local check (it reads one YAML file)
+
+# Runs in the subprocess: argv[1] is run.yaml; prints {"error": str|null, "skipped": str|null}.
+CHECK_PROGRAM = """
+import json, sys
+try:
+    from workload.config import ConfigError, load_config
+except ImportError as exc:
+    print(json.dumps({"error": None, "skipped": f"the workload's loader cannot run here ({exc})"}))
+    raise SystemExit(0)
+try:
+    load_config(sys.argv[1])
+    print(json.dumps({"error": None, "skipped": None}))
+except ConfigError as exc:
+    text = str(exc)
+    if "drafter.layout_from" in text and "not a drafter's config.json" in text:
+        print(json.dumps({"error": None, "skipped": "drafter.layout_from is read on the target"}))
+    else:
+        print(json.dumps({"error": text, "skipped": None}))
+"""
+
+
+def check_config(run: str, text: str) -> None:
+    """run.yaml's text (with its --set header) checked offline: UsageError (exit 2) naming the
+    key (and `did you mean`) for a bad one; a note when the check could not run here."""
+    with tempfile.TemporaryDirectory(prefix="dflashops-dry-") as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(text)
+        env = {**os.environ, "PYTHONPATH": str(bundle.ROOT)}
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", CHECK_PROGRAM, str(path)],
+                capture_output=True, env=env, timeout=CHECK_S, cwd=tmp, check=False,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            context.note(f"{run}: config: not checked here (no answer in {CHECK_S:.0f} s)")
+            return
+    try:
+        found = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        context.note(f"{run}: config: not checked here ({last})")
+        return
+    if found.get("error"):
+        raise UsageError(f"{run}: config: {found['error']}")
+    if found.get("skipped"):
+        context.note(f"{run}: config: checked here, except: {found['skipped']}")
+        return
+    context.note(f"{run}: config: valid (checked here by workload.config)")
