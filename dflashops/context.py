@@ -62,9 +62,7 @@ class Context:
             return
         from dflashops.ssh.session import Session
 
-        reader = Session(
-            self.inventory(), offline=True, announce=note, timeout=self.deadline()
-        )
+        reader = Session(self.inventory(), offline=True, announce=note, timeout=self.deadline())
         try:
             yield reader, writer
         finally:

@@ -9,10 +9,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import typer
+
 from dflashops import bundle, context
-from dflashops.errors import UsageError
+from dflashops.errors import NotFoundError, UnreachableError, UsageError
+from dflashops.ssh.session import Session
 
 CHECK_S = 60.0  # the deadline of the local check (it reads one YAML file)
 
@@ -63,3 +68,25 @@ def check_config(run: str, text: str) -> None:
         context.note(f"{run}: config: checked here, except: {found['skipped']}")
         return
     context.note(f"{run}: config: valid (checked here by workload.config)")
+
+
+def reads_remote(session: Session) -> bool:
+    """Whether a read through `session` was left undone (offline, a target not `local`)."""
+    targets = session.inventory.targets.values()
+    return session.offline and any(t.kind != "local" for t in targets)
+
+
+@contextmanager
+def unread_is_said(session: Session, what: str) -> Iterator[None]:
+    """Under --dry-run, a run (or checkpoint) not found because the hosts were not read is
+    said, and the rehearsal ends there (exit 0), instead of failing."""
+    try:
+        yield
+    except (NotFoundError, UnreachableError) as exc:
+        if not reads_remote(session):
+            raise
+        context.note(
+            f"dry run: {what}: found by reading the hosts, which --dry-run does not do "
+            f"({exc.message}); the rest is shown by the command without --dry-run"
+        )
+        raise typer.Exit(0) from None
