@@ -90,3 +90,29 @@ def unread_is_said(session: Session, what: str) -> Iterator[None]:
             f"({exc.message}); the rest is shown by the command without --dry-run"
         )
         raise typer.Exit(0) from None
+
+
+def local_plan(run: str, text: str, argv: list[str], target_config: str) -> dict | None:
+    """workload.plan run here on run.yaml's text against the target model's config.json
+    (`--target-config`): the plan, or None (said) where it cannot run here (no torch)."""
+    with tempfile.TemporaryDirectory(prefix="dflashops-dry-") as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(text)
+        argv = [sys.executable, *argv[1:], "--target-config", target_config]
+        argv[argv.index("run.yaml")] = str(path)
+        env = {**os.environ, "PYTHONPATH": str(bundle.ROOT)}
+        try:
+            done = subprocess.run(argv, capture_output=True, env=env, timeout=CHECK_S * 4,
+                                  cwd=tmp, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            context.note(f"{run}: memory plan: not computed here (no answer in time)")
+            return None
+    err = done.stderr.decode(errors="replace").strip().splitlines()
+    if done.returncode == 2:
+        raise UsageError(f"{run}: {(err or ['bad input'])[-1].removeprefix('error: ')}")
+    if done.returncode != 0:
+        why = "no torch here" if any("No module named 'torch'" in e for e in err) else (
+            err or ["failed"])[-1]  # fmt: skip
+        context.note(f"{run}: memory plan: not computed here ({why})")
+        return None
+    return json.loads(done.stdout)

@@ -130,3 +130,18 @@ def test_the_shipped_inventory_cites_the_contract_it_ships_with():
     head = (ROOT / "hosts.yaml").read_text().splitlines()[0]
     assert "docs/contracts.md" in head and "../shared" not in head
     assert (ROOT / "docs" / "contracts.md").is_file()
+
+
+def test_the_memory_plan_is_computed_here_from_a_copy_of_the_target_config(
+    inventory, host, tmp_path
+):
+    from tests.operator.tiny_target import tiny_build
+
+    ran = run(inventory, tmp_path, "launch", "r3", "--host", "ct200", *TINY, "--dry-run",
+              "--target-config", str(tiny_build() / "target"))  # fmt: skip
+    assert ran.code == 0, ran.err
+    assert "r3: memory plan per rank (2 ranks, sharding " in ran.err, ran.err
+    alone = run(inventory, tmp_path, "launch", "r3", "--host", "ct200", *TINY,
+                "--target-config", "/nowhere")  # fmt: skip
+    assert alone.code == 2 and "--target-config goes with --dry-run" in alone.err, alone.err
+    assert host.accepted == 0
