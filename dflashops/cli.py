@@ -14,6 +14,7 @@ from dflashops.commands import (
     compare,
     datagen,
     diff,
+    doctor,
     eval_cmd,
     evals,
     exec_cmd,
@@ -98,7 +99,7 @@ def global_options(
     )
 
 
-for module in (hosts, exec_cmd, shell, push, run_script, setup):
+for module in (hosts, exec_cmd, shell, push, run_script, setup, doctor):
     module.register(app)
 for module in (
     launch,
