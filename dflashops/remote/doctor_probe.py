@@ -2,7 +2,7 @@
 facts a run needs, as one JSON object on stdout; the operator judges them (runs/doctor.py).
 
 stdin: {"python": the target's python, "ws": its workspace, "model": the config's target.path
-or null, "engines": {name: python}}. Every command it starts has a deadline."""
+or null, "engines": {name: python}, "torch": whether to import it}. Every command it starts has a deadline."""
 
 from __future__ import annotations
 
@@ -54,9 +54,11 @@ def gpus() -> dict:
     return found
 
 
-def torch_of(python: str) -> dict:
+def torch_of(python: str, look: bool) -> dict:
     if not os.path.exists(python) and not shutil.which(python):
         return {"python": False}
+    if not look:
+        return {"python": True}
     code, out = call([python, "-c", TORCH], timeout=120)
     if code != 0:
         return {"python": True, "torch": None}
@@ -98,7 +100,7 @@ def main() -> None:
         "disk": space(req.get("ws") or "/"),
         "shm": space("/dev/shm"),
         "gpu": gpus(),
-        "target": torch_of(req.get("python") or "python3"),
+        "target": torch_of(req.get("python") or "python3", req.get("torch", True)),
         "model": model(req.get("model")),
         "engines": {n: os.path.exists(p) for n, p in (req.get("engines") or {}).items()},
     }

@@ -41,14 +41,16 @@ class Check:
         return f"{self.state:<8} {self.name}: {self.text}{fix}"
 
 
-def read(machine: Machine, model: str | None) -> dict[str, Any]:
-    """The facts of the target in one round trip."""
+def read(machine: Machine, model: str | None, *, torch: bool = True) -> dict[str, Any]:
+    """The facts of the target in one round trip (`torch`: import it in the target's python,
+    for its CUDA version)."""
     target = machine.target
     request = {
         "python": target.python,
         "ws": target.workspace,
         "model": model,
         "engines": {name: engines.python_of(target, name) for name in ENGINES},
+        "torch": torch,
     }
     result = remote.run(machine, "doctor_probe.py", stdin=json.dumps(request).encode(),
                         what="the doctor's probe")  # fmt: skip
