@@ -82,7 +82,7 @@ def judge(target: Target, facts: dict[str, Any], model: str | None) -> list[Chec
         python_check(target, facts),
         venv_check(facts),
         present(facts, "tmux", "tmux", "runs live in its sessions"),
-        disk_check(facts, gpu, model),
+        disk_check(target, facts, gpu, model),
         shm_check(target, facts, gpu),
         build_check(facts, gpu),
         numa_check(facts, gpu),
@@ -191,7 +191,7 @@ def present(facts: dict[str, Any], key: str, name: str, why: str) -> Check:
                  package=APT[key])  # fmt: skip
 
 
-def disk_check(facts: dict[str, Any], gpu: bool, model_path: str | None) -> Check:
+def disk_check(target: Target, facts: dict[str, Any], gpu: bool, model_path: str | None) -> Check:
     disk = facts.get("disk") or {}
     free = disk.get("free", 0)
     found = facts.get("model") or {}
@@ -204,15 +204,17 @@ def disk_check(facts: dict[str, Any], gpu: bool, model_path: str | None) -> Chec
     text = f"{human_bytes(free)} free at {disk.get('path')}, {human_bytes(need)} wanted ({why})"
     if free >= need:
         return Check("disk", "ok", text)
-    return Check("disk", "missing", text, "free space there, or grow the container's disk on the "
-                 "Proxmox host: pct resize VMID rootfs +100G")  # fmt: skip
+    grow = f"pct resize {target.vmid} rootfs +100G" if target.vmid else "grow its disk"
+    return Check("disk", "missing", text, f"free space there, or on the Proxmox host: {grow}")
 
 
 def shm_check(target: Target, facts: dict[str, Any], gpu: bool) -> Check:
     size = (facts.get("shm") or {}).get("size", 0)
     text = f"/dev/shm is {human_bytes(size)}"
-    if size >= SHM_FLOOR or not gpu:
-        return Check("/dev/shm", "ok" if size >= SHM_FLOOR else "skip", f"{text} (NCCL: GPU runs)")
+    if size >= SHM_FLOOR:
+        return Check("/dev/shm", "ok", text)
+    if not gpu:
+        return Check("/dev/shm", "skip", f"{text} (small for NCCL; only GPU runs use it)")
     fix = "the Proxmox host's owner mounts a larger one (setup prints the line)"
     line = "  lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=16G,create=dir 0 0"
     where = f"/etc/pve/lxc/{target.vmid}.conf" if target.vmid else "the container's config"
@@ -227,7 +229,7 @@ def build_check(facts: dict[str, Any], gpu: bool) -> Check:
     lacking = ", ".join(n for n, h in zip(("a C++ compiler", "CUDA headers"), have, strict=True)
                         if not h)  # fmt: skip
     return Check("compiler + CUDA headers", "missing" if gpu else "skip",
-                 f"no {lacking} (causal-conv1d builds against them on GPU targets)",
+                 f"lacks {lacking} (causal-conv1d builds against them on GPU targets)",
                  "apt-get install build-essential and the CUDA toolkit of torch's CUDA")  # fmt: skip
 
 
