@@ -37,6 +37,10 @@ def install_packages(machine: Machine, facts: dict) -> dict[str, str]:
     wanted = missing_packages(facts)
     if not wanted:
         return {}
+    if machine.target.kind != "pct":  # not a container of ours: said, never installed
+        for package in wanted:
+            context.note(f"{machine.name}: {package} missing (doctor says what it is for)")
+        return dict.fromkeys(wanted, "not a container: not installed")
     if not facts.get("root") or not facts.get("apt"):
         why = "not root there" if not facts.get("root") else "no apt-get there"
         for package in wanted:
