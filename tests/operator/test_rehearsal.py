@@ -100,12 +100,15 @@ def test_a_config_typo_is_found_offline(inventory, host, tmp_path, item, said):
     assert host.accepted == 0
 
 
-def test_eval_pull_and_datagen_rehearsed_say_what_needs_a_host(inventory, host, tmp_path):
+def test_eval_pull_datagen_and_the_others_rehearsed_say_what_needs_a_host(
+    inventory, host, tmp_path
+):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello"}\n')
     for args in (["eval", "r1", "--step", "10", "--on", "ct129"],
                  ["eval", "r1", "--every", "10", "--on", "ct129"],
-                 ["pull-ckpt", "10", "--to", "ct129", "--run", "r1"]):  # fmt: skip
+                 ["pull-ckpt", "10", "--to", "ct129", "--run", "r1"], ["stop", "r1"],
+                 ["resume", "r1"], ["archive", "r1"], ["attach", "r1"]):  # fmt: skip
         ran = run(inventory, tmp_path, *args, "--dry-run")
         assert ran.code == 0, (args, ran.err)
         assert "dry run: run r1: found by reading the hosts, which --dry-run does not do" in ran.err
