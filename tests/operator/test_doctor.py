@@ -76,3 +76,36 @@ def test_doctor_names_each_problem_and_setup_fixes_what_it_can(
     assert not lines_of(well, "missing") and not lines_of(well, "wrong"), well.out
     assert {"tmux", "python3-venv", "disk", "python"} <= set(lines_of(well, "ok")), well.out
     assert well.out.splitlines()[-1] == "ct: ready for tiny"
+
+
+# What doctor_probe.py read in a real container with one H200 (driver 580.159.04, CUDA 13.0,
+# torch 2.11.0+cu130), recorded on the project's GPU machine: the GPU lines judged from it.
+H200_FACTS = Path(__file__).with_name("h200_facts.json")
+
+
+def gpu_lines(gpus: int, **torch: str) -> list[str]:
+    import json
+
+    from dflashops.inventory import Target
+    from dflashops.runs.doctor import judge
+
+    facts = json.loads(H200_FACTS.read_text())
+    facts["target"].update(torch)
+    box = Target(name="gpubox", kind="local", workspace="/tmp", python="python3", gpus=gpus)
+    return [c.line() for c in judge(box, facts, "/workspace/hf/Qwen3.6-27B")]
+
+
+def test_a_gpu_container_as_recorded_passes_and_a_wrong_count_or_cuda_is_named():
+    ready = gpu_lines(1)
+    assert "ok       nvidia-smi: 1 GPU(s), NVIDIA H200, driver 580.159.04 (CUDA 13.0)" in ready
+    assert "ok       torch CUDA: torch 2.11.0+cu130 for CUDA 13.0 <= driver's 13.0" in ready
+    assert not [line for line in ready if line.startswith(("missing", "wrong"))], ready
+    assert ("wrong    GPU count: hosts.yaml says gpus: 8, the container shows 1: set gpus: 1 "
+            "for gpubox, or pass the others through") in gpu_lines(8)  # fmt: skip
+    newer = gpu_lines(1, torch="2.13.0+cu132", cuda="13.2")
+    assert ("wrong    torch CUDA: torch 2.13.0+cu132 is built for CUDA 13.2, the driver supports "
+            "up to 13.0: install torch for an older CUDA, or update the host's driver") in newer  # fmt: skip
+    cpu = gpu_lines(1, torch="2.13.0+cpu", cuda=None)
+    assert any(
+        line.startswith("wrong    torch CUDA: torch 2.13.0+cpu is a CPU build") for line in cpu
+    )
