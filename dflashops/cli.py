@@ -14,6 +14,7 @@ from dflashops.commands import (
     compare,
     datagen,
     diff,
+    doctor,
     eval_cmd,
     evals,
     exec_cmd,
@@ -98,7 +99,7 @@ def global_options(
     )
 
 
-for module in (hosts, exec_cmd, shell, push, run_script, setup):
+for module in (hosts, exec_cmd, shell, push, run_script, setup, doctor):
     module.register(app)
 for module in (
     launch,
@@ -124,8 +125,20 @@ for module in (
 complete.attach(app)
 
 
+def dry_run_first(argv: list[str]) -> list[str]:
+    """`--dry-run` given after the verb (`launch RUN ... --dry-run`) moved before it, where
+    the global option is read; nothing after a `--` (exec's ARGV) is touched."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--dry-run" not in argv[:end]:
+        return argv
+    rest = [a for i, a in enumerate(argv) if i >= end or a != "--dry-run"]
+    return ["--dry-run", *rest]
+
+
 def main() -> None:
-    app(prog_name="dflashops")
+    import sys
+
+    app(args=dry_run_first(sys.argv[1:]), prog_name="dflashops")
 
 
 if __name__ == "__main__":

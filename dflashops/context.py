@@ -53,15 +53,16 @@ class Context:
 
     @contextmanager
     def sessions(self) -> Iterator[tuple[Any, Any]]:
-        """(reader, writer) Sessions. Under --dry-run reads still happen (they change nothing),
-        so the plan shown is the real one, while every write is only printed."""
+        """(reader, writer) Sessions. Under --dry-run no connection is opened: every write is
+        only printed (stdout), a read of a remote target is only said (stderr: it needs the
+        host) and comes back empty; a `local` target is still read (it changes nothing)."""
         writer = self.session()
         if not self.dry_run:
             yield writer, writer
             return
         from dflashops.ssh.session import Session
 
-        reader = Session(self.inventory(), dry_run=False, announce=note, timeout=self.deadline())
+        reader = Session(self.inventory(), offline=True, announce=note, timeout=self.deadline())
         try:
             yield reader, writer
         finally:

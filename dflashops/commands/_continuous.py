@@ -11,13 +11,14 @@ from dflashops.inventory import Target
 from dflashops.render import console
 from dflashops.runs.evaljob import Extra
 from dflashops.runs.follow import start_follow
+from dflashops.runs.rehearse import unread_is_said
 
 
 def continuous(
     opts: context.Context, as_json: bool, run: str, every: int, dest: Target, extra: Extra
 ) -> None:
     """Start it and say where it runs (it is detached: the command returns)."""
-    with opts.sessions() as (reader, writer):
+    with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
         job = start_follow(reader, writer, run, every, dest, extra)
     if opts.dry_run:
         opts.dry_run_done(run=run, every=every, on=dest.name, job=job["dir"])

@@ -38,6 +38,7 @@ COMMAND_TIMEOUT_S = {
             "eval",
             "archive",
             "datagen",
+            "doctor",
         ),
         120.0,
     ),

@@ -13,6 +13,7 @@ from dflashops.errors import UsageError
 from dflashops.render import console, human_bytes, styled, table
 from dflashops.runs.archive import Plan, archive_dir, make_plan
 from dflashops.runs.archive import archive as archive_run
+from dflashops.runs.rehearse import unread_is_said
 from dflashops.runs.stop import running
 from dflashops.runs.survey import find
 from dflashops.runs.view import RunView
@@ -43,7 +44,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--keep-last: expected 0 or more")
         if keep_every is not None and keep_every < 1:
             raise UsageError("--keep-every: expected 1 or more")
-        with opts.sessions() as (reader, writer):
+        what = f"run {run}" if run else "the newest running run"
+        with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = find(reader, run, host=host, records="none", checkpoints=True)
             if view.where == "archive":
                 raise UsageError(f"{run} is already archived ({view.target}:{view.dir})")

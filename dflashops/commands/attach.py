@@ -18,6 +18,7 @@ from dflashops import context
 from dflashops.attached import on_terminal
 from dflashops.commands import _options
 from dflashops.errors import NotFoundError
+from dflashops.runs.rehearse import unread_is_said
 from dflashops.runs.survey import resolve
 from dflashops.runs.view import RunView, tmux_session
 
@@ -61,7 +62,8 @@ def register(app: typer.Typer) -> None:
         C-b d detaches (exit 0); the run goes on.
         """
         opts = context.get(ctx)
-        with opts.sessions() as (reader, writer):
+        what = f"run {run}" if run else "the newest running run"
+        with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = on_node(resolve(reader, run, host=host, records="none"), node)
             console = posixpath.join(view.dir, "console.log")
             argv = ["/bin/sh", "-c", ATTACH, "sh", tmux_session(view.name), console]

@@ -33,6 +33,7 @@ from dflashops.render import console, metric, table
 from dflashops.runs.evaljob import Extra, newest_job, read_result, start_eval
 from dflashops.runs.evaljob import follow as follow_job
 from dflashops.runs.evals import engine_note, gap, real_rounds
+from dflashops.runs.rehearse import unread_is_said
 from dflashops.runs.serve import concurrency_levels, parse_vs, serve_result_path
 from dflashops.runs.serve_view import show_serve
 from dflashops.runs.view import check_name, eval_result_path
@@ -151,7 +152,7 @@ def register(app: typer.Typer) -> None:
                       else None, parse_vs(vs))  # fmt: skip
         if every is not None:
             return continuous(opts, as_json, run, every, dest, extra)
-        with opts.sessions() as (reader, writer):
+        with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
             job = start_eval(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:
                 opts.dry_run_done(run=run, steps=chosen, on=dest.name, job=job["dir"])

@@ -11,11 +11,20 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.errors import ExitCode, HostKeyError, NoAnswerError, OpsError, UsageError
+from dflashops.errors import (
+    ExitCode,
+    HostKeyError,
+    NoAnswerError,
+    NotFoundError,
+    OpsError,
+    UsageError,
+)
 from dflashops.inventory import Endpoint, Inventory, Target
 from dflashops.runs import probe as runs_probe
 from dflashops.runs.probe import Probe
+from dflashops.ssh.config import resolve
 from dflashops.tables import Col, Grid
+from dflashops.yamlfile import did_you_mean
 
 # Run inside each target: free disk under the workspace (or its nearest existing parent),
 # GPU count, whether the target's python runs. Paths arrive as arguments, never inlined.
@@ -96,7 +105,9 @@ def register(app: typer.Typer) -> None:
         """Show a host's SSH key fingerprint and pin it (asks first)."""
         opts = context.get(ctx)
         session = opts.session()
-        pin_key(session, session.endpoint(host), yes)
+        endpoint = session.endpoint(host)
+        not_a_typo(session, host, endpoint)
+        pin_key(session, endpoint, yes)
 
     app.add_typer(group, name="hosts")
 
@@ -286,6 +297,20 @@ def _held(gpu: dict) -> str:
 
 def _dash(value: object) -> str:
     return "-" if value is None else str(value)
+
+
+def not_a_typo(session, host: str, endpoint: Endpoint) -> None:  # noqa: ANN001
+    """A bare name that is neither in the inventory nor an ~/.ssh/config alias, but close to
+    a name of the inventory, is a typo: said (exit 4) before any DNS lookup."""
+    inventory = session.inventory
+    names = [*inventory.hosts, *(t.name for t in inventory.targets.values() if t.kind == "ssh")]
+    if host in names or any(c in host for c in "@:,.") or endpoint.user or endpoint.port:
+        return
+    if resolve(endpoint).hostname != host:  # an ~/.ssh/config alias
+        return
+    hint = did_you_mean(host, names)
+    if hint:
+        raise NotFoundError(f"{host}: not a host of the inventory{hint}")
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001

@@ -19,6 +19,7 @@ from dflashops.errors import UsageError
 from dflashops.runs.config import resolve_config
 from dflashops.runs.evaljob import Extra
 from dflashops.runs.launch import launch as start_run
+from dflashops.runs.rehearse import check_config
 from dflashops.runs.view import check_name
 from dflashops.runs.watch import then_follow
 
@@ -88,6 +89,13 @@ def register(app: typer.Typer) -> None:
         eval_max_prompts: int = typer.Option(
             None, "--eval-max-prompts", metavar="N", help="Its evaluator's --max-prompts."
         ),
+        target_config: str = typer.Option(
+            None,
+            "--target-config",
+            metavar="PATH",
+            help="With --dry-run: a local copy of the target model's config.json (or its "
+            "directory), for the memory plan computed here (where torch is installed).",
+        ),
         follow: bool = _options.FOLLOW_OPTION,
         wait: float = _options.WAIT_OPTION,
         json_out: bool = _options.JSON_OPTION,
@@ -101,6 +109,10 @@ def register(app: typer.Typer) -> None:
         if eval_every is not None and eval_every < 1:
             raise UsageError(f"--eval-every {eval_every}: a number of steps, >= 1")
         text = resolve_config(config, sets or [], run)
+        if target_config is not None and not opts.dry_run:
+            raise UsageError("--target-config goes with --dry-run (a launch reads the target's)")
+        if opts.dry_run:
+            check_config(run, text)
         values = _options.secret_values(secrets or [])
         inventory = opts.inventory()
         targets = [inventory.target(name) for name in _options.parse_hosts(host)]
@@ -108,7 +120,7 @@ def register(app: typer.Typer) -> None:
         skip = set(_options.parse_hosts(skip_unreadable)) if skip_unreadable else set()
         with opts.sessions() as (reader, writer):
             done = start_run(reader, writer, run, targets, text, values, skip=skip, force=force,
-                             nproc=nproc, wait=wait)  # fmt: skip
+                             nproc=nproc, wait=wait, target_config=target_config)  # fmt: skip
             if done.view is None:
                 opts.dry_run_done(run=run, targets=[t.name for t in targets],
                                   nodes=done.placement.record())  # fmt: skip

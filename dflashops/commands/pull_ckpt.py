@@ -15,6 +15,7 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import human_bytes
 from dflashops.runs.pulls import MANIFEST, pull
+from dflashops.runs.rehearse import unread_is_said
 from dflashops.runs.survey import resolve
 
 
@@ -37,7 +38,8 @@ def register(app: typer.Typer) -> None:
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
         dest = opts.inventory().target(to)
-        with opts.sessions() as (reader, writer):
+        what = f"run {run}" if run else "the newest running run"
+        with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = resolve(reader, run, records="none", host=host)
             done = pull(reader, writer, view, step, dest)
         if opts.dry_run:

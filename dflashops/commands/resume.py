@@ -9,6 +9,7 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.runs.rehearse import unread_is_said
 from dflashops.runs.resume import resume as start_again
 from dflashops.runs.survey import find
 from dflashops.runs.watch import then_follow
@@ -35,7 +36,8 @@ def register(app: typer.Typer) -> None:
         opts = context.get(ctx)
         opts.want_json(json_out)
         values = _options.secret_values(secrets or [])
-        with opts.sessions() as (reader, writer):
+        what = f"run {run}" if run else "the newest running run"
+        with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = find(reader, run, host=host, checkpoints=True, records="none",
                         files=["launch.json"])  # fmt: skip
             started = start_again(reader, writer, view, values, update_code=update_code,

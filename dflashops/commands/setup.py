@@ -12,6 +12,7 @@ from dflashops import bundle, context, engines, transfer
 from dflashops.commands import _options
 from dflashops.errors import OpsError, UsageError
 from dflashops.render import Stopwatch, progress
+from dflashops.runs import doctor, prepare
 from dflashops.targets.base import Machine
 
 
@@ -61,14 +62,19 @@ def register(app: typer.Typer) -> None:
             engines.check_name(engine)
         machine = opts.session().machine(target)
         clock = Stopwatch()
-        report = {"target": target, "python": ensure_python(machine)}
+        facts = doctor.read(machine, None, torch=False)
+        report: dict = {"target": target, "packages": prepare.install_packages(machine, facts)}
+        report["python"] = ensure_python(machine)
         if not no_install:
             install(machine, reqs, wheels)
             report["installed_from"] = "wheels" if wheels else "index"
         report["sync"] = sync_workload(machine)
         if engine is not None:
             report["engine"] = ensure_engine(machine, engine, torch_index)
+        report["host_owner"] = prepare.host_lines(machine, facts)
         report["seconds"] = round(clock.seconds, 1)
+        for line in report["host_owner"]:
+            context.note(line)
         if opts.json:
             opts.emit(report)
         elif not opts.dry_run:

@@ -10,6 +10,7 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.runs import stop as stopping
+from dflashops.runs.rehearse import unread_is_said
 from dflashops.runs.survey import find
 
 
@@ -31,7 +32,8 @@ def register(app: typer.Typer) -> None:
         """Ask a run's trainer to save a checkpoint and stop; wait until it has."""
         opts = context.get(ctx)
         as_json = opts.want_json(json_out)
-        with opts.sessions() as (reader, writer):
+        what = f"run {run}" if run else "the newest running run"
+        with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = find(reader, run, host=host, checkpoints=True, records="none")
             if not stopping.running(view):
                 if as_json:

@@ -155,7 +155,7 @@ def read_targets(
         if isinstance(answer, BaseException):
             raise answer
     probes = {t.name: a for t, a in zip(targets, answers, strict=True)}
-    if reader.dry_run:
+    if reader.offline:  # --dry-run: nothing was read
         return probes
     missing = [t.name for t in targets
                if probes[t.name].paths.get(config_path(req.target)) != "file"]  # fmt: skip

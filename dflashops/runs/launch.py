@@ -19,6 +19,7 @@ from dflashops.runs.claim import sweep_abandoned, take_back, taken_error, warn_u
 from dflashops.runs.kind_training import TRAINING
 from dflashops.runs.placement import Node, Placement, place
 from dflashops.runs.probe import Probe, probe
+from dflashops.runs.rehearse import local_plan
 from dflashops.runs.snapshot import Code, local_code
 from dflashops.runs.start import NotRead, start_job, wait_for_life
 from dflashops.runs.survey import reread
@@ -46,6 +47,7 @@ def launch(
     force: bool,
     nproc: int | None,
     wait: float,
+    target_config: str | None = None,
 ) -> Launched:
     """Start run `run` on `targets` with run.yaml `config_text` and secrets `values`."""
     code = local_code()
@@ -56,7 +58,7 @@ def launch(
     text = f"{config_text.rstrip()}\n# workload snapshot {code.digest}\n"
     context.note(f"{run}: {placement.describe()}")
     if writer.dry_run:
-        show_plan(reader, placement, seen, text, code, force=True)
+        show_plan(reader, placement, seen, text, code, force=True, target_config=target_config)
     planned: list[dict[str, Any]] = []
     made = start_job(
         reader, writer, placement, code, seen.have_code, {"run.yaml": text}, values,
@@ -349,16 +351,30 @@ def show_plan(
     code: Code,
     *,
     force: bool,
+    target_config: str | None = None,
 ) -> None:
     """Under --dry-run: the memory plan from the snapshot already in node 0 (nothing is sent)."""
     node = placement.nodes[0]
+    machine = reader.machine(node.target)
+    if machine.dry_run and target_config:  # an offline reader: the plan computed here
+        plan = local_plan(placement.run, text, plan_argv(placement, node, seen), target_config)
+        if plan is not None:
+            for line in plan_lines(plan):
+                context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)
+            say_verdict(placement, plan)
+        return
+    if machine.dry_run:  # an offline reader: the plan needs node 0's target config.json
+        context.note(
+            f"{placement.run}: memory plan: not computed under --dry-run (it reads the target "
+            f"model's config.json on {node.target.name}; give a copy: --target-config PATH)"
+        )
+        return
     if not seen.have_code(node.target, code):
         context.note(
             f"{placement.run}: memory plan: not shown (the workload snapshot is not on "
             f"{node.target.name} yet; a real launch sends it and prints the plan first)"
         )
         return
-    machine = reader.machine(node.target)
     argv = plan_argv(placement, node, seen)
     argv[argv.index("run.yaml")] = "/dev/stdin"
     result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())

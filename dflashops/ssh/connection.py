@@ -60,6 +60,7 @@ class Connection:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(endpoint.max_sessions)
         self.typed_passphrase = False  # a key unlocked by a typed passphrase was used
+        self.offline = False  # --dry-run: opening it is a bug of ours, refused
 
     @property
     def openssh(self) -> Configs | None:
@@ -153,6 +154,8 @@ class Connection:
         )
 
     def _open(self) -> paramiko.Transport:
+        if self.offline:
+            raise OpsError(f"{self.endpoint.name}: --dry-run opens no connection")
         paramiko = load_paramiko()
         quiet_paramiko()
         target = self.resolved

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -26,9 +27,13 @@ class Session:
         dry_run: bool = False,
         announce: Callable[[str], None] = print,
         timeout: float = DEFAULT_TIMEOUT_S,
+        offline: bool = False,
     ) -> None:
         self.inventory = inventory
         self.dry_run = dry_run
+        # --dry-run's reader: no connection is ever opened; a read of a remote target is
+        # only said (stderr), and comes back empty, while a `local` target is still read
+        self.offline = offline or dry_run
         self.announce = announce
         self.timeout = timeout  # seconds: the deadline of every remote call (Machine.run)
         self._connections: dict[Endpoint, Connection] = {}
@@ -50,6 +55,7 @@ class Session:
             conn = self._connections.get(key)
             if conn is None:
                 conn = Connection(endpoint, self._jump, self.timeout, self._openssh)
+                conn.offline = self.offline
                 self._connections[key] = conn
             return conn
 
@@ -96,6 +102,8 @@ class Session:
             return found
         made = self._make(target)
         made.dry_run, made.announce, made.timeout = self.dry_run, self.announce, self.timeout
+        if self.offline and not self.dry_run and target.kind != "local":
+            made.dry_run, made.announce = True, _unread
         with self._lock:
             return self._machines.setdefault(target.name, made)
 
@@ -121,6 +129,8 @@ class Session:
         )
         made = SshMachine(target, self.connection(endpoint))
         made.dry_run, made.announce, made.timeout = self.dry_run, self.announce, self.timeout
+        if self.offline and not self.dry_run:
+            made.dry_run, made.announce = True, _unread
         return made
 
     def each(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R | OpsError]:
@@ -161,6 +171,12 @@ class Session:
         for conn in connections:
             conn.close()
         self._openssh.close()
+
+
+def _unread(line: str) -> None:
+    """A read an offline Session leaves undone: said on stderr (it needs the host)."""
+    sys.stderr.write(f"dry run: not read (needs the host): {line}\n")
+    sys.stderr.flush()
 
 
 def _guarded(fn: Callable[[T], R], item: T) -> R | OpsError:

@@ -178,8 +178,22 @@ def test_secrets_reach_the_trainer_only_and_a_config_error_leaves_nothing(cli, w
         "of ce, kl"
     )
     assert not (ws / "runs" / "sec").exists()
-    dry = cli("--dry-run", "launch", "sec2", "--host", "local", "--config", str(cfg),
-              "--secret", "DFO_TEST_SECRET", env=env)  # fmt: skip
+    dry = cli(
+        "--dry-run",
+        "launch",
+        "sec2",
+        "--host",
+        "local",
+        "--config",
+        str(cfg),
+        "--secret",
+        "DFO_TEST_SECRET",
+        "--set",
+        "target.path=/m",
+        "--set",
+        "data.path=/d",
+        env=env,
+    )  # fmt: skip (a rehearsal checks the config here: a complete one)
     assert dry.code == 0 and "s3cr3t" not in dry.out + dry.err
     assert not (ws / "runs" / "sec2").exists()
 
@@ -344,7 +358,8 @@ def test_every_json_command_prints_exactly_one_document(cli, ws, tmp_path):
     dry = [
         ["status"], ["ckpts", "j1"], ["compare", "j1", "j2"], ["diff", "j1", "j2"], ["stop", "j1"],
         ["archive", "j2", "--keep-last", "1"], ["pull-ckpt", "20", "--to", "local", "--run", "j1"],
-        ["resume", "j2"], ["launch", "j3", "--host", "local", "--config", "tiny"], evaluate,
+        ["resume", "j2"], ["launch", "j3", "--host", "local", "--config", "tiny", "--set",
+                           "target.path=/m", "--set", "data.path=/d"], evaluate,
         ["datagen", "j4", "--host", "local", "--prompts", str(tmp_path / "prompts.jsonl"),
          "--target", str(tmp_path / "model")],
     ]  # fmt: skip
