@@ -256,3 +256,44 @@ def test_the_checkpoint_server_answers_a_bad_step_with_a_4xx_and_no_traceback(ws
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+# ---------------------------------------------------------------- item 10: the lease
+
+
+def test_a_long_start_keeps_its_claim_against_a_second_launch(here, tmp_path):
+    """The launch's check (the memory plan here; datagen's input check the same way) takes
+    12 s, four times the claim's lease (3 s): the lease is renewed meanwhile, so a second
+    launch of the name, made then, is refused instead of sweeping the first one's claim."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(
+        f'#!/bin/sh\ncase " $* " in *" workload.plan "*) sleep 12 ;; esac\n'
+        f'exec {here.root / "stand-in"} "$@"\n'
+    )
+    slow.chmod(0o755)
+    here.inventory.write_text(
+        "version: 1\ntargets:\n  local: {kind: local, workspace: "
+        f"{here.ws}, python: {slow}, env: {json.dumps({'TMUX_TMPDIR': str(here.tmux)})}}}\n"
+    )
+    env = {**os.environ, "HOME": str(here.root), "DFLASHOPS_LEASE_S": "3"}
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(here.inventory), "launch",
+            "lease10", "--host", "local", "--config", str(here.config)]  # fmt: skip
+    first = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    state = here.ws / "runs" / "lease10" / "state.json"
+    try:
+        wait_for("the first launch's claim", lambda: state.exists()
+                 and json.loads(state.read_text()).get("status") == "launching", 60)  # fmt: skip
+        time.sleep(6)  # twice the lease, the first launch still in its check
+        until = json.loads(state.read_text())["hold"]["until"]
+        assert until > time.time(), "the lease was not renewed"
+        second = here.cli("launch", "lease10", "--host", "local", "--config", str(here.config),
+                          env={"DFLASHOPS_LEASE_S": "3"})  # fmt: skip
+        assert second.code == 2 and "taken" in one_line(second), second.err
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert json.loads(state.read_text())["run_id"]  # the first launch's run, not swept
+    assert here.cli("stop", "lease10", "--kill").code == 0
