@@ -11,10 +11,11 @@ SERVE_DIR/console.log.
 
 Every request carries "Authorization: Bearer TOKEN" (else 403). GET /list: {"ended": bool,
 "status": the run's state.json status, "checkpoints": [step, ...] (complete checkpoints: a
-step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtime}}; GET /manifest?step=N: its MANIFEST.sha256; GET
+step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtime}}; a run directory gone (archived) has ended; GET /manifest?step=N: its MANIFEST.sha256; GET
 /file?step=N&name=REL: one file the manifest lists (nothing else is ever served); POST /bye:
 the follower is done, the server ends. It also ends on SIGTERM, and once the run has ended and
-nobody asked anything for `linger` seconds. Each connection has a 60 s deadline.
+the follower asked nothing for `linger` seconds (a request without the token counts for
+nothing). Each connection has a 60 s deadline; at most MAX_CONNECTIONS are open at once.
 """
 
 import contextlib
@@ -35,6 +36,7 @@ from dflashops.remote.shared import proc_start, read_json, write_json
 STEP_DIR = re.compile(r"^step_(\d+)\Z")
 ENDED = ("finished", "stopped", "failed")
 MAX_STEP_DIGITS = 18
+MAX_CONNECTIONS = 16  # a follower uses two at a time; the rest are someone else's
 
 
 def step_number(text):
@@ -57,6 +59,8 @@ class Run:
         self.root = os.path.join(run_dir, "checkpoints")
 
     def ended(self):
+        if not os.path.isdir(self.dir):  # archived or removed: it will write nothing more
+            return True, "gone"
         status = read_json(os.path.join(self.dir, "state.json")).get("status")
         return status in ENDED or os.path.exists(os.path.join(self.dir, "exit_code")), status
 
@@ -105,9 +109,9 @@ def handler(run, token, seen, bye):
             pass  # the URLs are no secret, but a console full of them helps nobody
 
         def allowed(self):
-            seen[0] = time.monotonic()
             given = self.headers.get("Authorization", "")
             if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                seen[0] = time.monotonic()  # only the follower keeps the server up
                 return True
             self.reply(403, b"not allowed\n", "text/plain")
             return False
@@ -165,6 +169,32 @@ def handler(run, token, seen, bye):
     return Handler
 
 
+class Capped(http.server.ThreadingHTTPServer):
+    """At most MAX_CONNECTIONS at once (one thread each); a connection past them is closed."""
+
+    daemon_threads = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def main():
     serve_dir = sys.argv[1]
     log = os.open(os.path.join(serve_dir, "console.log"),
@@ -179,8 +209,7 @@ def main():
         say(f"no token in {conf['token_file']}; not serving")
         return 2
     run, seen, bye = Run(conf["run_dir"]), [time.monotonic()], threading.Event()
-    server = http.server.ThreadingHTTPServer((conf["address"], 0), handler(run, token, seen, bye))
-    server.daemon_threads = True
+    server = Capped((conf["address"], 0), handler(run, token, seen, bye))
     signal.signal(signal.SIGTERM, lambda *_: bye.set())
     port = server.server_address[1]
     write_json(os.path.join(serve_dir, "state.json"), {

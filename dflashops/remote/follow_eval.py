@@ -12,7 +12,8 @@ against the checkpoint's MANIFEST.sha256 as it lands (a file that verified is ne
 again), then evaluates it holding the target's evaluation lock (remote/evallock.py: never two
 evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a result there
 (this job's, an earlier one's, or `eval --step`'s) is never evaluated again. When the run has
-ended and its last checkpoint is scored, it tells the server goodbye and finishes.
+ended and its last checkpoint is scored, it tells the server goodbye and finishes; stopped or
+failed, it tells it goodbye too (a resume gets a new server).
 
 Every request has a deadline; a server out of reach is asked again (every `poll` seconds) for
 up to an hour before the job fails. While it copies and evaluates a step it asks the server's
@@ -315,6 +316,11 @@ class Follower:
         self.failed.append(step)
         update(self.dir, failed=self.failed)
 
+    def bye(self):
+        """The server told to end: this follower asks nothing more of it."""
+        with contextlib.suppress(OSError, Gone):
+            self.server.open("/bye", method="POST").close()
+
     def run(self):
         settled = set(self.skipped) | set(self.failed)
         while not self.stopping:
@@ -329,8 +335,7 @@ class Follower:
                 settled |= set(self.skipped) | set(self.failed)
                 continue
             if listing.get("ended"):
-                with contextlib.suppress(OSError, Gone):
-                    self.server.open("/bye", method="POST").close()
+                self.bye()
                 say(f"the run has ended ({listing.get('status')}) and its checkpoints are scored")
                 return True
             time.sleep(self.job.get("poll", 5))
@@ -359,8 +364,10 @@ def follow(job_dir):
         ended = follower.run()
     except (OSError, ValueError) as exc:
         say(f"error: {exc}")
+        follower.bye()
         return 1
     if not ended:
+        follower.bye()  # a resume gets a server of its own (runs/follow.py)
         update(job_dir, status="stopped")
         return 0
     update(job_dir, status="finished", finished=time.time())

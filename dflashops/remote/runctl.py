@@ -11,6 +11,8 @@ operator saw: a run changed meanwhile by another command is refused, never torn.
   "hold": who launches it, until when at the latest: "until" on this target's clock).
 - sweep: delete RUN_DIR, a launch that was cut short (its holder gone), only if state.json
   still has stdin's "run_id" and hold "token"; and its secrets files (stdin's "secrets_dir").
+- renew: the hold's lease begins again ("until" = now + its "lease_s"), only while state.json
+  still has stdin's hold "token" and is claiming or launching: a long start keeps its claim.
 - commit: the claim holds (status "launching") if state.json still has stdin's "run_id".
 - remove: delete RUN_DIR, only if its state.json has stdin's "run_id" (a launch that failed
   takes back only what it made); {"removed": bool}.
@@ -243,6 +245,17 @@ def claim(run_dir, req):
     return {"taken": None}
 
 
+def renew(run_dir, req):
+    """The hold's lease extended, while stdin's hold "token" still holds the run."""
+    state = load_state(run_dir)
+    hold = state.get("hold") or {}
+    if hold.get("token") != req.get("token") or state.get("status") not in ("claiming",
+                                                                             "launching"):  # fmt: skip
+        return {"renewed": False}
+    save_state(run_dir, {**state, "hold": held(hold)})
+    return {"renewed": True}
+
+
 def sweep(run_dir, req):
     state = load_state(run_dir)
     token = (state.get("hold") or {}).get("token")
@@ -418,6 +431,7 @@ def archive(run_dir, req):
 ACTIONS = {
     "claim": claim,
     "sweep": sweep,
+    "renew": renew,
     "commit": commit,
     "remove": remove,
     "discard": discard,
@@ -430,7 +444,7 @@ ACTIONS = {
     "archive": archive,
     "alert": alert,
 }
-LOCKED = ("sweep", "commit", "remove", "relaunch", "restore", "signal", "kill", "archive")
+LOCKED = ("sweep", "renew", "commit", "remove", "relaunch", "restore", "signal", "kill", "archive")
 
 
 def main():

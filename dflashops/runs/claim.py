@@ -4,10 +4,12 @@ both win; and taking back what a launch made when it fails."""
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import secrets as random_tokens
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from dflashops import bundle, context
@@ -43,7 +45,7 @@ def taken_error(run: str, views: Iterable[RunView]) -> UsageError:
     )
 
 
-def claim(reader: Session, writer: Session, placement: Placement) -> None:
+def claim(reader: Session, writer: Session, placement: Placement) -> dict[str, Any]:
     """Make the run directory on every node, atomically per target (mkdir), then settle with
     any launch of the same name elsewhere: two launches of one name cannot both win.
 
@@ -78,6 +80,29 @@ def claim(reader: Session, writer: Session, placement: Placement) -> None:
     except BaseException:
         take_back(writer, placement, made)
         raise
+    return holder
+
+
+@contextlib.contextmanager
+def lease_kept(writer: Session, placement: Placement, holder: dict[str, Any]) -> Iterator[None]:
+    """The claim's lease renewed on every node (a third of it at a time) while the body works:
+    a long start (a large input pushed, then checked) is never taken for one cut short."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(float(holder["lease_s"]) / 3):
+            for node in placement.nodes:
+                with contextlib.suppress(OpsError):  # a blip: the next renewal may pass
+                    control(writer.machine(node.target), "renew", placement.dir(node),
+                            token=holder["token"])  # fmt: skip
+
+    thread = threading.Thread(target=renew, name=f"lease-{placement.run}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 def claim_node(

@@ -16,6 +16,16 @@ from typing import Any
 from dflashops.remote.shared import proc_start
 
 LEASE_S = 300.0  # a launch's claim, snapshot and files take seconds; a lease covers minutes
+LEASE_ENV = "DFLASHOPS_LEASE_S"  # another lease (seconds), e.g. a test's; renewed at a third of it
+
+
+def lease_s() -> float:
+    try:
+        return float(os.environ.get(LEASE_ENV) or LEASE_S)
+    except ValueError:
+        return LEASE_S
+
+
 HELD = ("claiming", "launching")
 
 
@@ -34,7 +44,7 @@ def mine(verb: str) -> dict[str, Any]:
     pid = os.getpid()
     return {"verb": verb, "host": socket.gethostname(), "machine": machine_id(), "pid": pid,
             "start": proc_start(pid), "token": random_tokens.token_hex(8),
-            "lease_s": LEASE_S}  # fmt: skip
+            "lease_s": lease_s()}  # fmt: skip
 
 
 def is_mine(hold: dict[str, Any]) -> bool:
@@ -55,7 +65,7 @@ def gone(hold: dict[str, Any], now: float) -> str | None:
         if start is None or start != hold.get("start"):
             return f"its {where} was interrupted (that process is gone)"
     if isinstance(until, (int, float)) and now > until:
-        return f"its {where} was interrupted (no word from it for {LEASE_S:.0f} s)"
+        return f"its {where} was interrupted (no word from it for {hold.get('lease_s') or LEASE_S:.0f} s)"
     return None
 
 

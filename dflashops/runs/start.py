@@ -8,6 +8,7 @@ environment from launch.json, a data file, and runs them as given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -24,7 +25,7 @@ from dflashops.errors import NotFoundError, OpsError, UnreachableError
 from dflashops.inventory import Target
 from dflashops.remote import source as helper_source
 from dflashops.render import Stopwatch, duration
-from dflashops.runs.claim import claim, secrets_home, take_back
+from dflashops.runs.claim import claim, lease_kept, secrets_home, take_back
 from dflashops.runs.control import control
 from dflashops.runs.failure import trainer_failure, trainer_lines
 from dflashops.runs.placement import LOOPBACK, Node, Placement
@@ -192,13 +193,13 @@ def start_job(
     """A new job: its name claimed on every node, then there its code, secrets and `files`,
     then `check` (e.g. the memory plan), then the launcher on every node. A failure on the way
     takes back what was made. Under --dry-run nothing is claimed, the rest only printed."""
-    if not writer.dry_run:
-        claim(reader, writer, placement)
+    holder = None if writer.dry_run else claim(reader, writer, placement)
     made = Started(placement)
     try:
-        prepare(writer, placement, code, have_code, files, values, made)
-        if check is not None and not writer.dry_run:
-            check()
+        with lease_kept(writer, placement, holder) if holder else contextlib.nullcontext():
+            prepare(writer, placement, code, have_code, files, values, made)
+            if check is not None and not writer.dry_run:
+                check()
         start_all(writer, placement)
     except BaseException:
         if not writer.dry_run:

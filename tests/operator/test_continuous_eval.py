@@ -162,15 +162,18 @@ def followed(cli, inv, home, config, bed) -> dict:
     print(json.dumps(state_of(job)))
     print((job / "console.log").read_text())
     name = f"follow-{RUN}-{job.name}"
+    port = state_of(job)["server"]["port"]
+    asked = cli("exec", "evalbox", "--", "python3", "-c", WRONG_TOKEN, bed["train"].address,
+                str(port))  # fmt: skip
     stopped = cli("stop", name)
     assert stopped.code == 0, stopped.err
     wait_for("the follower stopped", lambda: state_of(job).get("status") == "stopped", 60)
     (held,) = follows(cli)
     server = bed["train"].host_path(f"/workspace/evals/{RUN}/serve/{job.name}")
-    waiting = state_of(server).get("status")  # the run trains on: the server waits for it
-    port = state_of(job)["server"]["port"]
-    asked = cli("exec", "evalbox", "--", "python3", "-c", WRONG_TOKEN, bed["train"].address,
-                str(port))  # fmt: skip
+    wait_for("the server told goodbye by its stopped follower",
+             lambda: state_of(server).get("status") == "finished", 30)  # fmt: skip
+    waiting = json.loads((bed["train"].host_path(f"/workspace/runs/{RUN}") / "state.json")
+                         .read_text()).get("status")  # fmt: skip
     ran = cli("status", RUN, "--follow", "--interval", "1")
     assert ran.code == 0, ran.err
     wait_for("the checkpoint server gone", lambda: state_of(server).get("status") == "finished",
@@ -184,7 +187,7 @@ def test_killing_the_operator_changes_nothing_and_stop_keeps_what_was_scored(cli
     state = state_of(job)
     assert 10 in state["done"] and state["done"] == sorted(state["done"])
     assert followed["before"] == state["done"]  # nothing scored while it was stopped
-    assert followed["waiting"] == "running"  # the server waited for it while the run trained
+    assert followed["waiting"] == "running"  # its server ended with it while the run trained on
     inside = {s: json.loads(results(bed)[s].read_text())["timing"]["total_s"] for s in (10, 20)}
     asked = followed["asked"]
     assert asked.out.strip() == "403", asked.err  # the server answers no one without the token

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -256,3 +257,126 @@ def test_the_checkpoint_server_answers_a_bad_step_with_a_4xx_and_no_traceback(ws
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+# ---------------------------------------------------------------- item 10: the lease
+
+
+def test_a_long_start_keeps_its_claim_against_a_second_launch(here, tmp_path):
+    """The launch's check (the memory plan here; datagen's input check the same way) takes
+    12 s, four times the claim's lease (3 s): the lease is renewed meanwhile, so a second
+    launch of the name, made then, is refused instead of sweeping the first one's claim."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(
+        f'#!/bin/sh\ncase " $* " in *" workload.plan "*) sleep 12 ;; esac\n'
+        f'exec {here.root / "stand-in"} "$@"\n'
+    )
+    slow.chmod(0o755)
+    here.inventory.write_text(
+        "version: 1\ntargets:\n  local: {kind: local, workspace: "
+        f"{here.ws}, python: {slow}, env: {json.dumps({'TMUX_TMPDIR': str(here.tmux)})}}}\n"
+    )
+    env = {**os.environ, "HOME": str(here.root), "DFLASHOPS_LEASE_S": "3"}
+    argv = [sys.executable, "-m", "dflashops.cli", "--inventory", str(here.inventory), "launch",
+            "lease10", "--host", "local", "--config", str(here.config)]  # fmt: skip
+    first = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    state = here.ws / "runs" / "lease10" / "state.json"
+    try:
+        wait_for("the first launch's claim", lambda: state.exists()
+                 and json.loads(state.read_text()).get("status") == "launching", 60)  # fmt: skip
+        time.sleep(6)  # twice the lease, the first launch still in its check
+        until = json.loads(state.read_text())["hold"]["until"]
+        assert until > time.time(), "the lease was not renewed"
+        second = here.cli("launch", "lease10", "--host", "local", "--config", str(here.config),
+                          env={"DFLASHOPS_LEASE_S": "3"})  # fmt: skip
+        assert second.code == 2 and "taken" in one_line(second), second.err
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert json.loads(state.read_text())["run_id"]  # the first launch's run, not swept
+    assert here.cli("stop", "lease10", "--kill").code == 0
+
+
+# ---------------------------------------------------------------- item 3: servers left listening
+
+
+def test_a_stopped_follower_takes_its_server_down_with_it(cli, ws, tmp_path):
+    """The run still trains (so no linger applies): before, its server listened on for ever."""
+    run = ended_run(ws, tmp_path)
+    state = json.loads((run / "state.json").read_text())
+    (run / "state.json").write_text(json.dumps({**state, "status": "running", "exit_code": None}))
+    ran = cli("eval", RUN, "--every", "10", "--on", "local",
+              "--prompts", str(tmp_path / "prompts.jsonl"))  # fmt: skip
+    assert ran.code == 0, ran.err
+    wait_for("steps 10 and 20 scored", lambda: follow_state(ws).get("done") == [10, 20])
+    (job,) = (ws / "evals" / RUN / "follow").glob("*")
+    assert cli("stop", f"follow-{RUN}-{job.name}").code == 0
+    serve = ws / "evals" / RUN / "serve" / job.name
+    wait_for("the server gone", lambda: json.loads((serve / "state.json").read_text())
+             .get("status") == "finished", 20)  # fmt: skip
+    assert not list((ws / "dflashops" / "secrets").glob("ckpt-*"))
+
+
+@pytest.fixture
+def served(ws, tmp_path):
+    """The checkpoint server of a finished run, linger 8 s; yields (base URL, serve dir, run)."""
+    run = make_run(ws, RUN, ckpts=(10,))
+    serve = tmp_path / "serve"
+    serve.mkdir()
+    token_file = tmp_path / "token.json"
+    token_file.write_text(json.dumps({"token": "t0k"}))
+    conf = {"run_dir": str(run), "address": "127.0.0.1", "token_file": str(token_file),
+            "linger": 8}  # fmt: skip
+    (serve / "serve.json").write_text(json.dumps(conf))
+    server = REPO / "dflashops" / "remote" / "ckpt_server.py"
+    proc = subprocess.Popen([sys.executable, str(server), str(serve)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    try:
+        state = wait_for("the port", lambda: json.loads((serve / "state.json").read_text())
+                         if (serve / "state.json").exists() else None, 20)  # fmt: skip
+        yield f"http://127.0.0.1:{state['port']}", serve, run, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def ask(url: str, token: str = "t0k") -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:  # the server gone (refused, or reset as it shuts down)
+        return 0
+
+
+def test_requests_without_the_token_do_not_keep_the_server_up(served):
+    base, serve, _run, proc = served
+    started = time.monotonic()
+    while proc.poll() is None and time.monotonic() - started < 20:
+        assert ask(f"{base}/list", token="guess") in (403, 0)
+        time.sleep(0.5)
+    assert proc.poll() == 0, "still listening 20 s into an 8 s linger"
+
+
+def test_an_archived_run_is_ended_for_its_server_and_connections_are_capped(served):
+    base, serve, run, proc = served
+    archived = run.parent.parent / "archive" / RUN
+    archived.parent.mkdir(parents=True)
+    run.rename(archived)
+    listing = urllib.request.urlopen(urllib.request.Request(
+        f"{base}/list", headers={"Authorization": "Bearer t0k"}), timeout=10)  # fmt: skip
+    assert json.loads(listing.read())["ended"] is True
+    held = []
+    for _ in range(40):  # idle connections: at most the cap get a thread
+        held.append(socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))))
+    time.sleep(1)
+    threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+    for conn in held:
+        conn.close()
+    assert threads <= 24, threads
+    proc.wait(timeout=30)  # its linger passes: it ends
