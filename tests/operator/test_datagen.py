@@ -258,6 +258,10 @@ def test_diff_shows_the_dataset_each_run_trained_on(cli, bed, one_run, tmp_path)
     doc = json.loads(cli("--json", "diff", "r-gen", "r-file").out)
     made = {r["run"]: r["dataset"] for r in doc["runs"]}
     assert made["r-gen"]["datagen"]["temperature"] == 0 and made["r-file"]["datagen"] is None
+    gen = made["r-gen"]["datagen"]
+    assert gen["replies"] > 0 and 0 <= gen["cut"] <= gen["replies"]
+    assert f"cut at max_new_tokens {gen['max_new_tokens']}: {gen['cut']} of {gen['replies']} " \
+           "replies" in ran.out  # fmt: skip
 
 
 @pytest.mark.slow
