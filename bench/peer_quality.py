@@ -31,7 +31,9 @@ same drafter, and the settings in which it departs from the other.
   `verifier_last_hidden_states` = the last decoder layer's output before the final norm), for
   the very token rows our trainer reads (our token store: same chat template, max_length), a
   batch packed as its collate packs one (rows side by side, `document_ids`, max_anchors = our
-  num_anchors per row times the batch).
+  num_anchors per row times the batch), cut at the batch's own length rather than padded to a
+  fixed total_seq_len (padding is masked out; only the last row's final block_size positions,
+  never anchors in its sampler, would differ).
 - serving: speculators' trained weights are converted into our checkpoint format (config.json
   with dflash_config; the same keys: its embed_tokens and lm_head are the frozen verifier's and
   are not saved, as ours), its own format is saved beside it (speculators/). One
@@ -41,6 +43,7 @@ same drafter, and the settings in which it departs from the other.
 The bar (issue 23): our τ is not below speculators' at equal steps, with a tolerance of one
 standard error of the difference of the two means over prompts (the prompts differ far more
 from each other than the engine's runs do; vLLM greedy on CPU is deterministic).
+Exit status: 0 the bar holds, 3 it fails, 1 a step failed (one line saying which).
 """
 
 from __future__ import annotations
