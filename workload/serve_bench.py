@@ -75,6 +75,7 @@ from workload.eval_vllm import (
 )
 from workload.fingerprint import checkpoint_sha256, fingerprint, target_identity, template_sha256
 from workload.prompts import prompts_sha256
+from workload.vllm_engine import resolve_dtype
 
 BUCKETS = ((1024, "<1k"), (4096, "1-4k"), (16384, "4-16k"), (math.inf, ">16k"))
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL of the server's process group
@@ -165,7 +166,7 @@ class Bench:
     def server_args(self) -> dict[str, Any]:
         """What decides the servers besides the drafter: the fingerprint's `server_args`."""
         args = {
-            "dtype": "bfloat16" if self.gpu else "float32",
+            "dtype": resolve_dtype(self.settings.dtype, self.gpu),  # the offline eval's rule
             "seed": 0,
             "max_model_len": self.max_model_len(),
             "enforce_eager": not self.gpu,
