@@ -18,6 +18,7 @@ from dflashops.commands import (
     eval_cmd,
     evals,
     exec_cmd,
+    fetch_model,
     hosts,
     launch,
     logs,
@@ -99,7 +100,7 @@ def global_options(
     )
 
 
-for module in (hosts, exec_cmd, shell, push, run_script, setup, doctor):
+for module in (hosts, exec_cmd, shell, push, run_script, setup, doctor, fetch_model):
     module.register(app)
 for module in (
     launch,

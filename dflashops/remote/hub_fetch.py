@@ -1,0 +1,50 @@
+# A hub model downloaded inside the target by the target's python with huggingface_hub
+# (resumable: an interrupted file goes on from its .incomplete part), then every file checked
+# against the hub's hashes (LFS files by sha256, the others by their git blob id).
+# stdin: {"repo", "revision", "dest", "token" (or null)}; the token never is on a command line.
+# stdout: {"commit", "files", "bytes", "bad": [names that do not match]}. Exit 3: not there.
+import hashlib
+import json
+import os
+import sys
+
+
+def digest(path, lfs):
+    h = hashlib.sha256() if lfs else hashlib.sha1()
+    if not lfs:
+        h.update(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def main():
+    req = json.loads(sys.stdin.read())
+    try:
+        from huggingface_hub import HfApi, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        print(f"no huggingface_hub in {sys.executable}", file=sys.stderr)
+        sys.exit(4)
+    token = req.get("token") or False
+    try:
+        info = HfApi().model_info(
+            req["repo"], revision=req["revision"], files_metadata=True, token=token
+        )
+        snapshot_download(req["repo"], revision=info.sha, local_dir=req["dest"], token=token)
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        sys.exit(3)
+    bad, size = [], 0
+    for s in info.siblings:
+        path = os.path.join(req["dest"], s.rfilename)
+        want = s.lfs.sha256 if s.lfs else s.blob_id
+        if not os.path.isfile(path) or digest(path, bool(s.lfs)) != want:
+            bad.append(s.rfilename)
+        else:
+            size += os.path.getsize(path)
+    print(json.dumps({"commit": info.sha, "files": len(info.siblings), "bytes": size, "bad": bad}))
+
+
+main()
