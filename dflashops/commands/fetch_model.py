@@ -45,7 +45,8 @@ def register(app: typer.Typer) -> None:
         request = {"repo": repo, "revision": revision, "dest": dest, "token": token}
         argv = remote.argv("hub_fetch.py")
         argv[0] = machine.target.python
-        context.note(f"{target}: downloading {repo}@{revision} to {dest}")
+        if not opts.dry_run:
+            context.note(f"{target}: downloading {repo}@{revision} to {dest}")
         result = machine.run(argv, stdin=json.dumps(request).encode(),
                              stderr=context.stream_sink(sys.stderr))  # fmt: skip
         if opts.dry_run:
