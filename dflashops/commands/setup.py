@@ -68,6 +68,7 @@ def register(app: typer.Typer) -> None:
         if not no_install:
             install(machine, reqs, wheels)
             report["installed_from"] = "wheels" if wheels else "index"
+            report["gpu_extras"] = install_gpu_extras(machine, facts, wheels)
         report["sync"] = sync_workload(machine)
         if engine is not None:
             report["engine"] = ensure_engine(machine, engine, torch_index)
@@ -150,6 +151,32 @@ def install(machine: Machine, requirements: Path, wheels: Path | None) -> None:
     )
     if not result.ok:
         raise OpsError(f"{machine.name}: pip install failed: {result.error_text}")
+
+
+def install_gpu_extras(machine: Machine, facts: dict, wheels: Path | None) -> bool:
+    """The GPU extras (workload/requirements-gpu.txt: fla's CUDA kernels, causal-conv1d built
+    against the installed torch) on a target hosts.yaml gives GPUs, once the container sees
+    one; never on a CPU machine (triton there makes transformers pick GPU-only kernels)."""
+    if not machine.target.gpus or machine.dry_run:
+        return False
+    if not ((facts.get("gpu") or {}).get("nodes")):
+        context.note(f"{machine.name}: GPU extras not installed: no GPU visible in the container "
+                     f"(`dflashops doctor {machine.name}` says what the host's owner must do)")  # fmt: skip
+        return False
+    gpu_reqs = bundle.workload_dir() / "requirements-gpu.txt"
+    remote_reqs = home(machine, "requirements-gpu.txt")
+    transfer.put(machine, gpu_reqs, remote_reqs)
+    pip = [machine.target.python, "-m", "pip", "install", "--disable-pip-version-check",
+           "--no-build-isolation", "-r", remote_reqs]  # fmt: skip
+    if wheels is not None:
+        pip[4:4] = ["--no-index", "--find-links", home(machine, "wheels")]
+    context.note(f"{machine.name}: pip install the GPU extras (causal-conv1d compiles: minutes)")
+    result = machine.run(pip, stdout=context.stream_sink(sys.stderr),
+                         stderr=context.stream_sink(sys.stderr))  # fmt: skip
+    if not result.ok:
+        raise OpsError(f"{machine.name}: the GPU extras failed to install: {result.error_text} "
+                       "(causal-conv1d needs a compiler and the CUDA headers: `dflashops doctor`)")  # fmt: skip
+    return True
 
 
 def sync_workload(machine: Machine) -> dict[str, int]:

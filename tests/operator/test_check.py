@@ -97,3 +97,20 @@ def test_a_launch_on_data_made_with_other_chat_settings_is_refused_before_it_sta
     assert said[0].startswith("dflashops: error: p1: parity: chat template kwargs: data renders")
     assert said[-1] == "dflashops: error: p1: fix the config, or pass --force"
     assert not (run.parent / "p1").exists()
+
+
+def test_setup_installs_no_gpu_extras_where_the_container_sees_no_gpu(tmp_path):
+    """hosts.yaml gives the target GPUs, the container shows none: the extras (triton with
+    them) would break CPU runs, so setup says why it leaves them out."""
+    ws = tmp_path / "ws"
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text("version: 1\ntargets:\n"
+                         f"  box: {{kind: local, workspace: {ws}, python: {sys.executable}, "
+                         "gpus: 1}\n")  # fmt: skip
+    empty = tmp_path / "none.txt"
+    empty.write_text("# nothing to install\n")
+    ran = dflashops("setup", "box", "--requirements", str(empty), inventory=inventory,
+                    home=tmp_path)  # fmt: skip
+    assert ran.code == 0, ran.err
+    assert "box: GPU extras not installed: no GPU visible in the container" in ran.err
+    assert not (ws / "dflashops" / "requirements-gpu.txt").exists()
