@@ -32,6 +32,7 @@ run has ended and nothing is left).
 
 import contextlib
 import fcntl
+import http.client
 import json
 import os
 import shutil
@@ -50,6 +51,8 @@ from dflashops.remote.shared import proc_start, read_json, write_json
 
 DEADLINE = 60  # seconds for each request to the server (connect, and each read)
 UNREACHABLE_FOR = 3600  # seconds the server may be out of reach before the job fails
+ATTEMPTS = 3  # tries of one file's copy (a reset or a short body is a blip)
+RETRY_S = 2  # between two tries
 
 
 def say(text):
@@ -122,6 +125,24 @@ def fetch_file(server, step, name, digest, path):
     return True
 
 
+def fetch_retried(server, step, name, digest, path):
+    """fetch_file, tried again after a blip (a reset connection, a short or garbled body) up
+    to ATTEMPTS times; a checkpoint gone (Gone) is not a blip."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            if fetch_file(server, step, name, digest, path):
+                return
+            problem = f"its sha256 differs from {MANIFEST}"
+        except (OSError, http.client.HTTPException) as exc:
+            problem = f"the copy was cut ({exc!r})"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".part")
+        if attempt < ATTEMPTS:
+            say(f"step {step}: {name}: {problem}; trying again ({attempt}/{ATTEMPTS})")
+            time.sleep(RETRY_S)
+    raise ValueError(f"step_{step}/{name}: {problem} ({ATTEMPTS} tries)")
+
+
 def pull(server, job, step):
     """<ckpts>/step_N, a verified copy of the server's; how many files were fetched. It keeps
     to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
@@ -144,8 +165,7 @@ def pull(server, job, step):
             path = os.path.join(partial, name)
             if file_sha256(path) == digest:
                 continue
-            if not fetch_file(server, step, name, digest, path):
-                raise ValueError(f"step_{step}/{name}: its sha256 differs from {MANIFEST}")
+            fetch_retried(server, step, name, digest, path)
             fetched += 1
         only(partial, entries)
         with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:

@@ -3,11 +3,14 @@ line. The evaluator is a stand-in interpreter (no torch here) that writes a resu
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -380,3 +383,92 @@ def test_an_archived_run_is_ended_for_its_server_and_connections_are_capped(serv
         conn.close()
     assert threads <= 24, threads
     proc.wait(timeout=30)  # its linger passes: it ends
+
+
+# ---------------------------------------------------------------- item 4: blips during a copy
+
+
+class Blips(http.server.ThreadingHTTPServer):
+    """A checkpoint server (the follower's side of its protocol) whose first two copies of a
+    file fail: one body cut short, one connection reset."""
+
+    daemon_threads = True
+
+    def __init__(self, step_dir: Path) -> None:
+        super().__init__(("127.0.0.1", 0), BlipHandler)
+        self.step_dir, self.faults = step_dir, ["short", "reset"]
+
+
+class BlipHandler(http.server.BaseHTTPRequestHandler):
+    server: Blips
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def reply(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.reply(b"{}")
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/list":
+            return self.reply(json.dumps({"ended": True, "status": "finished",
+                                          "checkpoints": [10], "landed": {}}).encode())  # fmt: skip
+        if url.path == "/manifest":
+            return self.reply((self.server.step_dir / "MANIFEST.sha256").read_bytes())
+        body = (self.server.step_dir / query["name"]).read_bytes()
+        fault = self.server.faults.pop(0) if query["name"] == "model.safetensors" and \
+            self.server.faults else None  # fmt: skip
+        if fault == "short":
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if fault == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                       struct.pack("ii", 1, 0))  # fmt: skip
+            self.connection.close()
+            return
+        self.reply(body)
+
+
+def test_a_follower_survives_a_short_body_and_a_reset_during_a_copy(ws, tmp_path):
+    run = make_run(ws, RUN, ckpts=(10,))
+    step_dir = run / "checkpoints" / "step_10"
+    server = Blips(step_dir)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    evaluator = tmp_path / "evalpy"
+    evaluator.write_text(STAND_IN_EVALUATOR)
+    evaluator.chmod(0o755)
+    token = tmp_path / "token.json"
+    token.write_text(json.dumps({"token": "t"}))
+    job = tmp_path / "job"
+    job.mkdir()
+    plan = {"run": RUN, "every": 10, "server": {"address": "127.0.0.1",
+            "port": server.server_address[1]}, "token_file": str(token),
+            "argv": [str(evaluator), "-m", "workload.eval"], "ckpts": str(ws / "ckpts" / RUN),
+            "results": str(ws / "evals" / RUN), "lock": str(ws / "evals" / ".evaluating"),
+            "poll": 1}  # fmt: skip
+    (job / "job.json").write_text(json.dumps(plan))
+    (ws / "evals" / RUN).mkdir(parents=True)
+    follower = REPO / "dflashops" / "remote" / "follow_eval.py"
+    try:
+        ran = subprocess.run([sys.executable, str(follower), str(job)], capture_output=True,
+                             text=True, timeout=120, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    finally:
+        server.shutdown()
+    state = json.loads((job / "state.json").read_text())
+    assert ran.returncode == 0 and state["done"] == [10], ran.stdout[-2000:] + ran.stderr[-2000:]
+    copy = ws / "ckpts" / RUN / "step_10" / "model.safetensors"
+    assert copy.read_bytes() == (step_dir / "model.safetensors").read_bytes()
+    assert ran.stdout.count("trying again") == 2, ran.stdout
