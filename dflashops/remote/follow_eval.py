@@ -7,8 +7,10 @@ without --checkpoint and --out, "ckpts": <ws>/ckpts/RUN, "results": <ws>/evals/R
 <ws>/evals/.evaluating, "poll": seconds}. Over and over: it lists the run's complete
 checkpoints on the checkpoint server (remote/ckpt_server.py, on the training target), and takes
 the oldest one not yet evaluated whose step is a multiple of N (and, once the run has ended,
-its last): copies it to <ws>/ckpts/RUN/step_N through .partial-step_N, each file checked
-against the checkpoint's MANIFEST.sha256 as it lands (a file that verified is never fetched
+its last): copies it to <ws>/ckpts/RUN/step_N through .partial-step_N (removed for a step
+gone before it was copied), each file checked against the checkpoint's MANIFEST.sha256 as it
+lands; the optimizer state (training_state.pt, optimizer/) is left out, the copy's manifest
+lists what is there (a file that verified is never fetched
 again), then evaluates it holding the target's evaluation lock (remote/evallock.py: never two
 evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a result there
 (this job's, an earlier one's, or `eval --step`'s) is never evaluated again. When the run has
@@ -143,15 +145,24 @@ def fetch_retried(server, step, name, digest, path):
     raise ValueError(f"step_{step}/{name}: {problem} ({ATTEMPTS} tries)")
 
 
+def resume_only(name):
+    """A file only a resumed trainer reads (its optimizer state): never copied for an
+    evaluation, so that what is kept of each scored step is its weights and config."""
+    return name == "training_state.pt" or name.startswith("optimizer/")
+
+
 def pull(server, job, step):
     """<ckpts>/step_N, a verified copy of the server's; how many files were fetched. It keeps
     to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
     directory's flock held while it writes, the placing under the parent's flock, a copy at
     step_N that holds the same manifest taken as it is."""
-    text = server.get("/manifest", step=step).decode()
-    entries = manifest_entries(text)
+    full = server.get("/manifest", step=step).decode()
+    entries = manifest_entries(full)
     if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
         raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
+    entries = {n: d for n, d in entries.items() if not resume_only(n)}
+    text = "".join(line + "\n" for line in full.splitlines()
+                   if line.partition("  ")[2].lstrip("*") in entries)  # fmt: skip
     final = os.path.join(job["ckpts"], f"step_{step}")
     partial = os.path.join(job["ckpts"], f".partial-step_{step}")
     if read_text(os.path.join(final, MANIFEST)) == text:
@@ -318,6 +329,8 @@ class Follower:
             fetched = pull(self.server, self.job, step)
         except Gone:
             say(f"step {step}: gone from the training target before it was copied; skipped")
+            shutil.rmtree(os.path.join(self.job["ckpts"], f".partial-step_{step}"),
+                          ignore_errors=True)  # fmt: skip
             self.skipped.append(step)
             return update(self.dir, skipped=self.skipped)
         say(f"step {step}: copied ({fetched} file(s) fetched, each verified); evaluating")

@@ -3,6 +3,7 @@ line. The evaluator is a stand-in interpreter (no torch here) that writes a resu
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -16,12 +17,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import make_run
-from tests.operator.test_failure_paths import Here, one_line
+from tests.operator.test_failure_paths import Here, manifest_holds, one_line
 
 RUN = "f-run"
 REPO = Path(__file__).resolve().parents[2]
@@ -433,6 +435,8 @@ class BlipHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)
             return
+        if fault == "gone":
+            return self.send_error(404)
         if fault == "reset":
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                        struct.pack("ii", 1, 0))  # fmt: skip
@@ -441,10 +445,12 @@ class BlipHandler(http.server.BaseHTTPRequestHandler):
         self.reply(body)
 
 
-def test_a_follower_survives_a_short_body_and_a_reset_during_a_copy(ws, tmp_path):
+def run_follower(ws: Path, tmp_path: Path, faults: list[str]) -> tuple[Path, Path, Any]:
+    """The follower program against a Blips server of the faults given, to its end."""
     run = make_run(ws, RUN, ckpts=(10,))
     step_dir = run / "checkpoints" / "step_10"
     server = Blips(step_dir)
+    server.faults = faults
     threading.Thread(target=server.serve_forever, daemon=True).start()
     evaluator = tmp_path / "evalpy"
     evaluator.write_text(STAND_IN_EVALUATOR)
@@ -467,8 +473,51 @@ def test_a_follower_survives_a_short_body_and_a_reset_during_a_copy(ws, tmp_path
                              env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     finally:
         server.shutdown()
+    return job, step_dir, ran
+
+
+def test_a_follower_survives_a_short_body_and_a_reset_during_a_copy(ws, tmp_path):
+    job, step_dir, ran = run_follower(ws, tmp_path, ["short", "reset"])
     state = json.loads((job / "state.json").read_text())
     assert ran.returncode == 0 and state["done"] == [10], ran.stdout[-2000:] + ran.stderr[-2000:]
     copy = ws / "ckpts" / RUN / "step_10" / "model.safetensors"
     assert copy.read_bytes() == (step_dir / "model.safetensors").read_bytes()
     assert ran.stdout.count("trying again") == 2, ran.stdout
+
+
+# ---------------------------------------------------------------- item 6: the eval target's copies
+
+
+def with_optimizer_state(step_dir: Path) -> None:
+    (step_dir / "training_state.pt").write_bytes(os.urandom(50_000))
+    (step_dir / "optimizer").mkdir()
+    (step_dir / "optimizer" / "rank_0.pt").write_bytes(os.urandom(20_000))
+    names = ["config.json", "model.safetensors", "training_state.pt", "optimizer/rank_0.pt"]
+    (step_dir / "MANIFEST.sha256").write_text("".join(
+        f"{hashlib.sha256((step_dir / n).read_bytes()).hexdigest()}  {n}\n" for n in names))  # fmt: skip
+
+
+def test_the_eval_target_keeps_the_scored_weights_not_the_optimizer_state(cli, ws, tmp_path):
+    run = ended_run(ws, tmp_path)
+    for step in (10, 20):
+        with_optimizer_state(run / "checkpoints" / f"step_{step}")
+    ran = cli("eval", RUN, "--every", "10", "--on", "local",
+              "--prompts", str(tmp_path / "prompts.jsonl"))  # fmt: skip
+    assert ran.code == 0, ran.err
+    wait_for("the follower finished", lambda: follow_state(ws).get("status") == "finished")
+    copies = ws / "ckpts" / RUN
+    assert sorted(p.name for p in copies.iterdir() if p.is_dir()) == ["step_10", "step_20"]
+    for step in (10, 20):
+        kept = copies / f"step_{step}"
+        assert sorted(p.name for p in kept.iterdir()) == [
+            "MANIFEST.sha256", "config.json", "model.safetensors"]  # fmt: skip
+        assert (kept / "model.safetensors").read_bytes() == (
+            run / "checkpoints" / f"step_{step}" / "model.safetensors").read_bytes()  # fmt: skip
+        assert manifest_holds(kept)  # the copy's manifest lists what is kept
+
+
+def test_a_step_gone_during_its_copy_leaves_no_partial_copy(ws, tmp_path):
+    job, _step_dir, ran = run_follower(ws, tmp_path, ["gone"])
+    state = json.loads((job / "state.json").read_text())
+    assert ran.returncode == 0 and state["skipped"] == [10], ran.stdout[-2000:]
+    assert not list((ws / "ckpts" / RUN).glob(".partial-*"))
