@@ -34,9 +34,12 @@ run has ended and nothing is left).
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -67,6 +70,11 @@ class Gone(Exception):
     """The server has no such checkpoint (any more)."""
 
 
+class Forged(OSError):
+    """An answer from something that does not hold the token (a blip to the listing, a failed
+    try to a file's copy: never trusted, never written past its bound)."""
+
+
 class Server:
     def __init__(self, job):
         where = job["server"]
@@ -74,17 +82,36 @@ class Server:
         token = read_json(job["token_file"]).get("token")
         if not token:
             raise SystemExit(f"follow: error: no token in {job['token_file']}")
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.token = token  # never sent: each request is signed with it (ckpt_server.py)
 
     def open(self, path, method="GET", **query):
-        url = self.base + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        request = urllib.request.Request(url, headers=self.headers, method=method)
+        """The answer to one request, from a server that proved it holds the token."""
+        target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+        nonce = secrets.token_hex(16)
+        mac = self.sign(f"request {nonce} {method} {target}")
+        request = urllib.request.Request(self.base + target, method=method, headers={
+            "X-Nonce": nonce, "Authorization": f"DFO {mac}"})  # fmt: skip
         try:
-            return urllib.request.urlopen(request, timeout=DEADLINE)
+            answer = urllib.request.urlopen(request, timeout=DEADLINE)
         except urllib.error.HTTPError as exc:
+            self.check(exc.headers, nonce)
             if exc.code == 404:
                 raise Gone(path) from None
             raise
+        try:
+            self.check(answer.headers, nonce)
+        except BaseException:
+            answer.close()
+            raise
+        return answer
+
+    def sign(self, text):
+        return hmac.new(self.token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+    def check(self, headers, nonce):
+        want = self.sign(f"answer {nonce}")
+        if not hmac.compare_digest(want, (headers or {}).get("X-Proof") or ""):
+            raise Forged(f"{self.base} answered without proving it holds the token")
 
     def get(self, path, **query):
         with self.open(path, **query) as answer:
@@ -114,12 +141,19 @@ def update(job_dir, **keys):
     write_json(path, {**read_json(path), **keys})
 
 
-def fetch_file(server, step, name, digest, path):
-    """One file into `path` (through path.part), hashed as it lands; True when it verifies."""
+def fetch_file(server, step, name, digest, path, size):
+    """One file into `path` (through path.part), hashed as it lands, never more than `size`
+    bytes (its manifest's bound); True when it verifies."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = path + ".part"
     with server.open("/file", step=step, name=name) as answer, open(part, "wb") as out:
-        shutil.copyfileobj(answer, out, 1 << 20)
+        left = size + 1
+        while left > 0 and (chunk := answer.read(min(1 << 20, left))):
+            out.write(chunk)
+            left -= len(chunk)
+    if left <= 0:
+        os.unlink(part)
+        raise Forged(f"{name}: more than its {size} bytes")
     if file_sha256(part) != digest:
         os.unlink(part)
         return False
@@ -127,12 +161,12 @@ def fetch_file(server, step, name, digest, path):
     return True
 
 
-def fetch_retried(server, step, name, digest, path):
+def fetch_retried(server, step, name, digest, path, size):
     """fetch_file, tried again after a blip (a reset connection, a short or garbled body) up
     to ATTEMPTS times; a checkpoint gone (Gone) is not a blip."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            if fetch_file(server, step, name, digest, path):
+            if fetch_file(server, step, name, digest, path, size):
                 return
             problem = f"its sha256 differs from {MANIFEST}"
         except (OSError, http.client.HTTPException) as exc:
@@ -143,6 +177,17 @@ def fetch_retried(server, step, name, digest, path):
             say(f"step {step}: {name}: {problem}; trying again ({attempt}/{ATTEMPTS})")
             time.sleep(RETRY_S)
     raise ValueError(f"step_{step}/{name}: {problem} ({ATTEMPTS} tries)")
+
+
+def bounds(text):
+    """{name: bytes} from /manifest's X-Sizes; {} when it is missing or malformed."""
+    try:
+        sizes = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(sizes, dict):
+        return {}
+    return {n: v for n, v in sizes.items() if isinstance(v, int) and v >= 0}
 
 
 def resume_only(name):
@@ -156,7 +201,9 @@ def pull(server, job, step):
     to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
     directory's flock held while it writes, the placing under the parent's flock, a copy at
     step_N that holds the same manifest taken as it is."""
-    full = server.get("/manifest", step=step).decode()
+    with server.open("/manifest", step=step) as answer:
+        full = answer.read().decode()
+        sizes = bounds(answer.headers.get("X-Sizes"))
     entries = manifest_entries(full)
     if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
         raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
@@ -176,7 +223,9 @@ def pull(server, job, step):
             path = os.path.join(partial, name)
             if file_sha256(path) == digest:
                 continue
-            fetch_retried(server, step, name, digest, path)
+            if name not in sizes:
+                raise ValueError(f"step_{step}/{name}: the server gave no size for it")
+            fetch_retried(server, step, name, digest, path, sizes[name])
             fetched += 1
         only(partial, entries)
         with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:

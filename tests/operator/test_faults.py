@@ -4,9 +4,11 @@ line. The evaluator is a stand-in interpreter (no torch here) that writes a resu
 from __future__ import annotations
 
 import hashlib
+import hmac
 import http.server
 import json
 import os
+import secrets
 import socket
 import struct
 import subprocess
@@ -253,10 +255,7 @@ def test_the_checkpoint_server_answers_a_bad_step_with_a_4xx_and_no_traceback(ws
         for step in ("\u00b2", "9" * 5000, "-1"):
             for path in ("/manifest", "/file"):
                 url = f"{base}{path}?" + urllib.parse.urlencode({"step": step, "name": "x"})
-                request = urllib.request.Request(url, headers={"Authorization": "Bearer t0k"})
-                with pytest.raises(urllib.error.HTTPError) as refused:
-                    urllib.request.urlopen(request, timeout=10)
-                assert 400 <= refused.value.code < 500, (step, path)
+                assert 400 <= ask(url) < 500, (step, path)
         assert "Traceback" not in (serve / "console.log").read_text()
         assert not token_file.exists()  # item 9: the server holds it in memory only
     finally:
@@ -348,8 +347,17 @@ def served(ws, tmp_path):
         proc.wait(timeout=20)
 
 
+def signed(url: str, token: str = "t0k") -> urllib.request.Request:
+    """A request as the follower signs it (remote/ckpt_server.py): the token never sent."""
+    nonce = secrets.token_hex(16)
+    target = url.split("/", 3)[3]
+    mac = hmac.new(token.encode(), f"request {nonce} GET /{target}".encode(), hashlib.sha256)
+    return urllib.request.Request(url, headers={"X-Nonce": nonce,
+                                                "Authorization": f"DFO {mac.hexdigest()}"})  # fmt: skip
+
+
 def ask(url: str, token: str = "t0k") -> int:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    request = signed(url, token)
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
             return answer.status
@@ -373,8 +381,7 @@ def test_an_archived_run_is_ended_for_its_server_and_connections_are_capped(serv
     archived = run.parent.parent / "archive" / RUN
     archived.parent.mkdir(parents=True)
     run.rename(archived)
-    listing = urllib.request.urlopen(urllib.request.Request(
-        f"{base}/list", headers={"Authorization": "Bearer t0k"}), timeout=10)  # fmt: skip
+    listing = urllib.request.urlopen(signed(f"{base}/list"), timeout=10)
     assert json.loads(listing.read())["ended"] is True
     held = []
     for _ in range(40):  # idle connections: at most the cap get a thread
@@ -398,7 +405,7 @@ class Blips(http.server.ThreadingHTTPServer):
 
     def __init__(self, step_dir: Path) -> None:
         super().__init__(("127.0.0.1", 0), BlipHandler)
-        self.step_dir, self.faults = step_dir, ["short", "reset"]
+        self.step_dir, self.faults, self.forged, self.grow = step_dir, ["short", "reset"], False, 0
 
 
 class BlipHandler(http.server.BaseHTTPRequestHandler):
@@ -407,8 +414,17 @@ class BlipHandler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
-    def reply(self, body: bytes) -> None:
+    def send_response(self, code: int, message: str | None = None) -> None:
+        super().send_response(code, message)
+        if not self.server.forged:  # it holds the token "t" (a forged one cannot)
+            nonce = self.headers.get("X-Nonce", "")
+            proof = hmac.new(b"t", f"answer {nonce}".encode(), hashlib.sha256).hexdigest()
+            self.send_header("X-Proof", proof)
+
+    def reply(self, body: bytes, sizes: dict | None = None) -> None:
         self.send_response(200)
+        if sizes is not None:
+            self.send_header("X-Sizes", json.dumps(sizes))
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -422,9 +438,11 @@ class BlipHandler(http.server.BaseHTTPRequestHandler):
         if url.path == "/list":
             return self.reply(json.dumps({"ended": True, "status": "finished",
                                           "checkpoints": [10], "landed": {}}).encode())  # fmt: skip
+        step_dir = self.server.step_dir
         if url.path == "/manifest":
-            return self.reply((self.server.step_dir / "MANIFEST.sha256").read_bytes())
-        body = (self.server.step_dir / query["name"]).read_bytes()
+            sizes = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+            return self.reply((step_dir / "MANIFEST.sha256").read_bytes(), sizes)
+        body = (step_dir / query["name"]).read_bytes() + b"x" * self.server.grow
         fault = self.server.faults.pop(0) if query["name"] == "model.safetensors" and \
             self.server.faults else None  # fmt: skip
         if fault == "short":
@@ -445,12 +463,16 @@ class BlipHandler(http.server.BaseHTTPRequestHandler):
         self.reply(body)
 
 
-def run_follower(ws: Path, tmp_path: Path, faults: list[str]) -> tuple[Path, Path, Any]:
+def run_follower(
+    ws: Path, tmp_path: Path, faults: list[str], timeout: float = 120, **fake: Any
+) -> tuple[Path, Path, Any]:
     """The follower program against a Blips server of the faults given, to its end."""
     run = make_run(ws, RUN, ckpts=(10,))
     step_dir = run / "checkpoints" / "step_10"
     server = Blips(step_dir)
     server.faults = faults
+    for key, value in fake.items():
+        setattr(server, key, value)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     evaluator = tmp_path / "evalpy"
     evaluator.write_text(STAND_IN_EVALUATOR)
@@ -469,8 +491,11 @@ def run_follower(ws: Path, tmp_path: Path, faults: list[str]) -> tuple[Path, Pat
     follower = REPO / "dflashops" / "remote" / "follow_eval.py"
     try:
         ran = subprocess.run([sys.executable, str(follower), str(job)], capture_output=True,
-                             text=True, timeout=120, cwd=REPO,
+                             text=True, timeout=timeout, cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    except subprocess.TimeoutExpired as exc:  # still trying (an unproven server is a blip)
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        ran = subprocess.CompletedProcess(exc.cmd, None, out, "")
     finally:
         server.shutdown()
     return job, step_dir, ran
@@ -521,3 +546,20 @@ def test_a_step_gone_during_its_copy_leaves_no_partial_copy(ws, tmp_path):
     state = json.loads((job / "state.json").read_text())
     assert ran.returncode == 0 and state["skipped"] == [10], ran.stdout[-2000:]
     assert not list((ws / "ckpts" / RUN).glob(".partial-*"))
+
+
+# ---------------------------------------------------------------- item 5: whom the follower trusts
+
+
+def test_a_forged_server_and_an_oversized_file_are_refused(ws, tmp_path):
+    job, _step_dir, ran = run_follower(ws, tmp_path, [], timeout=6, forged=True)
+    assert "without proving it holds the token" in ran.stdout, ran.stdout[-2000:]
+    assert not (ws / "ckpts" / RUN / "step_10").exists()
+    import shutil
+
+    shutil.rmtree(ws)
+    (tmp_path / "again").mkdir()
+    job, _step_dir, ran = run_follower(ws, tmp_path / "again", [], grow=5 << 20)
+    assert ran.returncode == 1 and "more than its" in ran.stdout, ran.stdout[-2000:]
+    partial = ws / "ckpts" / RUN / ".partial-step_10"
+    assert sum(p.stat().st_size for p in partial.rglob("*") if p.is_file()) < 1 << 20
