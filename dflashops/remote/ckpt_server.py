@@ -9,7 +9,10 @@ ended}. It listens on a free port of that address and writes SERVE_DIR/state.jso
 {"status": "running", "pid", "pid_start", "address", "port"}; what it says goes to
 SERVE_DIR/console.log.
 
-Every request carries "Authorization: Bearer TOKEN" (else 403). GET /list: {"ended": bool,
+The token never travels: every request carries a fresh "X-Nonce" and "Authorization: DFO
+HMAC-SHA256(TOKEN, 'request NONCE METHOD PATH')" (else 403; a nonce is good once), and every
+answer to it "X-Proof: HMAC-SHA256(TOKEN, 'answer NONCE')": the follower trusts only a server
+that holds the token. /manifest's answer carries "X-Sizes" ({name: bytes}), each file's bound. GET /list: {"ended": bool,
 "status": the run's state.json status, "checkpoints": [step, ...] (complete checkpoints: a
 step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtime}}; a run directory gone (archived) has ended; GET /manifest?step=N: its MANIFEST.sha256; GET
 /file?step=N&name=REL: one file the manifest lists (nothing else is ever served); POST /bye:
@@ -19,6 +22,7 @@ nothing). Each connection has a 60 s deadline; at most MAX_CONNECTIONS are open 
 """
 
 import contextlib
+import hashlib
 import hmac
 import http.server
 import json
@@ -90,6 +94,15 @@ class Run:
         except OSError:
             return None
 
+    def sizes(self, step, text):
+        """{name: bytes} of the files the manifest lists (the follower's bound on each)."""
+        out = {}
+        for name in manifest_entries(text) or {}:
+            path = self.file(step, name)
+            if path is not None:
+                out[name] = os.path.getsize(path)
+        return out
+
     def file(self, step, name):
         """The path of a file the step's manifest lists, inside its directory; else None."""
         text = self.manifest(step)
@@ -101,7 +114,13 @@ class Run:
         return path if path.startswith(base + os.sep) and os.path.isfile(path) else None
 
 
+def sign(token, text):
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
 def handler(run, token, seen, bye):
+    used = set()
+
     class Handler(http.server.BaseHTTPRequestHandler):
         timeout = 60  # a deadline on every connection
 
@@ -109,15 +128,29 @@ def handler(run, token, seen, bye):
             pass  # the URLs are no secret, but a console full of them helps nobody
 
         def allowed(self):
+            nonce = self.headers.get("X-Nonce", "")
             given = self.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            want = "DFO " + sign(token, f"request {nonce} {self.command} {self.path}")
+            fresh = 16 <= len(nonce) <= 64 and nonce not in used
+            if fresh and hmac.compare_digest(given.encode(), want.encode()):
+                used.add(nonce)  # a request overheard and sent again is refused
                 seen[0] = time.monotonic()  # only the follower keeps the server up
+                self.nonce = nonce
                 return True
+            self.nonce = None
             self.reply(403, b"not allowed\n", "text/plain")
             return False
 
-        def reply(self, code, body, kind="application/json"):
+        def proof(self):
+            """The answer to an authenticated request's nonce: this server holds the token."""
+            if self.nonce:
+                self.send_header("X-Proof", sign(token, f"answer {self.nonce}"))
+
+        def reply(self, code, body, kind="application/json", sizes=None):
             self.send_response(code)
+            self.proof()
+            if sizes is not None:
+                self.send_header("X-Sizes", json.dumps(sizes, separators=(",", ":")))
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -142,7 +175,7 @@ def handler(run, token, seen, bye):
                 text = run.manifest(step)
                 if text is None:
                     return self.reply(404, b"no such checkpoint\n", "text/plain")
-                return self.reply(200, text.encode(), "text/plain")
+                return self.reply(200, text.encode(), "text/plain", run.sizes(step, text))
             if url.path == "/file":
                 return self.send_file(run.file(step, query.get("name", "")))
             self.reply(404, b"no such thing\n", "text/plain")
@@ -152,6 +185,7 @@ def handler(run, token, seen, bye):
                 return self.reply(404, b"not in that checkpoint's manifest\n", "text/plain")
             with open(path, "rb") as f:
                 self.send_response(200)
+                self.proof()
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
                 self.end_headers()

@@ -7,8 +7,10 @@ without --checkpoint and --out, "ckpts": <ws>/ckpts/RUN, "results": <ws>/evals/R
 <ws>/evals/.evaluating, "poll": seconds}. Over and over: it lists the run's complete
 checkpoints on the checkpoint server (remote/ckpt_server.py, on the training target), and takes
 the oldest one not yet evaluated whose step is a multiple of N (and, once the run has ended,
-its last): copies it to <ws>/ckpts/RUN/step_N through .partial-step_N, each file checked
-against the checkpoint's MANIFEST.sha256 as it lands (a file that verified is never fetched
+its last): copies it to <ws>/ckpts/RUN/step_N through .partial-step_N (removed for a step
+gone before it was copied), each file checked against the checkpoint's MANIFEST.sha256 as it
+lands; the optimizer state (training_state.pt, optimizer/) is left out, the copy's manifest
+lists what is there (a file that verified is never fetched
 again), then evaluates it holding the target's evaluation lock (remote/evallock.py: never two
 evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a result there
 (this job's, an earlier one's, or `eval --step`'s) is never evaluated again. When the run has
@@ -32,8 +34,12 @@ run has ended and nothing is left).
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
+import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -50,6 +56,8 @@ from dflashops.remote.shared import proc_start, read_json, write_json
 
 DEADLINE = 60  # seconds for each request to the server (connect, and each read)
 UNREACHABLE_FOR = 3600  # seconds the server may be out of reach before the job fails
+ATTEMPTS = 3  # tries of one file's copy (a reset or a short body is a blip)
+RETRY_S = 2  # between two tries
 
 
 def say(text):
@@ -62,6 +70,11 @@ class Gone(Exception):
     """The server has no such checkpoint (any more)."""
 
 
+class Forged(OSError):
+    """An answer from something that does not hold the token (a blip to the listing, a failed
+    try to a file's copy: never trusted, never written past its bound)."""
+
+
 class Server:
     def __init__(self, job):
         where = job["server"]
@@ -69,17 +82,36 @@ class Server:
         token = read_json(job["token_file"]).get("token")
         if not token:
             raise SystemExit(f"follow: error: no token in {job['token_file']}")
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.token = token  # never sent: each request is signed with it (ckpt_server.py)
 
     def open(self, path, method="GET", **query):
-        url = self.base + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        request = urllib.request.Request(url, headers=self.headers, method=method)
+        """The answer to one request, from a server that proved it holds the token."""
+        target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+        nonce = secrets.token_hex(16)
+        mac = self.sign(f"request {nonce} {method} {target}")
+        request = urllib.request.Request(self.base + target, method=method, headers={
+            "X-Nonce": nonce, "Authorization": f"DFO {mac}"})  # fmt: skip
         try:
-            return urllib.request.urlopen(request, timeout=DEADLINE)
+            answer = urllib.request.urlopen(request, timeout=DEADLINE)
         except urllib.error.HTTPError as exc:
+            self.check(exc.headers, nonce)
             if exc.code == 404:
                 raise Gone(path) from None
             raise
+        try:
+            self.check(answer.headers, nonce)
+        except BaseException:
+            answer.close()
+            raise
+        return answer
+
+    def sign(self, text):
+        return hmac.new(self.token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+    def check(self, headers, nonce):
+        want = self.sign(f"answer {nonce}")
+        if not hmac.compare_digest(want, (headers or {}).get("X-Proof") or ""):
+            raise Forged(f"{self.base} answered without proving it holds the token")
 
     def get(self, path, **query):
         with self.open(path, **query) as answer:
@@ -109,12 +141,19 @@ def update(job_dir, **keys):
     write_json(path, {**read_json(path), **keys})
 
 
-def fetch_file(server, step, name, digest, path):
-    """One file into `path` (through path.part), hashed as it lands; True when it verifies."""
+def fetch_file(server, step, name, digest, path, size):
+    """One file into `path` (through path.part), hashed as it lands, never more than `size`
+    bytes (its manifest's bound); True when it verifies."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = path + ".part"
     with server.open("/file", step=step, name=name) as answer, open(part, "wb") as out:
-        shutil.copyfileobj(answer, out, 1 << 20)
+        left = size + 1
+        while left > 0 and (chunk := answer.read(min(1 << 20, left))):
+            out.write(chunk)
+            left -= len(chunk)
+    if left <= 0:
+        os.unlink(part)
+        raise Forged(f"{name}: more than its {size} bytes")
     if file_sha256(part) != digest:
         os.unlink(part)
         return False
@@ -122,15 +161,55 @@ def fetch_file(server, step, name, digest, path):
     return True
 
 
+def fetch_retried(server, step, name, digest, path, size):
+    """fetch_file, tried again after a blip (a reset connection, a short or garbled body) up
+    to ATTEMPTS times; a checkpoint gone (Gone) is not a blip."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            if fetch_file(server, step, name, digest, path, size):
+                return
+            problem = f"its sha256 differs from {MANIFEST}"
+        except (OSError, http.client.HTTPException) as exc:
+            problem = f"the copy was cut ({exc!r})"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".part")
+        if attempt < ATTEMPTS:
+            say(f"step {step}: {name}: {problem}; trying again ({attempt}/{ATTEMPTS})")
+            time.sleep(RETRY_S)
+    raise ValueError(f"step_{step}/{name}: {problem} ({ATTEMPTS} tries)")
+
+
+def bounds(text):
+    """{name: bytes} from /manifest's X-Sizes; {} when it is missing or malformed."""
+    try:
+        sizes = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(sizes, dict):
+        return {}
+    return {n: v for n, v in sizes.items() if isinstance(v, int) and v >= 0}
+
+
+def resume_only(name):
+    """A file only a resumed trainer reads (its optimizer state): never copied for an
+    evaluation, so that what is kept of each scored step is its weights and config."""
+    return name == "training_state.pt" or name.startswith("optimizer/")
+
+
 def pull(server, job, step):
     """<ckpts>/step_N, a verified copy of the server's; how many files were fetched. It keeps
     to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
     directory's flock held while it writes, the placing under the parent's flock, a copy at
     step_N that holds the same manifest taken as it is."""
-    text = server.get("/manifest", step=step).decode()
-    entries = manifest_entries(text)
+    with server.open("/manifest", step=step) as answer:
+        full = answer.read().decode()
+        sizes = bounds(answer.headers.get("X-Sizes"))
+    entries = manifest_entries(full)
     if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
         raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
+    entries = {n: d for n, d in entries.items() if not resume_only(n)}
+    text = "".join(line + "\n" for line in full.splitlines()
+                   if line.partition("  ")[2].lstrip("*") in entries)  # fmt: skip
     final = os.path.join(job["ckpts"], f"step_{step}")
     partial = os.path.join(job["ckpts"], f".partial-step_{step}")
     if read_text(os.path.join(final, MANIFEST)) == text:
@@ -144,8 +223,9 @@ def pull(server, job, step):
             path = os.path.join(partial, name)
             if file_sha256(path) == digest:
                 continue
-            if not fetch_file(server, step, name, digest, path):
-                raise ValueError(f"step_{step}/{name}: its sha256 differs from {MANIFEST}")
+            if name not in sizes:
+                raise ValueError(f"step_{step}/{name}: the server gave no size for it")
+            fetch_retried(server, step, name, digest, path, sizes[name])
             fetched += 1
         only(partial, entries)
         with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
@@ -298,6 +378,8 @@ class Follower:
             fetched = pull(self.server, self.job, step)
         except Gone:
             say(f"step {step}: gone from the training target before it was copied; skipped")
+            shutil.rmtree(os.path.join(self.job["ckpts"], f".partial-step_{step}"),
+                          ignore_errors=True)  # fmt: skip
             self.skipped.append(step)
             return update(self.dir, skipped=self.skipped)
         say(f"step {step}: copied ({fetched} file(s) fetched, each verified); evaluating")

@@ -3,22 +3,29 @@ line. The evaluator is a stand-in interpreter (no torch here) that writes a resu
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import http.server
 import json
 import os
+import secrets
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import make_run
-from tests.operator.test_failure_paths import Here, one_line
+from tests.operator.test_failure_paths import Here, manifest_holds, one_line
 
 RUN = "f-run"
 REPO = Path(__file__).resolve().parents[2]
@@ -248,10 +255,7 @@ def test_the_checkpoint_server_answers_a_bad_step_with_a_4xx_and_no_traceback(ws
         for step in ("\u00b2", "9" * 5000, "-1"):
             for path in ("/manifest", "/file"):
                 url = f"{base}{path}?" + urllib.parse.urlencode({"step": step, "name": "x"})
-                request = urllib.request.Request(url, headers={"Authorization": "Bearer t0k"})
-                with pytest.raises(urllib.error.HTTPError) as refused:
-                    urllib.request.urlopen(request, timeout=10)
-                assert 400 <= refused.value.code < 500, (step, path)
+                assert 400 <= ask(url) < 500, (step, path)
         assert "Traceback" not in (serve / "console.log").read_text()
         assert not token_file.exists()  # item 9: the server holds it in memory only
     finally:
@@ -343,8 +347,17 @@ def served(ws, tmp_path):
         proc.wait(timeout=20)
 
 
+def signed(url: str, token: str = "t0k") -> urllib.request.Request:
+    """A request as the follower signs it (remote/ckpt_server.py): the token never sent."""
+    nonce = secrets.token_hex(16)
+    target = url.split("/", 3)[3]
+    mac = hmac.new(token.encode(), f"request {nonce} GET /{target}".encode(), hashlib.sha256)
+    return urllib.request.Request(url, headers={"X-Nonce": nonce,
+                                                "Authorization": f"DFO {mac.hexdigest()}"})  # fmt: skip
+
+
 def ask(url: str, token: str = "t0k") -> int:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    request = signed(url, token)
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
             return answer.status
@@ -368,8 +381,7 @@ def test_an_archived_run_is_ended_for_its_server_and_connections_are_capped(serv
     archived = run.parent.parent / "archive" / RUN
     archived.parent.mkdir(parents=True)
     run.rename(archived)
-    listing = urllib.request.urlopen(urllib.request.Request(
-        f"{base}/list", headers={"Authorization": "Bearer t0k"}), timeout=10)  # fmt: skip
+    listing = urllib.request.urlopen(signed(f"{base}/list"), timeout=10)
     assert json.loads(listing.read())["ended"] is True
     held = []
     for _ in range(40):  # idle connections: at most the cap get a thread
@@ -380,3 +392,174 @@ def test_an_archived_run_is_ended_for_its_server_and_connections_are_capped(serv
         conn.close()
     assert threads <= 24, threads
     proc.wait(timeout=30)  # its linger passes: it ends
+
+
+# ---------------------------------------------------------------- item 4: blips during a copy
+
+
+class Blips(http.server.ThreadingHTTPServer):
+    """A checkpoint server (the follower's side of its protocol) whose first two copies of a
+    file fail: one body cut short, one connection reset."""
+
+    daemon_threads = True
+
+    def __init__(self, step_dir: Path) -> None:
+        super().__init__(("127.0.0.1", 0), BlipHandler)
+        self.step_dir, self.faults, self.forged, self.grow = step_dir, ["short", "reset"], False, 0
+
+
+class BlipHandler(http.server.BaseHTTPRequestHandler):
+    server: Blips
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        super().send_response(code, message)
+        if not self.server.forged:  # it holds the token "t" (a forged one cannot)
+            nonce = self.headers.get("X-Nonce", "")
+            proof = hmac.new(b"t", f"answer {nonce}".encode(), hashlib.sha256).hexdigest()
+            self.send_header("X-Proof", proof)
+
+    def reply(self, body: bytes, sizes: dict | None = None) -> None:
+        self.send_response(200)
+        if sizes is not None:
+            self.send_header("X-Sizes", json.dumps(sizes))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.reply(b"{}")
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/list":
+            return self.reply(json.dumps({"ended": True, "status": "finished",
+                                          "checkpoints": [10], "landed": {}}).encode())  # fmt: skip
+        step_dir = self.server.step_dir
+        if url.path == "/manifest":
+            sizes = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+            return self.reply((step_dir / "MANIFEST.sha256").read_bytes(), sizes)
+        body = (step_dir / query["name"]).read_bytes() + b"x" * self.server.grow
+        fault = self.server.faults.pop(0) if query["name"] == "model.safetensors" and \
+            self.server.faults else None  # fmt: skip
+        if fault == "short":
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if fault == "gone":
+            return self.send_error(404)
+        if fault == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                       struct.pack("ii", 1, 0))  # fmt: skip
+            self.connection.close()
+            return
+        self.reply(body)
+
+
+def run_follower(
+    ws: Path, tmp_path: Path, faults: list[str], timeout: float = 120, **fake: Any
+) -> tuple[Path, Path, Any]:
+    """The follower program against a Blips server of the faults given, to its end."""
+    run = make_run(ws, RUN, ckpts=(10,))
+    step_dir = run / "checkpoints" / "step_10"
+    server = Blips(step_dir)
+    server.faults = faults
+    for key, value in fake.items():
+        setattr(server, key, value)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    evaluator = tmp_path / "evalpy"
+    evaluator.write_text(STAND_IN_EVALUATOR)
+    evaluator.chmod(0o755)
+    token = tmp_path / "token.json"
+    token.write_text(json.dumps({"token": "t"}))
+    job = tmp_path / "job"
+    job.mkdir()
+    plan = {"run": RUN, "every": 10, "server": {"address": "127.0.0.1",
+            "port": server.server_address[1]}, "token_file": str(token),
+            "argv": [str(evaluator), "-m", "workload.eval"], "ckpts": str(ws / "ckpts" / RUN),
+            "results": str(ws / "evals" / RUN), "lock": str(ws / "evals" / ".evaluating"),
+            "poll": 1}  # fmt: skip
+    (job / "job.json").write_text(json.dumps(plan))
+    (ws / "evals" / RUN).mkdir(parents=True)
+    follower = REPO / "dflashops" / "remote" / "follow_eval.py"
+    try:
+        ran = subprocess.run([sys.executable, str(follower), str(job)], capture_output=True,
+                             text=True, timeout=timeout, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    except subprocess.TimeoutExpired as exc:  # still trying (an unproven server is a blip)
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        ran = subprocess.CompletedProcess(exc.cmd, None, out, "")
+    finally:
+        server.shutdown()
+    return job, step_dir, ran
+
+
+def test_a_follower_survives_a_short_body_and_a_reset_during_a_copy(ws, tmp_path):
+    job, step_dir, ran = run_follower(ws, tmp_path, ["short", "reset"])
+    state = json.loads((job / "state.json").read_text())
+    assert ran.returncode == 0 and state["done"] == [10], ran.stdout[-2000:] + ran.stderr[-2000:]
+    copy = ws / "ckpts" / RUN / "step_10" / "model.safetensors"
+    assert copy.read_bytes() == (step_dir / "model.safetensors").read_bytes()
+    assert ran.stdout.count("trying again") == 2, ran.stdout
+
+
+# ---------------------------------------------------------------- item 6: the eval target's copies
+
+
+def with_optimizer_state(step_dir: Path) -> None:
+    (step_dir / "training_state.pt").write_bytes(os.urandom(50_000))
+    (step_dir / "optimizer").mkdir()
+    (step_dir / "optimizer" / "rank_0.pt").write_bytes(os.urandom(20_000))
+    names = ["config.json", "model.safetensors", "training_state.pt", "optimizer/rank_0.pt"]
+    (step_dir / "MANIFEST.sha256").write_text("".join(
+        f"{hashlib.sha256((step_dir / n).read_bytes()).hexdigest()}  {n}\n" for n in names))  # fmt: skip
+
+
+def test_the_eval_target_keeps_the_scored_weights_not_the_optimizer_state(cli, ws, tmp_path):
+    run = ended_run(ws, tmp_path)
+    for step in (10, 20):
+        with_optimizer_state(run / "checkpoints" / f"step_{step}")
+    ran = cli("eval", RUN, "--every", "10", "--on", "local",
+              "--prompts", str(tmp_path / "prompts.jsonl"))  # fmt: skip
+    assert ran.code == 0, ran.err
+    wait_for("the follower finished", lambda: follow_state(ws).get("status") == "finished")
+    copies = ws / "ckpts" / RUN
+    assert sorted(p.name for p in copies.iterdir() if p.is_dir()) == ["step_10", "step_20"]
+    for step in (10, 20):
+        kept = copies / f"step_{step}"
+        assert sorted(p.name for p in kept.iterdir()) == [
+            "MANIFEST.sha256", "config.json", "model.safetensors"]  # fmt: skip
+        assert (kept / "model.safetensors").read_bytes() == (
+            run / "checkpoints" / f"step_{step}" / "model.safetensors").read_bytes()  # fmt: skip
+        assert manifest_holds(kept)  # the copy's manifest lists what is kept
+
+
+def test_a_step_gone_during_its_copy_leaves_no_partial_copy(ws, tmp_path):
+    job, _step_dir, ran = run_follower(ws, tmp_path, ["gone"])
+    state = json.loads((job / "state.json").read_text())
+    assert ran.returncode == 0 and state["skipped"] == [10], ran.stdout[-2000:]
+    assert not list((ws / "ckpts" / RUN).glob(".partial-*"))
+
+
+# ---------------------------------------------------------------- item 5: whom the follower trusts
+
+
+def test_a_forged_server_and_an_oversized_file_are_refused(ws, tmp_path):
+    job, _step_dir, ran = run_follower(ws, tmp_path, [], timeout=6, forged=True)
+    assert "without proving it holds the token" in ran.stdout, ran.stdout[-2000:]
+    assert not (ws / "ckpts" / RUN / "step_10").exists()
+    import shutil
+
+    shutil.rmtree(ws)
+    (tmp_path / "again").mkdir()
+    job, _step_dir, ran = run_follower(ws, tmp_path / "again", [], grow=5 << 20)
+    assert ran.returncode == 1 and "more than its" in ran.stdout, ran.stdout[-2000:]
+    partial = ws / "ckpts" / RUN / ".partial-step_10"
+    assert sum(p.stat().st_size for p in partial.rglob("*") if p.is_file()) < 1 << 20
