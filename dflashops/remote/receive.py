@@ -2,6 +2,8 @@
 hashing each file's bytes as they are written.
 
 argv: BASE [--sha256]          a copy (push, sync): regular files, directories and symlinks
+      BASE --unsealed          a copy from a plain `tar -c` (a relay between targets): files land
+                               once written, with no seal to wait for
       BASE --offer [--sha256]  the same, after saying what BASE holds of the sender's paths
       BASE --checkpoint FINAL  a checkpoint into its partial directory BASE, then placed at FINAL
       BASE --plan FINAL        which files of the partial directory BASE verify already
@@ -573,9 +575,10 @@ class CopyUnpacker(Unpacker):
     new_digest = Crc32
     sealed = True
 
-    def __init__(self, base, sha256=False):
+    def __init__(self, base, sha256=False, sealed=True):
         super().__init__(base)
         self.found = {}
+        self.sealed = sealed
         if sha256:
             self.new_digest = hashlib.sha256
 
@@ -600,9 +603,9 @@ class CopyUnpacker(Unpacker):
         self.found[rel] = {"t": "l", "to": os.readlink(path)}
 
 
-def receive_copy(base, stream, sha256=False):
+def receive_copy(base, stream, sha256=False, sealed=True):
     os.makedirs(base, exist_ok=True)
-    unpacker = CopyUnpacker(base, sha256)
+    unpacker = CopyUnpacker(base, sha256, sealed)
     unpacker.run(stream)
     return unpacker.found
 
@@ -994,7 +997,12 @@ def main():
         else:
             if mode == "--offer":
                 answer_offer(base, stream)
-            doc = receive_copy(base, stream, sha256="--sha256" in sys.argv[2:])
+            doc = receive_copy(
+                base,
+                stream,
+                sha256="--sha256" in sys.argv[2:],
+                sealed="--unsealed" not in sys.argv[2:],
+            )
     except Refused as exc:
         sys.stderr.write(f"receive: refused: {exc}\n")
         sys.exit(1)

@@ -337,7 +337,7 @@ def copy_chunks(src: Machine, src_dir: str, chunks: list[str], dst: Machine, dst
     """Each chunk's jsonl, then its record (a record there means its jsonl arrived whole)."""
     members = [f"{k}.jsonl" for k in chunks] + [f"chunks/{k}.json" for k in chunks]
     tar = ["tar", "-C", src_dir, "--format=pax", "-cf", "-", "--", *members]
-    relayed = relay(src, tar, dst, helpers.argv("receive.py", dst_dir))
+    relayed = relay(src, tar, dst, helpers.argv("receive.py", dst_dir, "--unsealed"))
     if dst.dry_run:
         return
     if relayed.error is not None:
