@@ -227,7 +227,7 @@ def eval_argv(
         argv += ["--force"]
     found = probe(reader, paths=list(checks)).paths
     missing = [f"{what} {path}" for path, what in checks.items() if found.get(path) == "missing"]
-    if missing and not reader.offline:
+    if missing and not reader.dry_run:
         raise NotFoundError(
             f"{target.name}: not there: {'; '.join(missing)} (copy it there, or point the run's "
             "config elsewhere with --set target.path=PATH / --prompts FILE)"
