@@ -21,6 +21,9 @@ def digest(path, lfs):
 
 def main():
     req = json.loads(sys.stdin.read())
+    # asked to fetch: an HF_HUB_OFFLINE of the target's environment (or ours) does not apply;
+    # huggingface_hub reads it as it is imported
+    os.environ.pop("HF_HUB_OFFLINE", None)
     try:
         from huggingface_hub import HfApi, snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -36,6 +39,9 @@ def main():
     except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
         sys.exit(3)
+    except Exception as exc:  # noqa: BLE001 (the hub library's own: one line, not a traceback)
+        print(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}", file=sys.stderr)
+        sys.exit(1)
     bad, size = [], 0
     for s in info.siblings:
         path = os.path.join(req["dest"], s.rfilename)
