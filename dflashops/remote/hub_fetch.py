@@ -23,7 +23,8 @@ def main():
     req = json.loads(sys.stdin.read())
     # asked to fetch: an HF_HUB_OFFLINE of the target's environment (or ours) does not apply;
     # huggingface_hub reads it as it is imported
-    os.environ.pop("HF_HUB_OFFLINE", None)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # either one makes the hub offline
+        os.environ.pop(name, None)
     try:
         from huggingface_hub import HfApi, snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
