@@ -24,7 +24,7 @@ ROWS = [(4096, 512), (4096, 256), (4096, 128), (2048, 256)]
 
 
 def main() -> int:
-    from workload import plan
+    from workload.plan.memory import memory as plan
     from workload.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -800,7 +800,7 @@ _OFF_PATH = (
 
 
 def _audit_data(cfg: RunConfig, data: DataFacts) -> list[AuditItem]:
-    from workload.provenance import same_target
+    from workload.common.provenance import same_target
 
     items: list[AuditItem] = []
     on = cfg.loss.on_trajectory

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from workload.data import BatchStream, Example, render_chat
-from workload.targets import force_torch_fallback_off_gpu
+from workload.data.chat.chat import BatchStream, Example, render_chat
+from workload.drafter.targets import force_torch_fallback_off_gpu
 
 # ----------------------------------------------------------------------------- synthetic tasks
 

@@ -118,8 +118,8 @@ def test_a_run_executes_its_own_snapshot_and_a_later_launch_never_changes_it(
     assert json.loads((run1 / "launch.json").read_text())["code"] == str(code1)
     assert trainer_env(run1)["PYTHONPATH"] == str(code1)  # what the trainer imports
     before = tree_hashes(code1)
-    assert "workload/train.py" in before
-    trainer = src / "workload" / "train.py"
+    assert "workload/train/loop.py" in before
+    trainer = src / "workload" / "train" / "loop.py"
     original = trainer.read_text()
     trainer.write_text(original + "# edited after snap1 was launched\n")
 

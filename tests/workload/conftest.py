@@ -2,7 +2,7 @@
 
 The tiny targets are built once and cached under $DFLASHOPS_TEST_CACHE (default: a folder in
 the system temp dir), keyed by the source of the code that builds them and the build options,
-so a change to workload/tiny.py or workload/data.py rebuilds them and nothing else does.
+so a change to workload/tiny.py or workload/data/chat.py rebuilds them and nothing else does.
 """
 
 from __future__ import annotations

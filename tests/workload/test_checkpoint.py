@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workload import checkpoint as ck
+from workload.drafter import checkpoint as ck
 
 
 def payload(text: str):
@@ -73,7 +73,7 @@ def test_writer_killed_mid_save_leaves_no_complete_checkpoint(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from workload import checkpoint as ck
+        from workload.drafter import checkpoint as ck
         def slow(d: Path):
             (d / "model.safetensors").write_text("half")
             (d / "started").write_text("")

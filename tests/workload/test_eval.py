@@ -17,10 +17,10 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from workload import decode as dc
-from workload import eval as ev
-from workload.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
-from workload.model import DFlashDrafter
+from workload.eval.evaluate import decode as dc
+from workload.eval.evaluate import evaluate as ev
+from workload.eval.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
+from workload.drafter.model import DFlashDrafter
 
 VOCAB, BLOCK = 32, 8
 MASK, MASK_CTX = 31, 30  # two drafters, two mask rows of the target's embedding
@@ -328,8 +328,8 @@ def run_dir(tmp_path_factory):
     """A run directory as the operator lays it out: a saved tiny target with a ChatML tokenizer,
     data + prompts, run.yaml with relative paths, a checkpoint with its manifest, and the same
     drafter saved by z-lab's class (no manifest) as the reference."""
-    from workload.checkpoint import write_manifest
-    from workload.model import build_drafter_config
+    from workload.drafter.checkpoint import write_manifest
+    from workload.drafter.model import build_drafter_config
     from workload.tiny import build_tokenizer
 
     root = tmp_path_factory.mktemp("run")

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tests.workload.drafters import REPO, TEMPLATE, build_settings, trained_drafter
-from workload import checkpoint as ckpt
-from workload import runlog
-from workload import step as S
-from workload import train as T
+from workload.drafter import checkpoint as ckpt
+from workload.train.loop import runlog
+from workload.train.loop import step as S
+from workload.train.loop import loop as T
 from workload.config import load_config
 
 # A small, fast configuration of the tiny template (the tests' runs take seconds per step).
@@ -114,7 +114,7 @@ def test_noise_reaches_the_drafter_under_bf16_autocast():
     neither when it is added nor when the drafter's fc reads the features."""
     from transformers import Qwen3Config
 
-    from workload.model import DFlashDrafter, build_drafter_config
+    from workload.drafter.model import DFlashDrafter, build_drafter_config
 
     target = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          num_hidden_layers=4, vocab_size=128, intermediate_size=96)  # fmt: skip
@@ -168,7 +168,7 @@ def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_den
 
 def _start_drafter(path: Path, run: T.Run, *, mask, **settings) -> str:
     """Save a drafter for run's target with the run's layers and block, and `settings`."""
-    from workload.model import DFlashDrafter, build_drafter_config
+    from workload.drafter.model import DFlashDrafter, build_drafter_config
 
     d = run.cfg.drafter
     kw = {"num_layers": d.num_layers, "block_size": d.block_size, **settings}
@@ -234,7 +234,7 @@ def _packed_run(build: Path | None, impl: str, group) -> T.Run:
         return run
     from types import SimpleNamespace
 
-    from workload.data import Example
+    from workload.data.chat.chat import Example
 
     g = torch.Generator().manual_seed(0)
     examples = []
@@ -420,7 +420,7 @@ def test_resume_continues_exactly(tiny_dense, tmp_path, group, monkeypatch):
 _CHOOSE = """
 import sys
 from pathlib import Path
-from workload import train as T
+from workload.train.loop import loop as T
 d = T.init_distributed()
 print("chose", T.choose_checkpoint(Path(sys.argv[d.rank + 1]), d).name)
 """
