@@ -256,7 +256,7 @@ def _target(kind: str, size: dict, device):
 def _examples(spec: dict, vocab: int, n: int = 4) -> list:
     import torch
 
-    from workload.data.chat.chat import Example
+    from workload.data.chat import Example
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -269,8 +269,8 @@ def _examples(spec: dict, vocab: int, n: int = 4) -> list:
 def _measure(target, spec: dict, size: dict, impl: str, d, budget: Budget) -> dict:
     import torch
 
-    from workload.train.loop import loop as T
     from workload.config import load_config
+    from workload.train import loop as T
     from workload.train.step import StepSums
 
     cfg = load_config(None, [
@@ -545,8 +545,8 @@ def multi_worker(spec: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from workload.train.loop import loop as T
     from workload.config import DistConfig, load_config
+    from workload.train import loop as T
     from workload.train.step import StepSums, train_step
 
     m, size = spec["multi"], spec["multi"]["size"]
@@ -656,9 +656,9 @@ def section_plan_27b() -> dict:
     """The step-time plan's verdict for the 27B template on 2 x 8 H200 at 25 and 100 GbE (from
     the configs alone; the same on any machine)."""
     from bench.gpu_drafter_flex import RUN_27B, TARGET_27B
-    from workload.plan.memory import memory as plan
-    from workload.plan.memory import step_time as step_plan
     from workload.config import load_config
+    from workload.plan import memory as plan
+    from workload.plan import step_time as step_plan
 
     cfg, target = load_config(RUN_27B, []), plan.load_target_config(TARGET_27B)
     out = {}
@@ -744,7 +744,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from workload.train.loop import loop as T
+    from workload.train import loop as T
 
     spec = SMOKE if a.cpu_smoke else FULL
     from bench.gpu_drafter_flex import section_drafter_flex

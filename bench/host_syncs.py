@@ -158,9 +158,9 @@ def count_step(tiny: Path, chunk_blocks: int, overrides: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workload.train.loop import loss as L
-    from workload.train.loop import loop as T
     from workload.config import load_config
+    from workload.train import loop as T
+    from workload.train import loss as L
 
     try:
         step_mod = importlib.import_module("workload.train.step")

@@ -244,7 +244,7 @@ def train_speculators(config: Path, ours_ckpt: Path, steps: int, site: Path, out
     from transformers import AutoTokenizer, get_cosine_schedule_with_warmup
 
     from workload.config import load_config
-    from workload.data.chat.inspect_rows import open_store, read_settings
+    from workload.data.inspect_rows import open_store, read_settings
 
     model_cls, layer_config_of, build_optimizers, trainer_config = import_speculators(site)
     cfg = load_config(config)

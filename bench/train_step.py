@@ -100,8 +100,8 @@ def measure(config_path: str, overrides: list[str], steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workload.train.loop import loop as T
     from workload.config import load_config
+    from workload.train import loop as T
     from workload.train.step import StepSums
 
     cfg = load_config(config_path, overrides)

@@ -61,8 +61,8 @@ def rounds_as_simulated(args: argparse.Namespace, patched: bool) -> tuple[int, i
     from vllm import LLM, SamplingParams
 
     from workload.eval.evaluate import load_run_settings
-    from workload.eval.vllm_offline import engine_rounds
     from workload.eval.prompts import read_prompt_set, render
+    from workload.eval.vllm_offline import engine_rounds
 
     if patched:
         per_layer_norm()

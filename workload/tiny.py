@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from workload.data.chat.chat import BatchStream, Example, render_chat
+from workload.data.chat import BatchStream, Example, render_chat
 from workload.drafter.targets import force_torch_fallback_off_gpu
 
 # ----------------------------------------------------------------------------- synthetic tasks

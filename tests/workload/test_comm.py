@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.workload.test_distributed import on_ranks
-from workload.plan.memory import memory as plan
+from workload.plan import memory as plan
 
 # Each rank builds the run several ways and trains the same 4 micro-batches per rank, counting
 # the bytes it hands to collectives (torch.distributed's own functions, wrapped: DDP's comm
@@ -20,8 +20,8 @@ import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from tests.workload.test_train import config
-from workload.train.loop import step as S
-from workload.train.loop import loop as T
+from workload.train import step as S
+from workload.train import loop as T
 from workload.train.build_run import setup
 from workload.drafter.targets import load_target
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.workload.test_train import tiny_config
+from workload.data.chat import sample_anchors
 from workload.drafter import attention as A
-from workload.train.loop import step as S
-from workload.train.loop import loop as T
+from workload.train import loop as T
+from workload.train import step as S
 from workload.train.build_run import setup
-from workload.data.chat.chat import sample_anchors
 
 
 @pytest.fixture(scope="module")

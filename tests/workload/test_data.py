@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from workload.data.chat.chat import (
+from workload.data.chat import (
     Batch,
     BatchStream,
     DataError,
@@ -407,7 +407,7 @@ def test_parallel_rendering_matches_sequential(chat_tokenizer, tmp_path):
 
 
 def test_inspect_data_marks_supervised_tokens(tiny_dense, capsys):
-    from workload.data.chat.inspect_rows import main
+    from workload.data.inspect_rows import main
 
     assert main(["--config", str(tiny_dense / "run.yaml"), "--n", "2", "--color", "never"]) == 0
     out = capsys.readouterr().out

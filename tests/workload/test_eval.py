@@ -17,10 +17,10 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from workload.eval.evaluate import decode as dc
-from workload.eval.evaluate import evaluate as ev
-from workload.eval.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
 from workload.drafter.model import DFlashDrafter
+from workload.eval import decode as dc
+from workload.eval import evaluate as ev
+from workload.eval.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
 
 VOCAB, BLOCK = 32, 8
 MASK, MASK_CTX = 31, 30  # two drafters, two mask rows of the target's embedding

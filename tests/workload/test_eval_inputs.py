@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.workload.test_eval import _eval, _one_line_error, run_dir  # noqa: F401  (a fixture)
-from workload.eval.evaluate import evaluate as ev
-from workload.eval.evaluate import prompts as pr
+from workload.eval import evaluate as ev
+from workload.eval import prompts as pr
 from workload.eval.decode import Round
 from workload.eval.vllm_offline import engine_rounds, first_difference, last_error
 
@@ -283,9 +283,9 @@ def test_the_vllm_result_names_the_first_departure_and_the_greedy_misses(
     says where the rounds part (and the draft there) and which output is not greedy."""
     import torch
 
-    from workload.eval.evaluate import vllm_offline as eval_vllm
-    from workload.eval.decode import greedy_continuation
     from workload.drafter.targets import load_target
+    from workload.eval import vllm_offline as eval_vllm
+    from workload.eval.decode import greedy_continuation
 
     rc, _, err, sim = _eval(capsys, run_dir, "--budgets", "8")
     assert rc == 0, err

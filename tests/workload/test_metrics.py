@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from workload.train.loop import metrics
 from workload.drafter.acceptance import tree_depth, tree_depths
+from workload.train import metrics
 from workload.train.metrics import DraftMetrics, ddtree_depth, finalize, metric_sums, streak_lengths
 
 # ----------------------------------------------------------------------------- references

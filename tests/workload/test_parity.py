@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workload.eval.evaluate import parity
+from workload.eval import parity
 
 # Our own template with the semantics of chat-templates.md (not Qwen's text)
 THINKING = (
@@ -139,7 +139,7 @@ def test_bad_input_is_one_line_exit_2(run, tmp_path, capsys):
 
 def test_the_plan_names_data_made_with_other_kwargs_before_a_launch(run, tmp_path, capsys):
     """A datagen dataset made with thinking on, trained (and evaluated) with thinking off."""
-    from workload.plan.memory import memory as plan
+    from workload.plan import memory as plan
 
     data = tmp_path / "data"
     data.mkdir()

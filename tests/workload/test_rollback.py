@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
+from workload.drafter.model import DFlashDrafter
+from workload.drafter.targets import force_torch_fallback_off_gpu
 from workload.eval.decode import (
     evaluate_drafter,
     greedy_continuation,
@@ -16,9 +18,7 @@ from workload.eval.decode import (
     real_tree_generate,
     target_hidden_states,
 )
-from workload.drafter.model import DFlashDrafter
 from workload.eval.rollback import VerifyCache, crop, linear_layers, new_cache
-from workload.drafter.targets import force_torch_fallback_off_gpu
 
 VOCAB, BLOCK, MASK = 32, 8, 31
 

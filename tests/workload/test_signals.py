@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from tests.workload.test_distributed import on_ranks
 from tests.workload.test_train import config
-from workload.eval.evaluate import decode as E
-from workload.train.loop import loss as L
-from workload.train.loop import step as S
-from workload.train.loop import loop as T
-from workload.data.chat.chat import Batch, eligible_anchors, render_chat
+from workload.data.chat import Batch, eligible_anchors, render_chat
 from workload.drafter.targets import load_target
+from workload.eval import decode as E
+from workload.train import loop as T
+from workload.train import loss as L
+from workload.train import step as S
 
 ANCHORS_ALL = "data.num_anchors=512"  # more than a row's eligible positions: every one, no draw
 NO_NOISE = ("noise.start=0", "noise.end=0")
@@ -227,8 +227,8 @@ def test_grad_accumulation_gives_the_gradient_of_one_micro_batch(tiny_dense, loa
 _RANK = """
 import sys, torch
 from tests.workload.test_signals import make_run, rows, step_grads
-from workload.train.loop import loop as T
-from workload.data.chat.chat import Batch
+from workload.train import loop as T
+from workload.data.chat import Batch
 from workload.drafter.targets import load_target
 from pathlib import Path
 build, batch_file, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from bench.host_syncs import HostSyncs
 from tests.workload.test_train import config
-from workload.train.loop import loss as L
-from workload.train.loop import step as S
-from workload.train.loop import loop as T
 from workload.drafter.acceptance import label_ranks, tree_depth
+from workload.train import loop as T
+from workload.train import loss as L
+from workload.train import step as S
 from workload.train.metrics import finalize, leading_valid, streak_lengths
 
 

@@ -15,7 +15,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from workload import tiny
-from workload.data.chat.chat import load_examples
+from workload.data.chat import load_examples
 from workload.drafter.targets import (
     _device_dispatch,
     embedding_rows,

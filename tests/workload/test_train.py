@@ -16,11 +16,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tests.workload.drafters import REPO, TEMPLATE, build_settings, trained_drafter
-from workload.drafter import checkpoint as ckpt
-from workload.train.loop import runlog
-from workload.train.loop import step as S
-from workload.train.loop import loop as T
 from workload.config import load_config
+from workload.drafter import checkpoint as ckpt
+from workload.train import loop as T
+from workload.train import runlog
+from workload.train import step as S
 
 # A small, fast configuration of the tiny template (the tests' runs take seconds per step).
 SMALL = [
@@ -234,7 +234,7 @@ def _packed_run(build: Path | None, impl: str, group) -> T.Run:
         return run
     from types import SimpleNamespace
 
-    from workload.data.chat.chat import Example
+    from workload.data.chat import Example
 
     g = torch.Generator().manual_seed(0)
     examples = []
@@ -420,7 +420,7 @@ def test_resume_continues_exactly(tiny_dense, tmp_path, group, monkeypatch):
 _CHOOSE = """
 import sys
 from pathlib import Path
-from workload.train.loop import loop as T
+from workload.train import loop as T
 d = T.init_distributed()
 print("chose", T.choose_checkpoint(Path(sys.argv[d.rank + 1]), d).name)
 """

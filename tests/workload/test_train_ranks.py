@@ -27,9 +27,9 @@ from tests.workload.test_train import (
     read_log,
     read_state,
 )
-from workload.drafter import checkpoint as ckpt
 from workload.common import rank_files
-from workload.train.loop import loop as T
+from workload.drafter import checkpoint as ckpt
+from workload.train import loop as T
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node")

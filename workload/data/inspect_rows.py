@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workload.data.chat.chat import DataError, Example, eligible_anchors, resolve_chat_template
-from workload.data.chat.source import open_source
-from workload.data.chat.token_store import RenderSettings, TokenStore, find_or_build, store_root
+from workload.data.chat import DataError, Example, eligible_anchors, resolve_chat_template
+from workload.data.source import open_source
+from workload.data.token_store import RenderSettings, TokenStore, find_or_build, store_root
 
 BOLD_GREEN, DIM, RESET = "\033[1;32m", "\033[2m", "\033[0m"
 
@@ -197,7 +197,3 @@ def main(argv: list[str] | None = None) -> int:
         print(sample_report(tokenizer, store.example(i), i, s, color))
     print(summary(tokenizer, store, s))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workload.data.chat.chat import DataError
 from workload.common.jsonfile import write_json_atomic
+from workload.data.chat import DataError
 
 MANIFEST_NAME = "manifest.json"
 

@@ -47,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from workload.data.chat.chat import (
+from workload.common.jsonfile import write_json_atomic
+from workload.data.chat import (
     DataError,
     Example,
     Rendered,
@@ -56,8 +57,7 @@ from workload.data.chat.chat import (
     parse_line,
     render_at,
 )
-from workload.data.chat.source import DataSource, raw_lines, source_digest
-from workload.common.jsonfile import write_json_atomic
+from workload.data.source import DataSource, raw_lines, source_digest
 
 STORE_FORMAT = 2  # bump when render_chat's output or this layout changes
 HEADER = "header.json"

@@ -28,8 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from workload.train.loop import sharding
+from workload.common.jsonfile import (
+    write_json_atomic as write_json_atomic,  # where eval.py finds it
+)
 from workload.config import UsageError, config_hash, diff, from_dict
+from workload.drafter.model import WEIGHTS_NAME
+from workload.train import sharding
 from workload.train.distributed import (
     Dist,
     any_rank,
@@ -42,8 +46,6 @@ from workload.train.distributed import (
     run_polled,
     send_state,
 )
-from workload.common.jsonfile import write_json_atomic as write_json_atomic  # where eval.py finds it
-from workload.drafter.model import WEIGHTS_NAME
 from workload.train.step import Run, StepSums, reduce_sums
 
 MANIFEST = "MANIFEST.sha256"

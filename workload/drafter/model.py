@@ -18,10 +18,15 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 
+from workload.config import recipe_layer_ids
 from workload.drafter import dflash_module
 from workload.drafter.attention import block_attention
-from workload.config import recipe_layer_ids
-from workload.drafter.dflash_module import DFlashAttention, DFlashDraftModel, DFlashLayer, dflash_setting
+from workload.drafter.dflash_module import (
+    DFlashAttention,
+    DFlashDraftModel,
+    DFlashLayer,
+    dflash_setting,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_NAME = "model.safetensors"  # one file, never shards: the checkpoint contract and resume

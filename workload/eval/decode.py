@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from workload.drafter.acceptance import build_tree, label_ranks, tree_depth
-from workload.train.metrics import streak_lengths
 from workload.drafter.model import select_target_features
-from workload.eval.rollback import VerifyCache, crop, new_cache
 from workload.drafter.targets import DraftConventions, block_embeddings, output_head
 from workload.drafter.targets import draft_logits as head_logits
+from workload.eval.rollback import VerifyCache, crop, new_cache
+from workload.train.metrics import streak_lengths
 
 # ----------------------------------------------------------------------------- model plumbing
 

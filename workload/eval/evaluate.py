@@ -63,7 +63,12 @@ from workload.eval.decode import (
     sync_device,
     target_hidden_states,
 )
-from workload.eval.fingerprint import checkpoint_sha256, fingerprint, target_identity, template_sha256
+from workload.eval.fingerprint import (
+    checkpoint_sha256,
+    fingerprint,
+    target_identity,
+    template_sha256,
+)
 from workload.eval.prompts import PromptsError, PromptSet, prompts_sha256, read_prompt_set, render
 
 OFFICIAL_BUDGETS = (16, 32, 64)  # the smallest of the official DDTree benchmark's budgets
@@ -700,7 +705,7 @@ def _load_target(settings: RunSettings, device: torch.device):
 
 
 def _chat_template(template: str | None) -> str | None:
-    from workload.data.chat.chat import DataError, resolve_chat_template
+    from workload.data.chat import DataError, resolve_chat_template
 
     try:
         return resolve_chat_template(template)
@@ -798,9 +803,3 @@ def _real_summary(check: dict | None) -> str:
         f"{_fmt(check['real_tokens_per_s'])} tokens/s vs {_fmt(check['ar_tokens_per_s'])} "
         "autoregressive"
     )
-
-
-if __name__ == "__main__":
-    from workload.eval.evaluate import main as _main  # one copy of the module (its exception classes)
-
-    sys.exit(_main())

@@ -458,7 +458,3 @@ def main(argv: list[str] | None = None) -> int:
         if not doc["mismatches"] and not args.gather_only:
             print("parity: training and serving agree on every setting checked")
     return 2 if doc["mismatches"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

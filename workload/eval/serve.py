@@ -64,6 +64,14 @@ from workload.eval.evaluate import (
     say,
     stop_ids_of,
 )
+from workload.eval.fingerprint import (
+    checkpoint_sha256,
+    fingerprint,
+    target_identity,
+    template_sha256,
+)
+from workload.eval.prompts import prompts_sha256
+from workload.eval.vllm_engine import resolve_dtype
 from workload.eval.vllm_offline import (
     _child_env,
     _kept,
@@ -73,9 +81,6 @@ from workload.eval.vllm_offline import (
     last_error,
     vllm_python,
 )
-from workload.eval.fingerprint import checkpoint_sha256, fingerprint, target_identity, template_sha256
-from workload.eval.prompts import prompts_sha256
-from workload.eval.vllm_engine import resolve_dtype
 
 BUCKETS = ((1024, "<1k"), (4096, "1-4k"), (16384, "4-16k"), (math.inf, ">16k"))
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL of the server's process group
@@ -711,9 +716,3 @@ def _f(x: float | None) -> str:
 
 def _x(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
-
-
-if __name__ == "__main__":
-    from workload.eval.serve import main as _main
-
-    sys.exit(_main())

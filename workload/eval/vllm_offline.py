@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from workload.drafter.model import select_target_features
 from workload.eval.decode import DraftSession, PromptResult, Round, target_hidden_states
 from workload.eval.evaluate import (
     EngineError,
@@ -49,7 +50,6 @@ from workload.eval.evaluate import (
     say,
     summarize,
 )
-from workload.drafter.model import select_target_features
 
 WORKLOAD_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds `workload/`
 PROGRESS = "vllm: "  # the engine process's own progress lines (vllm_engine.say)

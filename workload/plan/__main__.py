@@ -1,7 +1,8 @@
-"""`python -m workload.plan`: see memory.py."""
+"""`python -m workload.plan`: starts memory.main."""
 
 import sys
 
 from workload.plan.memory import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,9 +48,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workload.plan.memory import step_time as step_plan
 from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
 from workload.eval.parity import ParityError, before_launch
+from workload.plan import step_time as step_plan
 from workload.plan.step_time import Comm, StepTime
 
 GIB = 1 << 30
@@ -627,9 +627,9 @@ def estimate(
 ) -> Plan:
     """The memory plan of one rank of a `world`-rank run of `cfg` on `device` (cuda | cpu)
     over `nnodes` nodes, with its communication and step time."""
+    from workload.drafter.targets import text_config
     from workload.train.comm import resolve_grad_comm
     from workload.train.sharding import resolve_sharding
-    from workload.drafter.targets import text_config
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")
@@ -836,7 +836,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n".join(plan.lines() + [f"parity: {line}" for line in mismatches]))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

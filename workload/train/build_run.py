@@ -19,8 +19,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workload.train.loop import comm
-from workload.train.loop import sharding
 from workload.config import (
     PACKED_ATTENTION,
     RunConfig,
@@ -30,17 +28,18 @@ from workload.config import (
     audit_errors,
     recipe_layer_ids,
 )
-from workload.data.chat.chat import BatchStream
-from workload.train.distributed import Dist, node_group
+from workload.data.chat import BatchStream
 from workload.drafter.model import (
     DFlashDrafter,
     build_drafter_config,
     checkpointing_on,
     default_target_layer_ids,
 )
-from workload.train.step import DrafterStep, Run
 from workload.drafter.targets import embedding_rows, load_target, text_config
+from workload.train.distributed import Dist, node_group
+from workload.train import comm, sharding
 from workload.train.run_data import load_data, open_data_source, streams
+from workload.train.step import DrafterStep, Run
 
 
 def target_facts(target: nn.Module, tokenizer: Any) -> TargetFacts:

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workload.config import DistConfig
 from workload.common.rank_files import NODE_ADDR_ENV
+from workload.config import DistConfig
 
 IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 PIECE_BYTES = 64 << 20  # the most one send or broadcast carries: well under a second on 1 GbE

@@ -30,13 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workload.drafter import checkpoint as ckpt
-from workload.plan.memory import memory as plan
-from workload.plan.memory import step_time as step_plan
-from workload.drafter.attention import FLEX_SHAPES, flex_compiled, resolve_impl
-from workload.train.build_run import setup
-from workload.drafter.checkpoint import choose_checkpoint, restore, save_checkpoint
-from workload.train.comm import LINK_PROBE_BYTES, measure_link_gbps
+from workload.common.jsonfile import write_json_atomic
+from workload.common.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
+from workload.common.stop_flag import StopFlag
 from workload.config import (
     AuditItem,
     ConfigError,
@@ -46,9 +42,14 @@ from workload.config import (
     dump,
     load_config,
 )
+from workload.drafter import checkpoint as ckpt
+from workload.drafter.attention import FLEX_SHAPES, flex_compiled, resolve_impl
+from workload.drafter.checkpoint import choose_checkpoint, restore, save_checkpoint
+from workload.plan import memory as plan
+from workload.plan import step_time as step_plan
+from workload.train.build_run import setup
+from workload.train.comm import LINK_PROBE_BYTES, measure_link_gbps
 from workload.train.distributed import Dist, DistSetupError, any_rank, init_distributed
-from workload.common.jsonfile import write_json_atomic
-from workload.common.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
 from workload.train.runlog import (
     LOG_NAME,
     MetricLog,
@@ -59,7 +60,6 @@ from workload.train.runlog import (
     truncate_log,
 )
 from workload.train.step import Run, StepSums, train_step
-from workload.common.stop_flag import StopFlag
 
 clock = time.monotonic  # seconds of a log interval (tests replace it)
 
@@ -305,7 +305,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError, DistSetupError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from workload.common.provenance import target_digest
 from workload.config import DataFacts, RunConfig, UsageError
-from workload.data.chat.chat import (
+from workload.data.chat import (
     BatchStream,
     DataError,
     HoldoutBatches,
@@ -28,10 +29,9 @@ from workload.data.chat.chat import (
     resolve_chat_template,
     split_holdout,
 )
-from workload.data.chat.source import DataSource, open_source
+from workload.data.source import DataSource, open_source
+from workload.data.token_store import RenderSettings, TokenStore, find_or_build, store_root
 from workload.train.distributed import Dist, run_polled
-from workload.common.provenance import target_digest
-from workload.data.chat.token_store import RenderSettings, TokenStore, find_or_build, store_root
 
 
 @dataclass

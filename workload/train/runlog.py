@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workload.config import RunConfig
 from workload.common.jsonfile import write_json_atomic
+from workload.config import RunConfig
 from workload.train.metrics import finalize
 from workload.train.step import Run, StepSums, holdout_sums, noise_std, reduce_sums
 

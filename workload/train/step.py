@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from workload.config import RunConfig
-from workload.data.chat.chat import Batch, BatchStream, HoldoutBatches, sample_anchors
+from workload.data.chat import Batch, BatchStream, HoldoutBatches, sample_anchors
+from workload.drafter.model import DFlashDrafter, select_target_features
+from workload.drafter.targets import DraftConventions, DraftHead, block_embeddings, output_head
 from workload.train.distributed import Dist
 from workload.train.loss import (
     LossSums,
@@ -34,8 +36,6 @@ from workload.train.loss import (
     teacher_labels,
 )
 from workload.train.metrics import DraftMetrics, empty_sums
-from workload.drafter.model import DFlashDrafter, select_target_features
-from workload.drafter.targets import DraftConventions, DraftHead, block_embeddings, output_head
 
 DDS_BUDGETS = (8,)
 # what a log interval sums on each rank (reduced over ranks for the log line)

@@ -83,8 +83,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workload.data.chat.datagen import output as store
-from workload.data.chat.datagen.conversations import (
+from workload.common.stop_flag import StopFlag
+from workload.data.datagen import output as store
+from workload.data.datagen.conversations import (
     NO_USER_TURN,
     Conversation,
     InputError,
@@ -94,8 +95,7 @@ from workload.data.chat.datagen.conversations import (
     reply_points,
     scan,
 )
-from workload.data.chat.datagen.output import ChunkResult, OutputError
-from workload.common.stop_flag import StopFlag
+from workload.data.datagen.output import ChunkResult, OutputError
 
 DEFAULT_CHUNK = 512
 DEFAULT_MAX_NEW_TOKENS = 8192  # thinking replies run long: docs/workload-design.md
@@ -462,7 +462,7 @@ def job_settings(a: argparse.Namespace, source: Source, target: TargetInfo, engi
                  kwargs: dict, tokenizer: Any, max_model_len: int) -> dict:  # fmt: skip
     import hashlib
 
-    from workload.data.chat.datagen.engines import engine_version
+    from workload.data.datagen.engines import engine_version
 
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)  # fmt: skip
@@ -481,7 +481,7 @@ def job_settings(a: argparse.Namespace, source: Source, target: TargetInfo, engi
 def pick_engine(requested: str | None) -> str:
     if requested:
         return requested
-    from workload.data.chat.datagen.engines import vllm_importable
+    from workload.data.datagen.engines import vllm_importable
 
     return "vllm" if vllm_importable() else "transformers"
 
@@ -593,7 +593,7 @@ class Job:
 
     def _start_engine(self, name: str, target: TargetInfo, device: str, threads: int | None,
                       tokenizer: Any, max_model_len: int) -> None:  # fmt: skip
-        from workload.data.chat.datagen.engines import EngineSettings, make_engine
+        from workload.data.datagen.engines import EngineSettings, make_engine
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids(
             target.path, tokenizer)[0]  # fmt: skip
@@ -721,7 +721,3 @@ def _run(a: argparse.Namespace, place: Place, source: Source, kwargs: dict, stop
         print(f"error: rank {place.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)  # fmt: skip
         return 1
-
-
-if __name__ == "__main__":  # vLLM's engine core is a spawned process: it needs this guard
-    sys.exit(main())
