@@ -39,7 +39,7 @@ def build_key(options: dict) -> str:
     import transformers
 
     h = hashlib.sha256()
-    for name in ("tiny.py", "data.py", "targets.py"):
+    for name in ("tiny.py", "data/chat.py", "drafter/targets.py"):
         h.update((WORKLOAD / name).read_bytes())
     h.update(repr(sorted(options.items())).encode())
     h.update(f"{torch.__version__} {transformers.__version__}".encode())

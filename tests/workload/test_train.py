@@ -19,7 +19,7 @@ from tests.workload.drafters import REPO, TEMPLATE, build_settings, trained_draf
 from workload.config import load_config
 from workload.drafter import checkpoint as ckpt
 from workload.train import loop as T
-from workload.train import runlog
+from workload.train import runlog, save_restore
 from workload.train import step as S
 
 # A small, fast configuration of the tiny template (the tests' runs take seconds per step).
@@ -508,7 +508,7 @@ def test_torchrun_two_ranks_on_cpu_and_resume_between_log_steps(tiny_dense, tmp_
     assert read_state(straight)["world_size"] == 2
     wa, wb = _weights(straight, 4), _weights(split, 4)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6
-    state = ckpt.load_training_state(ckpt.step_dir(straight, 4))
+    state = save_restore.load_training_state(ckpt.step_dir(straight, 4))
     assert len(state["rng"]) == 2
 
 

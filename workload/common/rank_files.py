@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.jsonfile import write_json_atomic
+from workload.common.layout import RANKS_DIR
 
-RANKS_DIR = "ranks"
 NODE_ADDR_ENV = "DFLASHOPS_NODE_ADDR"
 
 

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.jsonfile import write_json_atomic
+from workload.common.layout import DATASET_MANIFEST as MANIFEST_NAME
 from workload.data.chat import DataError
-
-MANIFEST_NAME = "manifest.json"
 
 
 @dataclass(frozen=True)

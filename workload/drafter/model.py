@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 
+from workload.common.layout import MODULE_NAME, WEIGHTS_NAME
 from workload.config import recipe_layer_ids
 from workload.drafter import dflash_module
 from workload.drafter.attention import block_attention
@@ -29,9 +30,7 @@ from workload.drafter.dflash_module import (
 )
 
 ARCHITECTURE = "DFlashDraftModel"
-WEIGHTS_NAME = "model.safetensors"  # one file, never shards: the checkpoint contract and resume
 MAX_SHARD_SIZE = "1000GB"
-MODULE_NAME = "dflash.py"  # config.json's auto_map: {"AutoModel": "dflash.DFlashDraftModel"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope keys of multimodal/partial-rotary targets that a Qwen3-style drafter does not use
 _TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")

@@ -52,7 +52,9 @@ from typing import Any
 
 import torch
 
-from workload.drafter.checkpoint import MANIFEST, read_manifest, verify, write_json_atomic
+from workload.common.jsonfile import write_json_atomic
+from workload.common.layout import MANIFEST
+from workload.drafter.checkpoint import read_manifest, verify
 from workload.eval.decode import (
     PromptResult,
     Round,

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workload.drafter.checkpoint import MANIFEST
+from workload.common.layout import MANIFEST
 
 WEIGHTS_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workload.common.layout import DATASET_MANIFEST
+
 PROBE = [
     {"role": "user", "content": "parity question one"},
     {
@@ -123,7 +125,7 @@ def data_facts(data_path: str | None) -> dict[str, Any] | None:
     """What a datagen dataset was made with (its manifest), None for a plain corpus."""
     if not data_path:
         return None
-    manifest = Path(data_path) / "manifest.json"
+    manifest = Path(data_path) / DATASET_MANIFEST
     if not manifest.is_file():
         return None
     try:

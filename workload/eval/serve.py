@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workload.drafter.checkpoint import write_json_atomic
+from workload.common.jsonfile import write_json_atomic
 from workload.eval.evaluate import (
     EngineError,
     EvalError,

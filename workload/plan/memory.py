@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workload.common.layout import DATASET_MANIFEST
 from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
 from workload.eval.parity import ParityError, before_launch
 from workload.plan import step_time as step_plan
@@ -686,7 +687,7 @@ def corpus_rows(path: str | None) -> int | None:
     if not path:
         return None
     where = Path(path)
-    manifest = where / "manifest.json"
+    manifest = where / DATASET_MANIFEST
     try:
         if manifest.is_file():
             return int(json.loads(manifest.read_text())["done"])

@@ -36,8 +36,8 @@ from workload.drafter.model import (
     default_target_layer_ids,
 )
 from workload.drafter.targets import embedding_rows, load_target, text_config
-from workload.train.distributed import Dist, node_group
 from workload.train import comm, sharding
+from workload.train.distributed import Dist, node_group
 from workload.train.run_data import load_data, open_data_source, streams
 from workload.train.step import DrafterStep, Run
 

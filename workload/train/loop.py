@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from workload.common.jsonfile import write_json_atomic
+from workload.common.layout import AUDIT_NAME, PLAN_NAME
 from workload.common.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
 from workload.common.stop_flag import StopFlag
 from workload.config import (
@@ -42,9 +43,7 @@ from workload.config import (
     dump,
     load_config,
 )
-from workload.drafter import checkpoint as ckpt
 from workload.drafter.attention import FLEX_SHAPES, flex_compiled, resolve_impl
-from workload.drafter.checkpoint import choose_checkpoint, restore, save_checkpoint
 from workload.plan import memory as plan
 from workload.plan import step_time as step_plan
 from workload.train.build_run import setup
@@ -58,6 +57,12 @@ from workload.train.runlog import (
     log_record,
     progress_line,
     truncate_log,
+)
+from workload.train.save_restore import (
+    BackgroundWriter,
+    choose_checkpoint,
+    restore,
+    save_checkpoint,
 )
 from workload.train.step import Run, StepSums, train_step
 
@@ -144,11 +149,11 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
         if slower is not None:
             say(f"recipe audit: {slower.line()}")
             items.append(slower)
-        write_json_atomic(run_dir / "audit.json", audit_json(items))
+        write_json_atomic(run_dir / AUDIT_NAME, audit_json(items))
         dump(cfg, run_dir / "resolved.yaml")
         for line in memory.lines():
             say(f"memory plan: {line}")
-        write_json_atomic(run_dir / "plan.json", memory.to_json())
+        write_json_atomic(run_dir / PLAN_NAME, memory.to_json())
     return run
 
 
@@ -226,7 +231,7 @@ def _train(
 
     status, exit_code = "finished", 1
     t_interval = clock() - elapsed
-    writer = ckpt.BackgroundWriter()  # rank 0's checkpoint writes
+    writer = BackgroundWriter()  # rank 0's checkpoint writes
     interval = StepSums(d.device, interval)
     started = step
     try:

@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.jsonfile import write_json_atomic
+from workload.common.layout import ALERTS_DIR, LOG_NAME, STATE_NAME
 from workload.config import RunConfig
 from workload.train.metrics import finalize
 from workload.train.step import Run, StepSums, holdout_sums, noise_std, reduce_sums
 
-LOG_NAME = "train_log.jsonl"
-STATE_NAME = "state.json"
-ALERTS_DIR = "alerts"  # W&B alert requests from `dflashops watch` (ID.json; ID.sent once sent)
 ALERT_LEVELS = ("INFO", "WARN", "ERROR")
 
 

@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workload.common.layout import RANKS_DIR
 from workload.common.stop_flag import StopFlag
 from workload.data.datagen import output as store
 from workload.data.datagen.conversations import (
@@ -576,7 +577,7 @@ class Job:
 
         from workload.common.rank_files import process_start_ticks
 
-        for beat in sorted((self.out / "ranks").glob("rank_*.json")):
+        for beat in sorted((self.out / RANKS_DIR).glob("rank_*.json")):
             try:
                 info = json.loads(beat.read_text())
                 pid = int(info["pid"])

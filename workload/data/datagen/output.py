@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.jsonfile import write_json_atomic
+from workload.common.layout import DATASET_MANIFEST as MANIFEST
 
 CHUNKS_DIR = "chunks"
 JOB = "job.json"
-MANIFEST = "manifest.json"
 LOCK = ".lock"
 _RECORD_RE = re.compile(r"^chunk_(\d{6,})\.json$")
 _TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")
