@@ -15,6 +15,7 @@ import pytest
 from tests.workload.test_eval import _eval, _one_line_error, run_dir  # noqa: F401  (a fixture)
 from workload.eval import evaluate as ev
 from workload.eval import prompts as pr
+from workload.eval import run_settings
 from workload.eval.decode import Round
 from workload.eval.vllm_offline import engine_rounds, first_difference, last_error
 
@@ -195,12 +196,12 @@ def test_the_kwargs_key_is_read_from_the_yaml_where_the_config_lacks_it(tmp_path
     path = tmp_path / "run.yaml"
     path.write_text("data: {chat_template_kwargs: {enable_thinking: false}}\n")
     bare = SimpleNamespace(data=SimpleNamespace())
-    assert ev._config_kwargs(bare, path) == {"enable_thinking": False}
+    assert run_settings.config_kwargs(bare, path) == {"enable_thinking": False}
     path.write_text("data: {path: x}\n")
-    assert ev._config_kwargs(bare, path) == {}
+    assert run_settings.config_kwargs(bare, path) == {}
     path.write_text("data: {chat_template_kwargs: [1]}\n")
     with pytest.raises(ev.EvalError, match="data.chat_template_kwargs: expected a mapping"):
-        ev._config_kwargs(bare, path)
+        run_settings.config_kwargs(bare, path)
 
 
 def test_bad_chat_template_kwargs_are_one_line(run_dir, capsys):  # noqa: F811

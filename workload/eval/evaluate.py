@@ -49,6 +49,7 @@ import torch
 from transformers.utils import logging
 
 from workload.common.jsonfile import write_json_atomic
+from workload.eval.arguments import subject_parser
 from workload.eval.errors import EngineError, EvalError
 from workload.eval.evaluation import DEFAULT_BUDGETS, Evaluation
 from workload.eval.inputs import parity_check
@@ -57,17 +58,7 @@ from workload.eval.vllm_offline import run_vllm
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workload.eval", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, type=Path, help="the run config (YAML)")
-    p.add_argument("--checkpoint", required=True, type=Path, help="a drafter checkpoint directory")
-    p.add_argument(
-        "--prompts",
-        type=Path,
-        help="prompts: ours (JSONL) or GSM8K, MATH-500, HumanEval, MBPP, MT-Bench files, JSONL "
-        "or parquet (default: prompts.jsonl beside data)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N")
+    p = subject_parser("python -m workload.eval", __doc__.split("\n")[0])
     p.add_argument("--reference", type=Path, help="a reference drafter directory (e.g. z-lab's)")
     p.add_argument(
         "--budgets",
@@ -75,11 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="DDTree budgets (nodes besides the root) to add to "
         + ",".join(map(str, DEFAULT_BUDGETS)),
     )
-    p.add_argument("--out", required=True, type=Path, help="where to write the result JSON")
     p.add_argument("--allow-incomplete", action="store_true", help="accept a missing manifest")
-    p.add_argument(
-        "--force", action="store_true", help="evaluate despite train-to-serve parity mismatches"
-    )
     p.add_argument(
         "--check-real",
         type=int,
@@ -87,39 +74,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="also run the real draft-and-verify loop on the first N prompts",
     )
-    p.add_argument(
-        "--chat-template-kwargs",
-        default=None,
-        metavar="JSON",
-        help="chat template kwargs, e.g. '{\"enable_thinking\": false}' "
-        "(default: the run's data.chat_template_kwargs)",
-    )
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        metavar="PATH",
-        help="the python of a vLLM environment (default: $DFLASHOPS_VLLM_PYTHON, else this one)",
-    )
-    p.add_argument(
-        "--vllm-arg",
-        dest="vllm_args",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a vLLM engine argument, e.g. gpu_memory_utilization=0.85",
-    )
     p.add_argument("--engine-timeout", type=float, default=10800.0, metavar="S")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a run-config key, e.g. --set target.path=/models/x",
-    )
     return p.parse_args(argv)
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.layout import DATASET_MANIFEST
+from workload.eval.errors import EvalError
+from workload.eval.run_settings import load_run_settings
 
 PROBE = [
     {"role": "user", "content": "parity question one"},
@@ -81,44 +83,23 @@ class Mismatch:
 
 def run_facts(config: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """What training used: the run config's chat settings, drafter shape and target."""
-    from workload.config import ConfigError, load_config
-
     try:
-        cfg = load_config(config, overrides)
-    except ConfigError as exc:
+        settings = load_run_settings(config, overrides)
+    except EvalError as exc:
         raise ParityError(str(exc)) from None
-    base = config.resolve().parent
-    template = cfg.data.chat_template
+    template = settings.chat_template
     if template is not None and "{" not in template:
-        path = _under(template, base)
-        if not path.is_file():
+        if not Path(template).is_file():
             raise ParityError(f"{config}: data.chat_template {template}: no such file")
-        template = path.read_text(encoding="utf-8")
-    said = _drafter_keys_given(config, overrides)
+        template = Path(template).read_text(encoding="utf-8")
     return {
         "config": str(config),
-        "target_path": str(_under(cfg.target.path, base)) if cfg.target.path else None,
-        "data_path": str(_under(cfg.data.path, base)) if cfg.data.path else None,
+        "target_path": str(settings.target_path) if settings.target_path else None,
+        "data_path": str(settings.data_path) if settings.data_path else None,
         "chat_template": template,  # None: the target tokenizer's
-        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs or {}),
-        # the drafter as the run set it (a default is no claim about a checkpoint)
-        **{key: getattr(cfg.drafter, key) if key in said else None
-           for key in ("block_size", "mask_token_id", "target_layer_ids")},
-    }  # fmt: skip
-
-
-def _drafter_keys_given(config: Path, overrides: Sequence[str]) -> set[str]:
-    """The drafter keys the run config (or a --set) gives: launch's run.yaml gives them all."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError):
-        raw = {}
-    section = raw.get("drafter") if isinstance(raw, dict) else None
-    given = set(section) if isinstance(section, dict) else set()
-    sets = (item.split("=", 1)[0].strip() for item in overrides)
-    return given | {key.removeprefix("drafter.") for key in sets if key.startswith("drafter.")}
+        "chat_template_kwargs": settings.chat_template_kwargs,
+        **settings.drafter,
+    }
 
 
 def data_facts(data_path: str | None) -> dict[str, Any] | None:
@@ -320,11 +301,6 @@ def _taps(ckpt: dict, train: dict, target: dict | None, where: str) -> list[Mism
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _under(path: str, base: Path) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() or not (base / p).exists() else base / p
 
 
 _TOKENIZERS: dict[str, Any] = {}

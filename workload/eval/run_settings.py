@@ -24,6 +24,9 @@ class RunSettings:
     chat_template: str | None
     data_path: Path | None
     chat_template_kwargs: dict = field(default_factory=dict)
+    # the drafter as the run set it: block_size, mask_token_id, target_layer_ids (None: a
+    # default, no claim about a checkpoint)
+    drafter: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_path(path: str | None, base: Path) -> Path | None:
@@ -44,6 +47,7 @@ def load_run_settings(config_path: Path, overrides: Sequence[str] = ()) -> RunSe
     except ConfigError as exc:
         raise EvalError(str(exc)) from None
     base = config_path.resolve().parent
+    given = drafter_keys_given(config_path, overrides)
     template = cfg.data.chat_template
     if template is not None and "{" not in template:
         template = str(resolve_path(template, base))
@@ -54,7 +58,9 @@ def load_run_settings(config_path: Path, overrides: Sequence[str] = ()) -> RunSe
         chat_template=template,
         data_path=resolve_path(cfg.data.path, base),
         chat_template_kwargs=config_kwargs(cfg, config_path),
-    )
+        drafter={key: getattr(cfg.drafter, key) if key in given else None
+                 for key in ("block_size", "mask_token_id", "target_layer_ids")},
+    )  # fmt: skip
 
 
 def config_kwargs(cfg: Any, config_path: Path) -> dict:
@@ -90,3 +96,15 @@ def chat_template_kwargs(text: str | None, settings: RunSettings) -> dict:
             "'{\"enable_thinking\": false}'"
         )
     return kwargs
+
+
+def drafter_keys_given(config: Path, overrides: Sequence[str]) -> set[str]:
+    """The drafter keys the run config (or a --set) gives: launch's run.yaml gives them all."""
+    try:
+        raw = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        raw = {}
+    section = raw.get("drafter") if isinstance(raw, dict) else None
+    given = set(section) if isinstance(section, dict) else set()
+    sets = (item.split("=", 1)[0].strip() for item in overrides)
+    return given | {key.removeprefix("drafter.") for key in sets if key.startswith("drafter.")}

@@ -51,6 +51,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from workload.common.jsonfile import write_json_atomic
+from workload.eval.arguments import subject_parser
 from workload.eval.errors import EngineError, EvalError
 from workload.eval.fingerprint import (
     checkpoint_sha256,
@@ -628,32 +629,13 @@ def run(bench: Bench, out: Path) -> dict:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workload.serve_bench",
-                                description=__doc__.split("\n")[0])  # fmt: skip
-    p.add_argument("--config", required=True, type=Path, help="the run config (YAML)")
-    p.add_argument("--checkpoint", required=True, type=Path, help="a drafter checkpoint directory")
+    p = subject_parser("python -m workload.serve_bench", __doc__.split("\n")[0])
     p.add_argument("--vs", type=Path, default=None, help="a second drafter, served side by side")
     p.add_argument("--vs-result", type=Path, default=None,
                    help="a stored serving result to put side by side")  # fmt: skip
     p.add_argument("--concurrency", default="1,4,16", help="concurrencies, e.g. 1,4,16")
-    p.add_argument("--prompts", type=Path, help="prompts (default: prompts.jsonl beside data)")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--max-prompts", type=int, default=None, help="only the first N prompts")
-    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--vllm-python", default=None, metavar="PATH")
-    p.add_argument(
-        "--vllm-arg",
-        dest="vllm_args",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a server argument, e.g. gpu_memory_utilization=0.9",
-    )
     p.add_argument("--ready-timeout", type=float, default=1800.0, metavar="S")
     p.add_argument("--bench-timeout", type=float, default=10800.0, metavar="S")
-    p.add_argument("--force", action="store_true", help="despite train-to-serve mismatches")
-    p.add_argument("--out", required=True, type=Path, help="where to write the result JSON")
     args = p.parse_args(argv)
     if args.vs is not None and args.vs_result is not None:
         p.error("--vs and --vs-result: give one")
