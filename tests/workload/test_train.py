@@ -16,10 +16,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tests.workload.drafters import REPO, TEMPLATE, build_settings, trained_drafter
+from workload.common.layout import STATE_NAME
 from workload.config import load_config
 from workload.drafter import checkpoint as ckpt
 from workload.train import loop as T
-from workload.train import runlog, save_restore
+from workload.train import save_restore
 from workload.train import step as S
 
 # A small, fast configuration of the tiny template (the tests' runs take seconds per step).
@@ -57,7 +58,7 @@ def read_log(run_dir: Path) -> list[dict]:
 
 
 def read_state(run_dir: Path) -> dict:
-    return json.loads((run_dir / runlog.STATE_NAME).read_text())
+    return json.loads((run_dir / STATE_NAME).read_text())
 
 
 def cli(build: Path, run_dir: Path, *args: str, launcher=(sys.executable,), **kw):
@@ -326,7 +327,7 @@ def test_refuses_a_used_run_dir_and_bad_config(tiny_dense, tmp_path, group):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / T.LOG_NAME).write_text('{"step": 1, "time": 0}\n')
-    (run_dir / runlog.STATE_NAME).write_text('{"pid": 1}')
+    (run_dir / STATE_NAME).write_text('{"pid": 1}')
     with pytest.raises(T.UsageError, match="--resume"):
         T.train(config(tiny_dense), run_dir)
     assert read_state(run_dir) == {"pid": 1}

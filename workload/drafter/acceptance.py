@@ -1,4 +1,5 @@
-"""DDTree: the draft tree of a given node budget, and how deep it follows the teacher's tokens.
+"""How much of a draft the target's greedy tokens accept: the chain's streak, and the DDTree
+of a given node budget and how deep it follows the teacher's tokens.
 
 The definition (one for training's `dds{b}` and eval's DDTree tau, as the official DDTree code
 builds its trees, Ringel & Romano): the root is the block's first token (the committed bonus
@@ -12,7 +13,8 @@ depth is the deepest d such that the teacher's tokens of depths 1..d form a root
 verifier of the tree accepts that many drafts and commits one more. Only the top min(b, V)
 tokens of a slot can enter a tree, so callers pass those (sorted, descending).
 
-`build_tree` lists a tree's nodes; `tree_depth` is the readable reference of the depth (one
+`streak_lengths` is the chain's accepted length per block (training's `streak`, eval's
+rounds). `build_tree` lists a tree's nodes; `tree_depth` is the readable reference of the depth (one
 block, Python floats, a heap); `tree_depths` grows the trees of many blocks at once on their
 device, with the same result, ties included.
 """
@@ -170,3 +172,9 @@ def label_ranks(top_ids: Tensor, labels: Tensor) -> Tensor:
     width = top_ids.shape[-1]
     first = hit.to(torch.int8).argmax(dim=-1)
     return torch.where(hit.any(dim=-1), first, torch.full_like(first, width))
+
+
+def streak_lengths(correct: Tensor, valid: Tensor) -> Tensor:
+    """[M] number of leading slots that are valid and correct."""
+    ok = (correct.bool() & valid.bool()).to(torch.int32)
+    return ok.cumprod(dim=1).sum(dim=1)

@@ -21,12 +21,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from workload.drafter.acceptance import build_tree, label_ranks, tree_depth
+from workload.drafter.acceptance import build_tree, label_ranks, streak_lengths, tree_depth
 from workload.drafter.model import select_target_features
 from workload.drafter.targets import DraftConventions, block_embeddings, output_head
 from workload.drafter.targets import draft_logits as head_logits
 from workload.eval.rollback import VerifyCache, crop, new_cache
-from workload.train.metrics import streak_lengths
 
 # ----------------------------------------------------------------------------- model plumbing
 
@@ -162,7 +161,7 @@ Accept = Callable[[Draft, list[int]], int]
 
 
 def leading_matches(guesses: Sequence[int], labels: Sequence[int]) -> int:
-    """Draft tokens a greedy verifier accepts: training's `streak` (metrics.streak_lengths) of
+    """Draft tokens a greedy verifier accepts: training's `streak` (acceptance.streak_lengths) of
     one block whose slots are all valid, up to the shorter of the two lists."""
     n = min(len(guesses), len(labels))
     if n == 0:

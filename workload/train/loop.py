@@ -33,6 +33,7 @@ import torch.distributed as dist
 from workload.common.jsonfile import write_json_atomic
 from workload.common.layout import AUDIT_NAME, PLAN_NAME
 from workload.common.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
+from workload.common.run_state import RunState
 from workload.common.stop_flag import StopFlag
 from workload.config import (
     AuditItem,
@@ -52,7 +53,6 @@ from workload.train.distributed import Dist, DistSetupError, any_rank, init_dist
 from workload.train.runlog import (
     LOG_NAME,
     MetricLog,
-    RunState,
     Wandb,
     log_record,
     progress_line,

@@ -3,7 +3,7 @@
 Inputs are the draft logits of slots 1..K-1 of M blocks, the teacher's tokens for those slots
 and which slots are valid. A block counts when its slot 1 is valid. `streak` is the per-block
 number of leading valid, correct slots (never a product of per-position accuracies);
-`dds{b}` is the depth a DDTree of budget b reaches along the teacher's tokens (see ddtree.py).
+`dds{b}` is the depth a DDTree of budget b reaches along the teacher's tokens (see drafter/acceptance.py).
 
 Everything stays on the logits' device: the loss hands each chunk of logits to a
 `DraftMetrics`, which keeps what the metrics need of it (argmax hits, top log-probabilities,
@@ -17,15 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from workload.drafter.acceptance import label_ranks, tree_depth, tree_depths
+from workload.drafter.acceptance import label_ranks, streak_lengths, tree_depth, tree_depths
 
 _CHUNK_ELEMENTS = 1 << 25  # logits elements upcast to float32 at a time (128 MiB)
-
-
-def streak_lengths(correct: Tensor, valid: Tensor) -> Tensor:
-    """[M] number of leading slots that are valid and correct."""
-    ok = (correct.bool() & valid.bool()).to(torch.int32)
-    return ok.cumprod(dim=1).sum(dim=1)
 
 
 def leading_valid(valid: Tensor) -> Tensor:

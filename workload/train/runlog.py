@@ -1,4 +1,5 @@
-"""The run's record in its directory: `state.json`, `train_log.jsonl` and its metrics, W&B, and
+"""The run's record in its directory: `train_log.jsonl` and its metrics (`state.json` is
+common/run_state.py), W&B, and
 the progress line on the console.
 
 `METRICS` is the one list of what a log line holds after `step` and `time` (CONTRACTS §3), in
@@ -16,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workload.common.jsonfile import write_json_atomic
-from workload.common.layout import ALERTS_DIR, LOG_NAME, STATE_NAME
+from workload.common.layout import ALERTS_DIR, LOG_NAME
 from workload.config import RunConfig
 from workload.train.metrics import finalize
 from workload.train.step import Run, StepSums, holdout_sums, noise_std, reduce_sums
@@ -49,24 +49,6 @@ METRICS: tuple[Metric, ...] = (
     Metric("val_streak", "val_streak", ".2f", every_line=False),
     Metric("val_dds8", "val_dds8", ".2f", every_line=False),
 )
-
-
-class RunState:
-    """`state.json`: merged with what is there (the launcher may add keys), replaced atomically."""
-
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
-        self.path = run_dir / STATE_NAME
-        self.enabled = enabled
-
-    def read(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def update(self, **values: Any) -> None:
-        if self.enabled:
-            write_json_atomic(self.path, {**self.read(), **values})
 
 
 class MetricLog:

@@ -74,8 +74,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import hashlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -84,6 +86,8 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.layout import RANKS_DIR
+from workload.common.rank_files import Heartbeat, process_start_ticks, redirect_output
+from workload.common.run_state import RunState
 from workload.common.stop_flag import StopFlag
 from workload.data.datagen import output as store
 from workload.data.datagen.conversations import (
@@ -95,6 +99,12 @@ from workload.data.datagen.conversations import (
     read_chunk,
     reply_points,
     scan,
+)
+from workload.data.datagen.engines import (
+    EngineSettings,
+    engine_version,
+    make_engine,
+    vllm_importable,
 )
 from workload.data.datagen.output import ChunkResult, OutputError
 
@@ -461,10 +471,6 @@ def stop_ids(path: Path, tokenizer: Any) -> list[int]:
 
 def job_settings(a: argparse.Namespace, source: Source, target: TargetInfo, engine: str,
                  kwargs: dict, tokenizer: Any, max_model_len: int) -> dict:  # fmt: skip
-    import hashlib
-
-    from workload.data.datagen.engines import engine_version
-
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)  # fmt: skip
     return {
@@ -482,7 +488,6 @@ def job_settings(a: argparse.Namespace, source: Source, target: TargetInfo, engi
 def pick_engine(requested: str | None) -> str:
     if requested:
         return requested
-    from workload.data.datagen.engines import vllm_importable
 
     return "vllm" if vllm_importable() else "transformers"
 
@@ -491,9 +496,6 @@ class Job:
     """One rank's run: its chunks, its engine, its files."""
 
     def __init__(self, a: argparse.Namespace, place: Place, source: Source, kwargs: dict) -> None:
-        from workload.common.rank_files import Heartbeat
-        from workload.train.runlog import RunState
-
         self.a, self.place, self.source, self.kwargs = a, place, source, kwargs
         self.out = Path(a.out)
         self.beat = Heartbeat(self.out, place.rank, place.local_rank, place.world)
@@ -505,8 +507,6 @@ class Job:
         self.owner = False  # True once DIR's job.json accepted this run's settings
 
     def run(self, stop: Any) -> int:
-        from workload.common.rank_files import process_start_ticks
-
         a, place = self.a, self.place
         device, threads = claim_devices(place, a.tensor_parallel_size)
         target = target_info(Path(a.target))
@@ -573,9 +573,6 @@ class Job:
         the loop for a rank that had not written its record by then."""
         if not self.keeps_state or self.place.local_world == 1:
             return
-        import signal
-
-        from workload.common.rank_files import process_start_ticks
 
         for beat in sorted((self.out / RANKS_DIR).glob("rank_*.json")):
             try:
@@ -594,8 +591,6 @@ class Job:
 
     def _start_engine(self, name: str, target: TargetInfo, device: str, threads: int | None,
                       tokenizer: Any, max_model_len: int) -> None:  # fmt: skip
-        from workload.data.datagen.engines import EngineSettings, make_engine
-
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids(
             target.path, tokenizer)[0]  # fmt: skip
         settings = EngineSettings(
@@ -684,8 +679,6 @@ def _main(argv: list[str] | None, stop: StopFlag) -> int:
     try:
         place = on_node(place, a.nnodes, a.node_rank)
         if not a.check_only and a.out:
-            from workload.common.rank_files import redirect_output
-
             redirect_output(Path(a.out), place.rank)
         kwargs = check_args(a)
         source = scan(a.prompts, a.chunk)
