@@ -36,6 +36,7 @@ from workload.drafter.model import (
     default_target_layer_ids,
 )
 from workload.drafter.targets import embedding_rows, load_target, text_config
+from workload.plan.memory import anchors_per_row
 from workload.train import comm, sharding
 from workload.train.distributed import Dist, node_group
 from workload.train.run_data import load_data, open_data_source, streams
@@ -159,8 +160,6 @@ def build_drafter(cfg: RunConfig, target: nn.Module, fc_ids: list[int]) -> DFlas
 
 def flex_pad_to(cfg: RunConfig) -> tuple[int, int]:
     """The most context rows and block queries a row of this run has (what flex pads to)."""
-    from workload.plan.memory import anchors_per_row
-
     return cfg.data.max_length, anchors_per_row(cfg) * cfg.drafter.block_size
 
 
