@@ -22,7 +22,8 @@ import torch
 import yaml
 
 from workload.common.layout import RUN_CONFIG
-from workload.data.chat import BatchStream, Example, render_chat
+from workload.data.batches import BatchStream
+from workload.data.chat import Example, render_chat
 from workload.drafter.targets import force_torch_fallback_off_gpu
 
 # ----------------------------------------------------------------------------- synthetic tasks

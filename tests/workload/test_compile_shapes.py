@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.workload.test_train import tiny_config
-from workload.data.chat import sample_anchors
+from workload.data.batches import sample_anchors
 from workload.drafter import attention as A
 from workload.train import loop as T
 from workload.train import step as S

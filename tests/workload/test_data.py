@@ -9,18 +9,14 @@ import time
 import pytest
 import torch
 
-from workload.data.chat import (
+from workload.data.batches import (
     Batch,
     BatchStream,
-    DataError,
-    Example,
     eligible_anchors,
-    load_examples,
     pack_documents,
-    render_chat,
-    render_rows,
     sample_anchors,
 )
+from workload.data.chat import DataError, Example, load_examples, render_chat, render_rows
 
 TWO_TURNS = [
     {"role": "system", "content": "You are a helpful assistant."},

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from tests.workload.test_distributed import on_ranks
 from tests.workload.test_train import config
-from workload.data.chat import Batch, eligible_anchors, render_chat
+from workload.data.batches import Batch, eligible_anchors
+from workload.data.chat import render_chat
 from workload.drafter.targets import load_target
 from workload.eval import decode as E
 from workload.train import loop as T
@@ -228,7 +229,7 @@ _RANK = """
 import sys, torch
 from tests.workload.test_signals import make_run, rows, step_grads
 from workload.train import loop as T
-from workload.data.chat import Batch
+from workload.data.batches import Batch
 from workload.drafter.targets import load_target
 from pathlib import Path
 build, batch_file, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workload.data.chat import DataError, Example, eligible_anchors, resolve_chat_template
+from workload.data.batches import eligible_anchors
+from workload.data.chat import DataError, Example, resolve_chat_template
 from workload.data.source import open_source
 from workload.data.token_store import RenderSettings, TokenStore, find_or_build, store_root
 

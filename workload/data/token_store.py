@@ -48,15 +48,8 @@ from typing import Any
 import numpy as np
 
 from workload.common.jsonfile import write_json_atomic
-from workload.data.chat import (
-    DataError,
-    Example,
-    Rendered,
-    TokenArrays,
-    has_anchor,
-    parse_line,
-    render_at,
-)
+from workload.data.batches import TokenArrays
+from workload.data.chat import DataError, Example, Rendered, has_anchor, parse_line, render_at
 from workload.data.source import DataSource, raw_lines, source_digest
 
 STORE_FORMAT = 2  # bump when render_chat's output or this layout changes

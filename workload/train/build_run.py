@@ -28,7 +28,7 @@ from workload.config import (
     audit_errors,
     recipe_layer_ids,
 )
-from workload.data.chat import BatchStream
+from workload.data.batches import BatchStream
 from workload.drafter.model import (
     DFlashDrafter,
     build_drafter_config,

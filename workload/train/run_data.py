@@ -21,14 +21,8 @@ import torch.distributed as dist
 
 from workload.common.provenance import target_digest
 from workload.config import DataFacts, RunConfig, UsageError
-from workload.data.chat import (
-    BatchStream,
-    DataError,
-    HoldoutBatches,
-    check_template,
-    resolve_chat_template,
-    split_holdout,
-)
+from workload.data.batches import BatchStream, HoldoutBatches, split_holdout
+from workload.data.chat import DataError, check_template, resolve_chat_template
 from workload.data.source import DataSource, open_source
 from workload.data.token_store import RenderSettings, TokenStore, find_or_build, store_root
 from workload.train.distributed import Dist, run_polled

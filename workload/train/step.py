@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from workload.config import RunConfig
-from workload.data.chat import Batch, BatchStream, HoldoutBatches, sample_anchors
+from workload.data.batches import Batch, BatchStream, HoldoutBatches, sample_anchors
 from workload.drafter.model import DFlashDrafter, select_target_features
 from workload.drafter.targets import DraftConventions, DraftHead, block_embeddings, output_head
 from workload.train.distributed import Dist
