@@ -6,7 +6,7 @@ hidden states, and replay the rounds: at committed position `start` the drafter 
 features of positions < start and the block [token at start, MASK x K-1]; the accepted length is
 the number of leading draft argmaxes equal to the continuation; the round commits accepted + 1
 tokens (cut at the length limit and at a stop token, as dflash_generate does). DDTree replays the
-same loop with the depth a tree of the given budget reaches (ddtree.py). `real_generate` is the
+same loop with the depth a tree of the given budget reaches (drafter/acceptance.py). `real_generate` is the
 real draft-and-verify loop with KV caches, which the simulation is checked against.
 """
 

@@ -3,7 +3,7 @@
 Per rank, in bytes: what a training step keeps alive, computed from the run config and the
 target's config.json. Target and drafter are built on the meta device without initialising
 them (no weights are read; about a second for a 27B config) to count their parameters; the
-activations follow the step's code (workload/train/step.py, loss.py, attention.py, model.py) term by
+activations follow the step's code (workload/train/step.py, train/loss.py, drafter/attention.py, drafter/model.py) term by
 term. The test
 (tests/workload/test_plan.py) holds the estimate within 25% of the peak torch allocates during
 real steps of tiny targets on CPU.
@@ -22,14 +22,14 @@ real steps of tiny targets on CPU.
      "nnodes": K, "comm_bytes": {"intra": B, "inter": B, "grads": B, "params": B},  # per step
      "step_time": {"gpu", "mfu", "link_gbps", "flops", "compute_s", "comm_s", "step_s",
                    "one_node_s", "pays", "accum_to_pay", "link_measured", "grad_accum"}}
-                   # step_plan.py; one_node_s, pays, accum_to_pay null on one node
+                   # step_time.py; one_node_s, pays, accum_to_pay null on one node
 
 `fits` is null without --gpu-memory-gib. Exit codes: 0 (also when it does not fit: read
 `fits`), 2 bad input (config, target config), with one line on stderr.
 
 Assumptions (also in `notes`): drafter master weights, gradients and AdamW's two moments in
-fp32; the gradients are views of DDP's buckets (gradient_as_bucket_view, as train.py builds
-DDP), one copy; zero1 shards the moments like ZeroRedundancyOptimizer (whole parameters,
+fp32; the gradients are views of DDP's buckets (gradient_as_bucket_view, as train/build_run.py
+builds DDP), one copy; zero1 shards the moments like ZeroRedundancyOptimizer (whole parameters,
 largest first, to the emptiest rank); the drafter's layers are checkpointed as
 drafter.activation_checkpointing resolves on the device (null: on for cuda); rows are full
 (max_length tokens) with the most anchors the config allows; on a GPU, 1 GiB for the CUDA context and workspaces, plus 0.5 GiB for NCCL
@@ -458,7 +458,7 @@ def drafter_saved(s: Shape) -> int:
     """The drafter's forward, kept for backward. Without checkpointing: every layer's saved
     tensors and, under autocast, the low-precision copies of the drafter's weights (autocast
     caches them until the step leaves autocast; the graph holds them until backward). With
-    checkpointing: only each layer's input (model.py clears autocast's cache of the casts after
+    checkpointing: only each layer's input (drafter/model.py clears autocast's cache of the casts after
     each layer)."""
     if s.checkpointed:
         return outside_layers_saved(s) + len(s.drafter_layers) * s.queries * s.hidden * s.residual
@@ -607,7 +607,7 @@ def flop_counts(target, drafter, text) -> dict[str, int]:
 
 @dataclass
 class Hardware:
-    """What the step-time plan assumes (step_plan.py)."""
+    """What the step-time plan assumes (step_time.py)."""
 
     gpu: str = "h200"
     peak_tflops: float | None = None  # overrides the table's

@@ -229,7 +229,7 @@ def setup(
     """Load the target and data (unless given), build drafter, optimizer and schedule, and run
     the recipe audit (UsageError on its errors). Returns the run and the audit items.
     `examples` (tests, benches) are trained on as given, with no holdout; else data.path is
-    read through its token store (train_data.py), which `run_dir` may hold."""
+    read through its token store (run_data.py), which `run_dir` may hold."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)

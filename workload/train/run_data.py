@@ -1,5 +1,5 @@
-"""A run's data: its source (data_source.py), the token store every rank of a node shares
-(token_store.py), the split into training and held-out conversations, and the two streams.
+"""A run's data: its source (data/source.py), the token store every rank of a node shares
+(data/token_store.py), the split into training and held-out conversations, and the two streams.
 
 One process a node (local rank 0) finds or builds the store; the node's other ranks wait for
 it. Every rank waits inside `run_polled`, which has each rank tell the others every second

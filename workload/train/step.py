@@ -7,8 +7,8 @@ backward; after grad_accum micro-steps: gradients / (the step's valid slot weigh
 micro-batches and ranks) -> clip -> AdamW -> schedule.
 `Run` holds what a step reads: the frozen target, the drafter and its DDP wrapper, the optimizer
 and schedule, the batch stream and the anchor generator. The run's lifecycle (processes, the
-loop, signals) is in train.py, its setup in build_run.py, its log in runlog.py, its checkpoints
-in checkpoint.py.
+loop, signals) is in loop.py, its setup in build_run.py, its log in runlog.py, its checkpoints
+in save_restore.py.
 """
 
 from __future__ import annotations
