@@ -30,6 +30,9 @@ def inv(tmp_path):
         (["--step", "2", "--serve", "--vs", "other"], "--vs other: expected RUN:STEP"),
         (["--step", "2", "--serve", "--reference", "/x"], "--serve: --reference belong"),
         (["--step", "2", "--serve", "--engine", "sim"], "--serve: --engine sim belong"),
+        (["--step", "2", "--vs-engine", "vllm-2"], "--vs-engine: only with --serve"),
+        (["--step", "2", "--serve", "--vs", "r:2", "--vs-engine", "vllm-2"],
+         "--vs and --vs-engine: give one"),
     ],
 )
 def test_bad_serve_options_are_one_line(inv, tmp_path, args, said):
@@ -37,6 +40,33 @@ def test_bad_serve_options_are_one_line(inv, tmp_path, args, said):
     assert ran.code == 2, ran.err
     assert said in ran.err
     assert "Traceback" not in ran.err and len(ran.err.strip().splitlines()) == 1
+
+
+def test_a_second_engine_the_target_does_not_have_is_one_line(tmp_path):
+    """--vs-engine names an `engines:` entry of the eval target (ENGINE-LABEL) or a python there;
+    refused before anything starts, naming the environments it has."""
+    ws = tmp_path / "ws"
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(
+        "version: 1\ntargets:\n"
+        f"  local: {{kind: local, workspace: {ws}, python: {sys.executable}, engines: "
+        f"{{vllm: {sys.executable}, vllm-0.31: {sys.executable}}}}}\n"
+    )
+    for name, said in (
+        ("vllm-0.30", "--vs-engine vllm-0.30: local has no engine environment of that name "
+                      "(hosts.yaml engines: vllm, vllm-0.31)"),
+        ("/no/such/python", "--vs-engine /no/such/python: /no/such/python is not on local"),
+    ):  # fmt: skip
+        ran = dflashops("eval", "sv", "--on", "local", "--step", "2", "--serve", "--vs-engine",
+                        name, inventory=inv, home=tmp_path)  # fmt: skip
+        assert ran.code == 2, ran.err
+        (line,) = ran.err.strip().splitlines()
+        assert line.startswith(f"dflashops: error: {said}"), line
+    assert not ws.exists() or not any(ws.rglob("*.json"))
+    bad = inv.read_text().replace("vllm-0.31", "trt-1")
+    inv.write_text(bad)
+    ran = dflashops("hosts", inventory=inv, home=tmp_path)
+    assert ran.code == 2 and "engines.trt-1: not an engine we run" in ran.err, ran.err
 
 
 def serving_result(speedups: dict[str, float]) -> dict:
