@@ -31,8 +31,10 @@ def inv(tmp_path):
         (["--step", "2", "--serve", "--reference", "/x"], "--serve: --reference belong"),
         (["--step", "2", "--serve", "--engine", "sim"], "--serve: --engine sim belong"),
         (["--step", "2", "--vs-engine", "vllm-2"], "--vs-engine: only with --serve"),
-        (["--step", "2", "--serve", "--vs", "r:2", "--vs-engine", "vllm-2"],
-         "--vs and --vs-engine: give one"),
+        (
+            ["--step", "2", "--serve", "--vs", "r:2", "--vs-engine", "vllm-2"],
+            "--vs and --vs-engine: give one",
+        ),
     ],
 )
 def test_bad_serve_options_are_one_line(inv, tmp_path, args, said):
