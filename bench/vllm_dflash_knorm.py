@@ -60,8 +60,8 @@ def rounds_as_simulated(args: argparse.Namespace, patched: bool) -> tuple[int, i
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from workload.eval.run_settings import load_run_settings
     from workload.eval.prompts import read_prompt_set, render
+    from workload.eval.run_settings import load_run_settings
     from workload.eval.vllm_offline import engine_rounds
 
     if patched:
