@@ -9,7 +9,7 @@ LOG_NAME = "train_log.jsonl"  # the metrics, one JSON object a line
 STATE_NAME = "state.json"  # pid, status, exit code
 AUDIT_NAME = "audit.json"  # the recipe audit
 PLAN_NAME = "plan.json"  # the memory and step-time plan
-RANKS_DIR = "ranks"  # every rank's rank_<R>.log and rank_<R>.json
+RANKS_DIR = "ranks"  # every rank's rank_<R>.log (its output) and rank_<R>.json (a heartbeat)
 ALERTS_DIR = "alerts"  # W&B alert requests from `dflashops watch` (ID.json; ID.sent once sent)
 CHECKPOINTS_DIR = "checkpoints"
 
@@ -20,6 +20,7 @@ WEIGHTS_NAME = "model.safetensors"  # one file, never shards
 DRAFTER_CONFIG = "config.json"
 MODULE_NAME = "dflash.py"  # config.json's auto_map: {"AutoModel": "dflash.DFlashDraftModel"}
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, RNG, data position
+OPTIMIZER_DIR = "optimizer"  # under zero1: rank_<R>.pt, each rank's AdamW states
 
 # a dataset made by datagen: <workspace>/data/<name>/
 DATASET_MANIFEST = "manifest.json"
@@ -28,3 +29,9 @@ DATASET_MANIFEST = "manifest.json"
 def step_name(step: int) -> str:
     """The directory name of step `step`'s checkpoint."""
     return f"{STEP_PREFIX}{step}"
+
+
+def rank_name(rank: int, suffix: str) -> str:
+    """A rank's file: `rank_<R>.log`, `rank_<R>.json` under RANKS_DIR, `rank_<R>.pt` under
+    OPTIMIZER_DIR."""
+    return f"rank_{rank}{suffix}"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.jsonfile import write_json_atomic
-from workload.common.layout import RANKS_DIR
+from workload.common.layout import RANKS_DIR, rank_name
 
 NODE_ADDR_ENV = "DFLASHOPS_NODE_ADDR"
 
@@ -37,11 +37,11 @@ def process_start_ticks(pid: int | str = "self") -> int:
 
 
 def log_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / RANKS_DIR / f"rank_{rank}.log"
+    return Path(run_dir) / RANKS_DIR / rank_name(rank, ".log")
 
 
 def heartbeat_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / RANKS_DIR / f"rank_{rank}.json"
+    return Path(run_dir) / RANKS_DIR / rank_name(rank, ".json")
 
 
 def redirect_output(run_dir: Path, rank: int) -> Path | None:

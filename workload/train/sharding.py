@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from workload.common.layout import OPTIMIZER_DIR, rank_name
 from workload.config import OptimConfig
 
 SHARDED = ("zero1", "hybrid")
@@ -140,7 +141,7 @@ def load_state(
 
 def shard_file(rank: int) -> str:
     """Where a zero1 checkpoint keeps rank `rank`'s optimizer states (relative path)."""
-    return f"optimizer/rank_{rank}.pt"
+    return f"{OPTIMIZER_DIR}/{rank_name(rank, '.pt')}"
 
 
 def saved_states(
