@@ -17,7 +17,7 @@ import typer
 from typer.models import ParameterInfo
 
 from dflashops.inventory import Inventory, find_inventory, load_inventory
-from dflashops.runs.survey import survey
+from dflashops.runs.reading.survey import survey
 from dflashops.ssh.session import Session
 
 DEADLINE_S = 3.0  # the longest a completion may take

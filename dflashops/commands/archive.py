@@ -11,12 +11,12 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.render import console, human_bytes, styled, table
-from dflashops.runs.archive import Plan, archive_dir, make_plan
-from dflashops.runs.archive import archive as archive_run
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.stop import running
-from dflashops.runs.survey import find
-from dflashops.runs.view import RunView
+from dflashops.runs.lifecycle.archive import Plan, archive_dir, make_plan
+from dflashops.runs.lifecycle.archive import archive as archive_run
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.lifecycle.stop import running
+from dflashops.runs.reading.survey import find
+from dflashops.runs.reading.view import RunView
 
 
 def register(app: typer.Typer) -> None:

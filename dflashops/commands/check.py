@@ -8,7 +8,7 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode
 from dflashops.render import console
-from dflashops.runs.parity import check_run
+from dflashops.runs.training.parity import check_run
 
 
 def register(app: typer.Typer) -> None:

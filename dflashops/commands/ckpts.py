@@ -8,8 +8,8 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode
 from dflashops.render import console, duration, human_bytes, styled, table
-from dflashops.runs.survey import reread, resolve, survey
-from dflashops.runs.view import Checkpoint, RunView
+from dflashops.runs.reading.survey import reread, resolve, survey
+from dflashops.runs.reading.view import Checkpoint, RunView
 from dflashops.tables import Col
 
 

@@ -25,11 +25,11 @@ from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
-from dflashops.runs.evals import Stored, stored, tau_value
-from dflashops.runs.settings import differs, mark
-from dflashops.runs.survey import pick, survey
-from dflashops.runs.tables import warn_logs
-from dflashops.runs.view import VALUE_RULE, RunView, check_name, value_at
+from dflashops.runs.evaluation.fingerprints import differs, mark
+from dflashops.runs.evaluation.results import Stored, stored, tau_value
+from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.reading.view import VALUE_RULE, RunView, check_name, value_at
+from dflashops.runs.watching.status_tables import warn_logs
 from dflashops.tables import Col, Grid
 
 DEFAULT_STEP_COUNT = 6
@@ -107,7 +107,7 @@ def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:
     "values": {key: {step: {"value", "step", "target", "settings"} or None}}}]}; keys "tau"
     (chain), "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated).
     "settings": the fingerprint keys where the result differs from the first run's at that step
-    (the first run's: from its first result); null when unknown (runs/settings.py)."""
+    (the first run's: from its first result); null when unknown (runs/evaluation/fingerprints.py)."""
     steps = sorted({r["step"] for r in evals.results})
     keys = ["tau", *(f"ddtree{b}" for b in evals.budgets()), "ref_tau"]
     chosen = [newest_by_step(evals.of(v.name)) for v in views]

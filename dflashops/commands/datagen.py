@@ -23,10 +23,10 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.render import console
-from dflashops.runs.datagenjob import Request, collect, follow, start_datagen
-from dflashops.runs.kind_datagen import DATAGEN
-from dflashops.runs.survey import find
-from dflashops.runs.view import check_name
+from dflashops.runs.datagen.job import Request, collect, follow, start_datagen
+from dflashops.runs.datagen.kind import DATAGEN
+from dflashops.runs.reading.survey import find
+from dflashops.runs.reading.view import check_name
 
 
 def register(app: typer.Typer) -> None:

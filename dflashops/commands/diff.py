@@ -22,9 +22,9 @@ import yaml
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, styled, table
-from dflashops.runs.datagenjob import dataset_of
-from dflashops.runs.survey import pick, survey
-from dflashops.runs.view import RunView, check_name
+from dflashops.runs.datagen.job import dataset_of
+from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.reading.view import RunView, check_name
 from dflashops.tables import Col
 
 FILES = ["resolved.yaml", "run.yaml", "audit.json"]

@@ -14,7 +14,7 @@ line, exit 2, before anything starts) with the run's run.yaml and keeps its resu
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
 once the job has started (--follow: stay). `eval RUN --follow --on TARGET` attaches to RUN's
 newest job there. Ctrl-C while following only detaches (exit 130): the job goes on.
-`--every N` starts a continuous eval instead (runs/follow.py), and returns once it runs.
+`--every N` starts a continuous eval instead (runs/evaluation/continuous.py), and returns once it runs.
 `dflashops evals RUN` lists the results.
 """
 
@@ -26,17 +26,17 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.commands._continuous import continuous
 from dflashops.errors import ExitCode, UsageError
 from dflashops.inventory import Target
 from dflashops.render import console, metric, table
-from dflashops.runs.evaljob import Extra, newest_job, read_result, start_eval
-from dflashops.runs.evaljob import follow as follow_job
-from dflashops.runs.evals import engine_note, gap, real_rounds
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.serve import concurrency_levels, parse_vs, serve_result_path
-from dflashops.runs.serve_view import show_serve
-from dflashops.runs.view import check_name, eval_result_path
+from dflashops.runs.evaluation.continuous_cli import continuous
+from dflashops.runs.evaluation.job import Extra, newest_job, read_result, start_eval
+from dflashops.runs.evaluation.job import follow as follow_job
+from dflashops.runs.evaluation.results import engine_note, gap, real_rounds
+from dflashops.runs.evaluation.serving import concurrency_levels, parse_vs, serve_result_path
+from dflashops.runs.evaluation.serving_table import show_serve
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.view import check_name, eval_result_path
 
 
 def register(app: typer.Typer) -> None:

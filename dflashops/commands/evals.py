@@ -22,10 +22,17 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, metric, table
-from dflashops.runs.evals import Stored, engine_name, gap, real_rounds, speedups, stored
-from dflashops.runs.settings import differs, mark, prompt_group
-from dflashops.runs.survey import not_found, survey
-from dflashops.runs.view import check_name
+from dflashops.runs.evaluation.fingerprints import differs, mark, prompt_group
+from dflashops.runs.evaluation.results import (
+    Stored,
+    engine_name,
+    gap,
+    real_rounds,
+    speedups,
+    stored,
+)
+from dflashops.runs.reading.survey import not_found, survey
+from dflashops.runs.reading.view import check_name
 from dflashops.tables import Col
 
 

@@ -20,8 +20,8 @@ from dflashops.errors import (
     UsageError,
 )
 from dflashops.inventory import Endpoint, Inventory, Target
-from dflashops.runs import probe as runs_probe
-from dflashops.runs.probe import Probe
+from dflashops.runs.reading import probe as runs_probe
+from dflashops.runs.reading.probe import Probe
 from dflashops.ssh.config import resolve
 from dflashops.tables import Col, Grid
 from dflashops.yamlfile import did_you_mean

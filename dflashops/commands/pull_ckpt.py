@@ -2,7 +2,7 @@
 
 The copy (a tar stream through this process into a partial directory there, every file verified
 against the checkpoint's MANIFEST.sha256 before it is put in place; resumed when cut short) is
-runs/pulls.py's, which `eval` shares.
+runs/evaluation/pulls.py's, which `eval` shares.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import human_bytes
-from dflashops.runs.pulls import MANIFEST, pull
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.survey import resolve
+from dflashops.runs.evaluation.pulls import MANIFEST, pull
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.survey import resolve
 
 
 def register(app: typer.Typer) -> None:

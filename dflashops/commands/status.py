@@ -15,13 +15,19 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, duration, metric
-from dflashops.runs import kinds
-from dflashops.runs.failure import trainer_lines
-from dflashops.runs.follow import latest_eval
-from dflashops.runs.survey import Survey, find, resolve, survey
-from dflashops.runs.tables import history_table, runs_table, vs_rows, vs_table, warn_logs
-from dflashops.runs.view import VALUE_RULE, RunView, tmux_session
-from dflashops.runs.watch import follow_run
+from dflashops.runs.evaluation.continuous import latest_eval
+from dflashops.runs.lifecycle import kinds
+from dflashops.runs.reading.failure import trainer_lines
+from dflashops.runs.reading.survey import Survey, find, resolve, survey
+from dflashops.runs.reading.view import VALUE_RULE, RunView, tmux_session
+from dflashops.runs.watching.status_follow import follow_run
+from dflashops.runs.watching.status_tables import (
+    history_table,
+    runs_table,
+    vs_rows,
+    vs_table,
+    warn_logs,
+)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,7 +1,7 @@
 """`stop RUN`: ask the trainer to save a checkpoint and stop (SIGTERM to rank 0, which tells
 every rank at the end of the step), wait until every node has exited, report the checkpoint.
 `stop RUN --kill`: SIGKILL to every node's torchrun and ranks, for a trainer that does not stop.
-Processes are recognised by pid and start time, never by a name (runs/stop.py)."""
+Processes are recognised by pid and start time, never by a name (runs/lifecycle/stop.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.runs import stop as stopping
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.survey import find
+from dflashops.runs.lifecycle import stop as stopping
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.survey import find
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,7 @@
 
 Every --interval seconds (default 60) the run is read again (and, for tau, the stored
 evaluations of both runs; for speedup@C, their serving results' speedup at concurrency C,
-`eval --serve`), and each rule of runs/alarms.py is checked at the newest milestone:
+`eval --serve`), and each rule of runs/watching/alarms.py is checked at the newest milestone:
 --margin X raises an alert when the run is not ahead of BASELINE by more than X there (tau:
 only at steps both were evaluated with equal settings); --stall K when the run has not risen over
 its last K values. Each alert (rule, metric, step) is raised once: a line on stdout, and
@@ -32,11 +32,11 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode, UsageError
 from dflashops.render import console
-from dflashops.runs.alarms import Alert, Rule, check, facts_env
-from dflashops.runs.evals import SPEEDUP, stored
-from dflashops.runs.survey import find
-from dflashops.runs.view import TERMINAL, RunView, check_name
-from dflashops.runs.wandb_alert import logs_to_wandb, request
+from dflashops.runs.evaluation.results import SPEEDUP, stored
+from dflashops.runs.reading.survey import find
+from dflashops.runs.reading.view import TERMINAL, RunView, check_name
+from dflashops.runs.watching.alarms import Alert, Rule, check, facts_env
+from dflashops.runs.watching.wandb_alert import logs_to_wandb, request
 
 ALERT_CMD_TIMEOUT_S = 60.0
 
