@@ -11,13 +11,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from dflashops.errors import ExitCode, OpsError
-from dflashops.inventory import Inventory, find_inventory, load_inventory
-from dflashops.targets.base import DEFAULT_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from dflashops.inventory import Inventory
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,6 +37,8 @@ class Context:
 
     def inventory(self) -> Inventory:
         if self._inventory is None:
+            from dflashops.inventory import find_inventory, load_inventory  # not for --help
+
             self._inventory = load_inventory(find_inventory(self.inventory_path))
         return self._inventory
 
@@ -76,6 +79,8 @@ class Context:
 
     def deadline(self) -> float:
         """Seconds a remote call may go without an answer: --timeout, else the command's."""
+        from dflashops.targets.base import DEFAULT_TIMEOUT_S
+
         if self.timeout is not None:
             return self.timeout
         return self.deadlines.get(self.command, DEFAULT_TIMEOUT_S)

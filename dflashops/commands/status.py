@@ -15,7 +15,7 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, duration, metric
-from dflashops.runs.evaluation.continuous import latest_eval
+from dflashops.runs.evaluation.results import latest_eval
 from dflashops.runs.lifecycle import kinds
 from dflashops.runs.reading.failure import trainer_lines
 from dflashops.runs.reading.survey import Survey, find, resolve, survey

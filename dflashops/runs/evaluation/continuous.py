@@ -29,7 +29,6 @@ from typing import Any
 from dflashops import context, transfer
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
-from dflashops.remote import argv as helper_argv
 from dflashops.remote import source as helper_source
 from dflashops.runs.evaluation.continuous_kind import FOLLOW
 from dflashops.runs.evaluation.job import (
@@ -41,6 +40,7 @@ from dflashops.runs.evaluation.job import (
     start_on,
 )
 from dflashops.runs.evaluation.pulls import beside
+from dflashops.runs.evaluation.results import evals_doc
 from dflashops.runs.lifecycle.claim import secrets_home
 from dflashops.runs.lifecycle.placement import LOOPBACK, Node, Placement, new_run_id
 from dflashops.runs.lifecycle.start import TMUX, write_run_files, write_secrets
@@ -110,7 +110,7 @@ def server_address(source: Target, dest: Target) -> str:
 def follows(session: Session, run: str, dest: Target) -> list[dict[str, Any]]:
     """The continuous evals of `run` on `dest` (their state.json, "alive", "dir", "job")."""
     machine = session.machine(dest)
-    doc = _evals_doc(machine, run)
+    doc = evals_doc(machine, run)
     if doc is None and not machine.dry_run:
         raise OpsError(f"{dest.name}: could not read its evals (<ws>/evals/{run}/)")
     return (doc or {}).get("follows") or []
@@ -248,33 +248,3 @@ def start_follower(
                                                    [Node(0, dest, 1)], state=own), plan)  # fmt: skip
     return {**own, "name": name, "target": dest.name, "tmux": tmux_session(name),
             "dir": placement.dir(placement.nodes[0])}  # fmt: skip
-
-
-def latest_eval(session: Session, view: RunView) -> dict[str, Any] | None:
-    """For `status RUN`: its newest evaluated step's tau (on any target) and its continuous
-    evals still going; None for a job that is not a training run, or nothing evaluated."""
-    if view.where not in (TRAINING.home, TRAINING.archive):
-        return None
-    machines = list(session.inventory.targets.values())
-    answers = session.each(lambda t: _evals_doc(session.machine(t), view.name), machines)
-    docs = [a for a in answers if isinstance(a, dict)]
-    found = [(r, t) for d, t in zip(answers, machines, strict=True) if isinstance(d, dict)
-             for r in d["results"]]  # fmt: skip
-    going = [f"{FOLLOW.template.format(view.name, j['job'])} on {t.name}"
-             for d, t in zip(answers, machines, strict=True) if isinstance(d, dict)
-             for j in d.get("follows") or [] if j.get("alive")]  # fmt: skip
-    if not docs or not (found or going):
-        return None
-    out: dict[str, Any] = {"results": len(found), "following": going}
-    if found:
-        newest, where = max(found, key=lambda rt: (rt[0]["step"], rt[0].get("mtime") or 0))
-        out.update(step=newest["step"], tau=newest.get("tau"), target=where.name)
-    return out
-
-
-def _evals_doc(machine: Machine, run: str) -> dict[str, Any] | None:
-    request = json.dumps({"ws": machine.target.workspace, "runs": [run]}).encode()
-    result = machine.run(helper_argv("evals_probe.py"), stdin=request)
-    if machine.dry_run or not result.ok:
-        return None
-    return json.loads(result.stdout)

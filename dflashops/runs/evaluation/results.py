@@ -13,8 +13,12 @@ from typing import Any
 from dflashops.errors import OpsError
 from dflashops.remote import argv as helper_argv
 from dflashops.render import metric
+from dflashops.runs.evaluation.continuous_kind import FOLLOW
 from dflashops.runs.reading.survey import Unread
+from dflashops.runs.reading.view import RunView
+from dflashops.runs.training.kind import TRAINING
 from dflashops.ssh.session import Session
+from dflashops.targets.base import Machine
 
 SPEEDUP = "speedup@"  # a serving result's metric: speedup@16
 
@@ -152,3 +156,35 @@ def real_rounds(check: dict[str, Any] | None) -> str:
     if not check:
         return "-"
     return f"{check.get('rounds_equal', '?')}/{check.get('rounds_checked', '?')}"
+
+
+def latest_eval(session: Session, view: RunView) -> dict[str, Any] | None:
+    """For `status RUN`: its newest evaluated step's tau (on any target) and its continuous
+    evals still going; None for a job that is not a training run, or nothing evaluated."""
+    if view.where not in (TRAINING.home, TRAINING.archive):
+        return None
+    machines = list(session.inventory.targets.values())
+    answers = session.each(lambda t: evals_doc(session.machine(t), view.name), machines)
+    docs = [a for a in answers if isinstance(a, dict)]
+    found = [(r, t) for d, t in zip(answers, machines, strict=True) if isinstance(d, dict)
+             for r in d["results"]]  # fmt: skip
+    going = [f"{FOLLOW.template.format(view.name, j['job'])} on {t.name}"
+             for d, t in zip(answers, machines, strict=True) if isinstance(d, dict)
+             for j in d.get("follows") or [] if j.get("alive")]  # fmt: skip
+    if not docs or not (found or going):
+        return None
+    out: dict[str, Any] = {"results": len(found), "following": going}
+    if found:
+        newest, where = max(found, key=lambda rt: (rt[0]["step"], rt[0].get("mtime") or 0))
+        out.update(step=newest["step"], tau=newest.get("tau"), target=where.name)
+    return out
+
+
+def evals_doc(machine: Machine, run: str) -> dict[str, Any] | None:
+    """The stored results and eval jobs of `run` in `machine` (remote/evals_probe.py); None
+    when it could not be read."""
+    request = json.dumps({"ws": machine.target.workspace, "runs": [run]}).encode()
+    result = machine.run(helper_argv("evals_probe.py"), stdin=request)
+    if machine.dry_run or not result.ok:
+        return None
+    return json.loads(result.stdout)
