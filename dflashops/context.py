@@ -98,6 +98,16 @@ class Context:
         if self._session is not None:
             self._session.close()
 
+    def answer(self, document: Any, text: str | Callable[[], None]) -> None:
+        """A command's closing: its one JSON document under --json, else its text (a line on
+        stdout, or what `text()` prints)."""
+        if self.json:
+            self.emit(document)
+        elif callable(text):
+            text()
+        else:
+            say(text)
+
     def emit(self, document: Any) -> None:
         """The one JSON document of a `--json` reading command."""
         text = json.dumps(document, indent=2, default=str) + "\n"
@@ -150,6 +160,14 @@ _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "
 def get(ctx: typer.Context) -> Context:
     obj = ctx.find_root().obj
     return obj if isinstance(obj, Context) else Context()
+
+
+def begin(ctx: typer.Context, json_out: bool = False) -> Context:
+    """A command's opening: its Context, with --json settled (the global option or the
+    command's own); the command closes with `Context.answer` (or `emit`, `dry_run_done`)."""
+    opts = get(ctx)
+    opts.want_json(json_out)
+    return opts
 
 
 class Terminated(KeyboardInterrupt):

@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
         C-b d detaches (exit 0); the run goes on.
         """
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = on_node(resolve(reader, run, host=host, records="none"), node)

@@ -56,8 +56,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         if plot is not None:
             plotting.check(plot)
         wanted = _options.parse_steps(steps)
@@ -80,7 +79,7 @@ def register(app: typer.Typer) -> None:
         evals = stored(session, list(names)) if tau or plot is not None else Stored()
         evals.warn_errors()
         taus = tau_doc(views, evals) if tau else None
-        if as_json:
+        if opts.json:
             doc = {"rule": VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
             opts.emit(doc | ({"tau": taus} if taus is not None else {}))
         else:

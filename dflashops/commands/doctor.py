@@ -33,8 +33,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Check every requirement of a run on TARGET, one line each; exit 0 when ready."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         found = opts.inventory().target(target)
         spec = config or default_config(found)
         model = model_of(resolve_config(spec, sets or [], "doctor"))

@@ -131,8 +131,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(run)
         if follow and detach:
             raise UsageError("--follow and --detach: choose one")
@@ -145,21 +144,21 @@ def register(app: typer.Typer) -> None:
         dest = opts.inventory().target(on)
         if not chosen and every is None:  # --follow alone: the newest job of RUN there
             job = newest_job(opts.session(), run, dest)
-            return finish(opts, as_json, dest, job)
+            return finish(opts, opts.json, dest, job)
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host, engine, force, serve, concurrency_levels(concurrency) if serve
                       else None, parse_vs(vs))  # fmt: skip
         if every is not None:
-            return continuous(opts, as_json, run, every, dest, extra)
+            return continuous(opts, opts.json, run, every, dest, extra)
         with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
             job = start_eval(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:
                 opts.dry_run_done(run=run, steps=chosen, on=dest.name, job=job["dir"])
                 return
         if detach or (len(chosen) > 1 and not follow):
-            return started(opts, as_json, dest, job)
-        finish(opts, as_json, dest, job)
+            return started(opts, opts.json, dest, job)
+        finish(opts, opts.json, dest, job)
 
 
 def check_serve(serve: bool, concurrency: str | None, vs: str | None, chosen: list[int],

@@ -45,8 +45,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List stored eval results: tau, DDTree tau per budget, the reference's, the date."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         if run is not None:
             check_name(run)
         found = stored(opts.session(), [run] if run else None)
@@ -59,10 +58,8 @@ def register(app: typer.Typer) -> None:
             opts.dry_run_done(run=run)
             return
         found.results = grouped(with_serves(found.results, found.serves))
-        if as_json:
-            opts.emit({"evals": found.results, "jobs": found.jobs, "follows": found.follows})
-        else:
-            show(found, run)
+        doc = {"evals": found.results, "jobs": found.jobs, "follows": found.follows}
+        opts.answer(doc, lambda: show(found, run))
         raise typer.Exit(found.exit_code())
 
 

@@ -101,8 +101,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Start a training run in a detached tmux session on one target or several."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(run)
         if (eval_on is None) != (eval_every is None):
             raise UsageError("--eval-on TARGET and --eval-every N go together: give both")

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         host: str = _options.HOST_OPTION,
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         if opts.json and follow:
             raise UsageError("logs --follow streams text; drop --json (or follow `status --json`)")
         session = opts.session()

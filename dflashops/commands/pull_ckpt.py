@@ -35,8 +35,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         dest = opts.inventory().target(to)
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
@@ -45,7 +44,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             opts.dry_run_done(**done)
             return
-        if as_json:
+        if opts.json:
             opts.emit(done)
         elif not done["copied"]:
             context.say(

@@ -51,8 +51,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Make the target's venv if missing, install requirements with pip there, sync workload/."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         reqs = requirements or bundle.requirements_file()
         if not reqs.is_file():
             raise UsageError(f"{reqs}: no such requirements file")

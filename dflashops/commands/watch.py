@@ -76,8 +76,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Alarms on a run: tau (or acc, streak) too close to a baseline's, or not rising."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(run)
         interval = _options.check_interval(interval)
         rule = make_rule(metric, vs, margin, stall)
@@ -93,14 +92,14 @@ def register(app: typer.Typer) -> None:
         try:
             while True:
                 view, ended = poll(session, run, vs, rule, host, (raised, wandb_said), argv,
-                                   as_json)  # fmt: skip
+                                   opts.json)  # fmt: skip
                 if once or ended:
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:
             context.note(f"stopped watching {run}")
             raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-        if as_json:
+        if opts.json:
             opts.emit({"run": run, "baseline": vs, "state": view.state,
                        "alerts": [{**vars(a), "wandb": wandb_said.get(k)}
                                   for k, a in raised.items()]})  # fmt: skip
