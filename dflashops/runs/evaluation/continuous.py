@@ -29,6 +29,7 @@ from typing import Any
 from dflashops import context, transfer
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
+from dflashops.remote import layout
 from dflashops.remote import source as helper_source
 from dflashops.runs.evaluation.continuous_kind import FOLLOW
 from dflashops.runs.evaluation.job import (
@@ -66,7 +67,7 @@ def start_follow(
     if every < 1:
         raise UsageError(f"--every {every}: a number of steps, >= 1")
     linger_s()  # a bad setting refused before anything starts
-    view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
+    view = find(reader, run, host=extra.host, records="none", files=[layout.RUN_CONFIG])
     if view.where != TRAINING.home:
         raise UsageError(f"{run} is not a training run in {view.target}:runs/; nothing to follow")
     source = reader.inventory.target(view.target)
@@ -78,7 +79,7 @@ def start_follow(
     engine = engine_argv(reader.machine(dest), extra.engine)
     base = eval_argv(reader.machine(dest), writer.machine(dest), run, config, extra) + engine
     beside(writer.machine(dest), ckpt_copy_dir(dest, run, 0),
-           (view.raw.get("files") or {}).get("run.yaml"))  # fmt: skip
+           (view.raw.get("files") or {}).get(layout.RUN_CONFIG))  # fmt: skip
     name, job_id = FOLLOW.new_job(run)
     token = random_tokens.token_hex(32)
     port = start_server(writer.machine(source), view, address, job_id, token)
@@ -131,7 +132,7 @@ def token_path(target: Target, run: str, job_id: str, side: str) -> str:
 
 
 def serve_dir(target: Target, run: str, job_id: str) -> str:
-    return posixpath.join(target.workspace, "evals", run, "serve", job_id)
+    return posixpath.join(target.workspace, layout.EVALS, run, "serve", job_id)
 
 
 def linger_s() -> float:
@@ -164,7 +165,7 @@ def start_server(machine: Machine, view: RunView, address: str, job_id: str, tok
 
 
 def server_port(machine: Machine, where: str) -> int:
-    state_path = posixpath.join(where, "state.json")
+    state_path = posixpath.join(where, layout.STATE_FILE)
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
         with contextlib.suppress(OpsError, ValueError):
@@ -172,7 +173,7 @@ def server_port(machine: Machine, where: str) -> int:
             if port:
                 return int(port)
         time.sleep(0.5)
-    log = posixpath.join(where, "console.log")
+    log = posixpath.join(where, layout.CONSOLE_LOG)
     raise OpsError(f"{machine.name}: the checkpoint server gave no port within "
                    f"{SERVER_START_S:.0f} s; see {log} there")  # fmt: skip
 
@@ -240,8 +241,8 @@ def start_follower(
     secret = token_path(dest, run, job_id, "follow")
     write_secrets(writer.machine(dest), secret, {"token": token})
     plan = {"run": run, "every": every, "server": server, "token_file": secret, "argv": base,
-            "ckpts": posixpath.join(ws, "ckpts", run), "results": posixpath.join(ws, "evals", run),
-            "lock": posixpath.join(ws, "evals", ".evaluating"), "poll": POLL_S}  # fmt: skip
+            "ckpts": posixpath.join(ws, layout.CKPTS, run), "results": posixpath.join(ws, layout.EVALS, run),
+            "lock": posixpath.join(ws, layout.EVALS, ".evaluating"), "poll": POLL_S}  # fmt: skip
     own = {"kind": FOLLOW.name, "run": run, "job": job_id, "every": every, "from": view.target,
            "server": server, "launched": time.time()}  # fmt: skip
     placement = start_on(reader, writer, Placement(FOLLOW, name, new_run_id(),

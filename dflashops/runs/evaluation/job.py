@@ -20,6 +20,7 @@ from typing import Any
 from dflashops import context, engine_envs, transfer
 from dflashops.errors import NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
+from dflashops.remote import layout
 from dflashops.runs.evaluation.kind import EVAL
 from dflashops.runs.evaluation.pulls import pull
 from dflashops.runs.evaluation.results import stored
@@ -66,7 +67,7 @@ def start_eval(
     chosen = "vllm" if extra.serve else chosen_engine(reader.machine(dest), extra.engine)
     extra.engine = chosen.removesuffix("-auto")
     engine = engine_argv(reader.machine(dest), extra.engine)  # before anything starts
-    view = find(reader, run, host=extra.host, records="none", files=["run.yaml"])
+    view = find(reader, run, host=extra.host, records="none", files=[layout.RUN_CONFIG])
     config = parse_config(view, extra.sets)
     machine = writer.machine(dest)
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
@@ -121,7 +122,7 @@ def pull_vs(reader: Session, writer: Session, vs: Vs | None, dest: Target) -> Ru
     if vs is None:
         return None
     if vs.run is not None:
-        return find(reader, vs.run, records="none", files=["run.yaml"])
+        return find(reader, vs.run, records="none", files=[layout.RUN_CONFIG])
     there = probe(reader.machine(dest), paths=[vs.path]).paths.get(vs.path)
     if there == "missing" and not reader.dry_run:
         raise NotFoundError(f"{dest.name}: not there: --vs {vs.path}")
@@ -162,7 +163,7 @@ def check_end(machine: Machine, job: dict[str, Any]) -> None:
                        f"see {job['dir']}/console.log") from None  # fmt: skip
     if code == 0:
         return
-    text = transfer.read_text(machine, posixpath.join(job["dir"], "console.log"))
+    text = transfer.read_text(machine, posixpath.join(job["dir"], layout.CONSOLE_LOG))
     lines = [x for x in text.splitlines() if x.strip() and not x.startswith("[")]
     refusal = last_refusal(text.splitlines())
     if code == 2 and refusal:  # one line each (the parity check's mismatches)
@@ -192,7 +193,9 @@ def eval_argv(
     """The evaluator's command line without its checkpoint and output; checks first that what
     it names exists on the target."""
     target = machine.target
-    config_path = posixpath.join(target.workspace, "ckpts", run, "run.yaml")  # pull-ckpt's
+    config_path = posixpath.join(
+        target.workspace, layout.CKPTS, run, layout.RUN_CONFIG
+    )  # pull-ckpt's
     base = posixpath.dirname(config_path)
     model = _resolve((config.get("target") or {}).get("path"), base)
     if model is None:
@@ -278,6 +281,6 @@ def _resolve(path: Any, base: str) -> str | None:
 
 def push_prompts(machine: Machine, local: Path, run: str) -> str:
     digest = hashlib.sha256(local.read_bytes()).hexdigest()[:12]
-    remote = posixpath.join(machine.target.workspace, "evals", run, f"prompts-{digest}.jsonl")
+    remote = posixpath.join(machine.target.workspace, layout.EVALS, run, f"prompts-{digest}.jsonl")
     transfer.put(machine, local, remote)
     return remote

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from dflashops.errors import UsageError
+from dflashops.remote import layout
 from dflashops.remote import source as helper_source
 from dflashops.runs.lifecycle.job_kind import JobKind
 from dflashops.runs.lifecycle.placement import Node, Placement
@@ -28,7 +29,7 @@ class EvalJob(JobKind):
     name = "eval"
     noun = "eval job"
     program = "evaluator"
-    home = "evals"
+    home = layout.EVALS
     pattern = "evals/*/jobs"
     template = "eval-{}-{}"  # eval-RUN-ID
     listed = False  # `evals` lists them

@@ -22,6 +22,7 @@ from dflashops import remote as helpers
 from dflashops.errors import NotFoundError, OpsError, TransferError, UsageError
 from dflashops.inventory import Target
 from dflashops.relay import Relayed, relay
+from dflashops.remote.layout import CHECKPOINTS, MANIFEST, RUN_CONFIG
 from dflashops.render import Stopwatch, human_bytes, progress
 from dflashops.runs.reading.probe import probe
 from dflashops.runs.reading.survey import reread
@@ -29,8 +30,6 @@ from dflashops.runs.reading.view import Checkpoint, RunView, ckpt_copy_dir
 from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 from dflashops.transfer import Progress
-
-MANIFEST = "MANIFEST.sha256"
 
 
 def find_checkpoint(view: RunView, step: int) -> Checkpoint:
@@ -63,7 +62,7 @@ def pull(
 ) -> dict[str, Any]:
     """Make <ws>/ckpts/RUN/step_STEP on `dest` a verified copy; returns what was done."""
     view = reread(
-        reader.machine(view.target), view.name, records="none", checkpoints=True, files=["run.yaml"]
+        reader.machine(view.target), view.name, records="none", checkpoints=True, files=[RUN_CONFIG]
     )
     ckpt = find_checkpoint(view, step)
     manifest, entries = ckpt.manifest or "", ckpt.entries or {}
@@ -83,7 +82,7 @@ def pull(
     kept = json.loads(earlier.stdout) if earlier.stdout else {"verified": [], "bytes": 0}
     names = [n for n in sorted(entries) if n not in kept["verified"]]
     src, dst = writer.machine(view.target), writer.machine(dest)
-    src_dir = posixpath.join(view.dir, "checkpoints", ckpt.name)
+    src_dir = posixpath.join(view.dir, CHECKPOINTS, ckpt.name)
     sent = [0]
 
     def count(n: int) -> None:
@@ -92,7 +91,7 @@ def pull(
 
     with progress(f"{view.name} step_{step} -> {dest.name}", ckpt.bytes - kept["bytes"]) as advance:
         done = send(src, src_dir, names, dst, partial, final, head, count)
-    run_yaml = (view.raw.get("files") or {}).get("run.yaml")
+    run_yaml = (view.raw.get("files") or {}).get(RUN_CONFIG)
     if not dst.dry_run:
         placed = check_placed(done, entries, dest.name, final, partial)
         for gone in done.get("stale") or []:
@@ -175,6 +174,6 @@ def beside(machine: Machine, final: str, run_yaml: str | None) -> None:
         context.note(f"warning: the run has no run.yaml; none put beside {final}")
         return
     with tempfile.TemporaryDirectory(prefix="dflashops-pull-") as local:
-        path = Path(local) / "run.yaml"
+        path = Path(local) / RUN_CONFIG
         path.write_text(run_yaml)
-        transfer.put(machine, path, posixpath.join(posixpath.dirname(final), "run.yaml"))
+        transfer.put(machine, path, posixpath.join(posixpath.dirname(final), RUN_CONFIG))

@@ -10,19 +10,19 @@ side by side: its difference only where the fingerprints agree).
 
 from __future__ import annotations
 
-import posixpath
 import re
 from dataclasses import dataclass
 
 from dflashops.errors import UsageError
 from dflashops.inventory import Target
+from dflashops.remote import layout
 from dflashops.runs.reading.view import ckpt_copy_dir
 
 VS_STEP = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63}):(\d+)\Z")
 
 
 def serve_result_path(target: Target, run: str, step: int) -> str:
-    return posixpath.join(target.workspace, "evals", run, f"serve_{step}.json")
+    return layout.serve_result_path(target.workspace, run, step)
 
 
 def concurrency_levels(text: str | None) -> list[int]:

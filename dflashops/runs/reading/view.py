@@ -4,12 +4,12 @@ nodes and ranks, its log records, its progress as its kind reads it."""
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dflashops.errors import UsageError
 from dflashops.inventory import NAME_RE, Target
+from dflashops.remote import layout
 from dflashops.runs.lifecycle.hold import abandoned, is_mine
 
 TERMINAL = ("finished", "failed", "stopped", "archived")
@@ -30,17 +30,17 @@ def tmux_session(run: str) -> str:
     return "dflash-" + run.replace(".", "=")
 
 
-def run_dir(target: Target, run: str, where: str = "runs") -> str:
-    return posixpath.join(target.workspace, where, run)
+def run_dir(target: Target, run: str, where: str = layout.RUNS) -> str:
+    return layout.run_path(target.workspace, run, where)
 
 
 def ckpt_copy_dir(target: Target, run: str, step: int) -> str:
     """Where `pull-ckpt` puts a checkpoint on an eval target."""
-    return posixpath.join(target.workspace, "ckpts", run, f"step_{step}")
+    return layout.ckpt_copy_path(target.workspace, run, step)
 
 
 def eval_result_path(target: Target, run: str, step: int) -> str:
-    return posixpath.join(target.workspace, "evals", run, f"step_{step}.json")
+    return layout.eval_result_path(target.workspace, run, step)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflashops.errors import NotFoundError
+from dflashops.remote import layout
 from dflashops.runs.lifecycle.job_kind import JobKind
 from dflashops.runs.lifecycle.placement import Node, Placement, torchrun
 from dflashops.runs.reading.view import RunView
@@ -18,8 +19,8 @@ class Training(JobKind):
     name = "run"
     noun = "run"
     program = "trainer"
-    home = "runs"
-    archive = "archive"
+    home = layout.RUNS
+    archive = layout.ARCHIVE
     stop_request = "save a checkpoint and stop"
 
     def argv(self, placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:
