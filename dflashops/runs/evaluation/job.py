@@ -269,7 +269,7 @@ def engine_argv(machine: Machine, engine: str) -> list[str]:
     name, python = machine.target.name, engine_envs.python_of(machine.target, engine)
     if probe(machine, paths=[python]).paths.get(python) == "missing" and not machine.dry_run:
         raise UsageError(f"no vLLM engine on {name}: run `dflashops setup {name} --engine vllm` "
-                         "or set engine_envs.vllm in hosts.yaml")  # fmt: skip
+                         "or set engines.vllm in hosts.yaml")  # fmt: skip
     return ["--engine", engine, "--vllm-python", python]
 
 
