@@ -25,6 +25,8 @@ DEFAULTS: dict[str, Any] = {
     "engines": {},
 }
 ENGINES = ("vllm",)  # generation engines a target may have an environment of its own for
+# another environment of an engine, under a name of its own: vllm-0.31, vllm-nightly
+ENGINE_VARIANT = re.compile(r"^([a-z]+)-([A-Za-z0-9][A-Za-z0-9._-]{0,31})\Z")
 CONNECTION_KEYS = (
     "address", "user", "port", "identity", "known_hosts", "jump", "connect_timeout", "max_sessions",
 )  # fmt: skip
@@ -81,6 +83,12 @@ def parse_jump(spec: str) -> list[Hop]:
             raise ValueError(f"{user!r} {NOT_A_USER}")
         hops.append(Hop(host=host, user=user or None, port=int(port) if port else None))
     return hops
+
+
+def engine_of(name: str) -> str:
+    """The engine an `engines:` entry is an environment of: vllm-0.31 -> vllm."""
+    found = ENGINE_VARIANT.match(name)
+    return found.group(1) if found else name
 
 
 @dataclass(frozen=True)
@@ -356,9 +364,10 @@ class _Parser:
             )
         out = {}
         for name, python in value.items():
-            if name not in ENGINES:
+            if engine_of(str(name)) not in ENGINES:
                 raise self.fail(f"{key}.{name}", f"not an engine we run (engines: "
-                                f"{', '.join(ENGINES)}){did_you_mean(str(name), list(ENGINES))}")  # fmt: skip
+                                f"{', '.join(ENGINES)}, or ENGINE-LABEL for another environment of "
+                                f"one){did_you_mean(str(name), list(ENGINES))}")  # fmt: skip
             text = self.text(f"{key}.{name}", python)
             if kind == "local":  # a venv's python is a symlink: never resolved
                 text = os.path.abspath(self.base / Path(text).expanduser())

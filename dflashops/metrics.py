@@ -45,7 +45,8 @@ BY_NAME = {m.name: m for m in TABLE}
 ROW = tuple(m for m in TABLE if m.row is not None)  # status's columns, in this order
 HISTORY = tuple(m.name for m in TABLE if m.history)  # the first stay longest
 VS = tuple(m.name for m in TABLE if m.vs)
-EVAL_PREFIXES = ("tau", "ddtree")  # compare --tau's keys (stored evaluations): higher is better
+# compare --tau's keys (stored evaluations and serving benchmarks): higher is better
+EVAL_PREFIXES = ("tau", "ddtree", "speedup")
 
 
 def value_format(key: str) -> str | None:

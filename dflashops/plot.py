@@ -1,6 +1,7 @@
 """`compare --plot`: the runs' curves in one image, a panel per metric, steps across; below
 them a tau panel (chain tau and the largest DDTree budget's, against step, from stored
-evaluations, with the reference drafter's tau dotted) when the runs have any.
+evaluations, with the reference drafter's tau dotted) when the runs have any, and a speedup
+panel (each serving benchmark's speedup per concurrency against step) when they have those.
 
 matplotlib is imported only when a plot is drawn (it costs ~0.3 s), with its headless Agg
 backend, so the command line starts fast and plots on machines without a display.
@@ -15,7 +16,7 @@ from typing import Any
 
 from dflashops.errors import OpsError, UsageError
 from dflashops.runs.evaluation.fingerprints import differs
-from dflashops.runs.evaluation.results import tau_value
+from dflashops.runs.evaluation.results import SPEEDUP, tau_value
 from dflashops.runs.reading.view import RunView
 
 FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
@@ -112,15 +113,36 @@ def draw_tau(ax: Any, views: list[RunView], evals: list[dict[str, Any]]) -> None
     ax.legend(loc="best", fontsize="small")
 
 
+def draw_speedup(ax: Any, views: list[RunView], serves: list[dict[str, Any]]) -> None:
+    """Each run's speedup per concurrency (a line style per concurrency, a color per run)."""
+    levels = sorted({c for r in serves for c in (r.get("serve") or {})}, key=int)
+    styles = ["-o", "--s", ":^", "-.v"]
+    for view in views:
+        line = None
+        for i, c in enumerate(levels):
+            xs, ys = tau_points(serves, view.name, f"{SPEEDUP}{c}")
+            if xs:
+                color = None if line is None else line.get_color()
+                (drawn,) = ax.plot(xs, ys, styles[i % len(styles)], color=color,
+                                   label=f"{view.name} @{c}")  # fmt: skip
+                line = line or drawn
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("speedup (serve)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+
+
 def draw(
     views: list[RunView],
     keys: list[str],
     steps: list[int],
     path: Path,
     evals: list[dict[str, Any]] | None = None,
+    serves: list[dict[str, Any]] | None = None,
 ) -> Any:
     """Write the figure to `path` (format from its suffix) and return it (closed); a tau panel
-    below the metrics when `evals` (stored results, see commands/evals.py) has any of the runs."""
+    below the metrics when `evals` (stored results, see commands/evals.py) has any of the runs,
+    and a speedup panel below it when `serves` (stored serving results) has any."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,11 +150,14 @@ def draw(
 
     names = {v.name for v in views}
     evals = [r for r in evals or [] if r["run"] in names]
-    panels = len(keys) + (1 if evals else 0)
+    serves = [r for r in serves or [] if r["run"] in names]
+    panels = len(keys) + (1 if evals else 0) + (1 if serves else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(9, 2.6 * panels + 0.5), sharex=True,
                              squeeze=False)  # fmt: skip
     if evals:
-        draw_tau(axes[-1, 0], views, evals)
+        draw_tau(axes[len(keys), 0], views, evals)
+    if serves:
+        draw_speedup(axes[-1, 0], views, serves)
     for ax, key in zip(axes[: len(keys), 0], keys, strict=True):
         shown: list[float] = []
         for view in views:

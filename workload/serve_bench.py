@@ -1,12 +1,13 @@
 """The serving benchmark of a checkpoint: the target served by vLLM's own OpenAI server, with the
 drafter as its DFlash speculator and without it, driven by vLLM's own benchmark client.
 
-    python -m workload.serve_bench --config RUN.yaml --checkpoint DIR [--vs DIR | --vs-result FILE]
-        [--concurrency 1,4,16] [--prompts FILE] [--max-new-tokens N] [--max-prompts N]
+    python -m workload.serve_bench --config RUN.yaml --checkpoint DIR [--vs DIR | --vs-result FILE
+        | --vs-vllm-python PATH [--vs-engine-name NAME]] [--concurrency 1,4,16] [--prompts FILE] [--max-new-tokens N] [--max-prompts N]
         [--chat-template-kwargs JSON] [--set KEY=VALUE]... [--vllm-python PATH]
         [--vllm-arg KEY=VALUE]... [--ready-timeout S] [--bench-timeout S] [--force] --out FILE.json
 
-Each subject in turn (the checkpoint, the --vs drafter, then the target alone): a server
+Each subject in turn (the checkpoint, the --vs drafter, then the target alone; with
+--vs-vllm-python, the checkpoint and the target alone in each of two vLLM environments): a server
 (`python -m vllm.entrypoints.openai.api_server` in the vLLM environment's python, bound to
 127.0.0.1 on a free port, its own process group) is started and awaited (/health, within
 --ready-timeout), driven by `workload.serve_client` (vLLM's `vllm bench serve`, in the vLLM
@@ -87,9 +88,11 @@ class Interrupted(BaseException):
 
 @dataclass
 class Subject:
-    name: str  # "checkpoint", "vs", "plain"
+    name: str  # "checkpoint", "vs", "plain" (and "vs-plain": the target alone in the vs engine)
     path: Path | None  # the drafter; None for the target alone
+    python: str  # the vLLM environment's python that serves it
     block_size: int = 0
+    version: str = "unknown"  # vLLM's, as its client reports it
     timing: dict[str, float] = field(default_factory=dict)
     passes: dict[str, dict] = field(default_factory=dict)
 
@@ -126,19 +129,14 @@ class Bench:
         self.args = args
         self.levels = concurrencies(args.concurrency)
         self.python = vllm_python(args.vllm_python)
+        self.vs_python = vllm_python(args.vs_vllm_python) if args.vs_vllm_python else None
         self.settings = load_run_settings(args.config, args.overrides)
         self.kwargs = chat_template_kwargs(args.chat_template_kwargs, self.settings)
         prompts_path = args.prompts or _default_prompts(args, self.settings.data_path)
         self.prompt_set = _read_prompt_set(prompts_path).head(args.max_prompts)
         self.prompts = self.prompt_set.items
         check_manifest(args.checkpoint, required=True)
-        self.subjects = [Subject("checkpoint", args.checkpoint)]
-        if args.vs is not None:
-            check_manifest(args.vs, required=False)  # a published drafter has none
-            self.subjects.append(Subject("vs", args.vs))
-        for s in self.subjects:
-            s.block_size = drafter_block_size(s.path)
-        self.subjects.append(Subject("plain", None))
+        self.subjects = subjects_of(args, self.python, self.vs_python)
         target = self.settings.target_path
         if not (target / "config.json").is_file():
             raise EvalError(f"target.path {target}: no config.json (not a model directory)")
@@ -149,7 +147,6 @@ class Bench:
                     for p in self.prompts]  # fmt: skip
         self.extra = engine_args(args.vllm_args)
         self.gpu = _gpu()
-        self.version = "unknown"  # vLLM's, as its client reports it
 
     def groups(self) -> dict[tuple[str, str], list[int]]:
         """Prompt indices by (category, length bucket)."""
@@ -182,6 +179,21 @@ class Bench:
         return max(1, math.ceil(2 * kv_bytes_per_token(*paths) * tokens / 2**30))
 
 
+def subjects_of(args: argparse.Namespace, python: str, vs_python: str | None) -> list[Subject]:
+    """The servers in the order they run: each drafter, then the target alone; with a second
+    engine, the checkpoint and the target alone in each."""
+    out = [Subject("checkpoint", args.checkpoint, python)]
+    if args.vs is not None:
+        check_manifest(args.vs, required=False)  # a published drafter has none
+        out.append(Subject("vs", args.vs, python))
+    out.append(Subject("plain", None, python))
+    if vs_python is not None:
+        out += [Subject("vs", args.checkpoint, vs_python), Subject("vs-plain", None, vs_python)]
+    for s in out:
+        s.block_size = drafter_block_size(s.path) if s.path is not None else 0
+    return out
+
+
 def _default_prompts(args: argparse.Namespace, data: Path | None) -> Path:
     if data is None:
         raise EvalError(f"{args.config}: data.path is unset; pass --prompts FILE")
@@ -210,7 +222,7 @@ def listening(port: int) -> bool:
 
 
 def server_argv(bench: Bench, subject: Subject, port: int) -> list[str]:
-    argv = [bench.python, "-m", "vllm.entrypoints.openai.api_server",
+    argv = [subject.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(bench.settings.target_path), "--host", "127.0.0.1",
             "--port", str(port), "--disable-uvicorn-access-log"]  # fmt: skip
     for key, value in bench.server_args().items():
@@ -226,9 +238,9 @@ def server_argv(bench: Bench, subject: Subject, port: int) -> list[str]:
     return argv
 
 
-def _env(bench: Bench) -> dict[str, str]:
+def _env(bench: Bench, python: str) -> dict[str, str]:
     env = _child_env()
-    _preload(bench.python, env)
+    _preload(python, env)
     if not bench.gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(bench.kv_cache_gib()))
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -251,7 +263,7 @@ def server(bench: Bench, subject: Subject, log: Path) -> Iterator[Started]:
     t0 = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(server_argv(bench, subject, port), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, env=_env(bench),
+                                stdout=out, stderr=subprocess.STDOUT, env=_env(bench, subject.python),
                                 start_new_session=True)  # fmt: skip
     try:
         yield Started(proc, f"http://127.0.0.1:{port}", log, t0)
@@ -362,12 +374,13 @@ def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[A
     with tempfile.TemporaryDirectory(prefix="dflash-serve-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
-        argv = [bench.python, "-m", "workload.serve_client", "--request", str(req), "--out",
+        argv = [subject.python, "-m", "workload.serve_client", "--request", str(req), "--out",
                 str(out)]  # fmt: skip
         lines: list[str] = []
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=_env(bench), cwd=tmp,
+                                stderr=subprocess.PIPE, text=True, env=_env(bench, subject.python),
+                                cwd=tmp,
                                 start_new_session=True)  # fmt: skip
         reader = threading.Thread(target=_forward_serve, args=(proc.stderr, lines), daemon=True)
         reader.start()
@@ -398,7 +411,7 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path, lines: list[str]) -
 
 def keep(bench: Bench, subject: Subject, passes: list[dict], result: dict) -> None:
     subject.timing["passes_s"] = sum(p["wall_s"] for p in result["passes"].values())
-    bench.version = result["version"]
+    subject.version = result["version"]
     for p in passes:
         subject.passes[p["name"]] = {**result["passes"][p["name"]],
                                      **{k: p[k] for k in ("category", "bucket") if k in p}}  # fmt: skip
@@ -555,12 +568,21 @@ def _minus(x: float | None, y: float | None) -> float | None:
     return None if x is None or y is None else x - y
 
 
-def attach_vs(result: dict, other: dict) -> None:
-    """`vs` and, where the fingerprints agree, `diff`; else `diff_refused` names why."""
+def attach_vs(result: dict, other: dict, axis: str = "drafter") -> None:
+    """`vs` and, where the fingerprints agree, `diff`; else `diff_refused` names why. On the
+    engine axis (one drafter, two engine environments) the engine is what is compared: its
+    version may differ, nothing else."""
     result["vs"] = {k: other.get(k) for k in ("checkpoint", "checkpoint_sha256", "fingerprint",
                                              "serve", "tau", "per_position", "tau_by_category",
-                                             "tau_by_length")}  # fmt: skip
-    why = differences(result["fingerprint"], other.get("fingerprint") or {})
+                                             "tau_by_length", "engine")}  # fmt: skip
+    result["vs_axis"] = axis
+    result.pop("diff", None)
+    result.pop("diff_refused", None)
+    fp = other.get("fingerprint") or {}
+    mine = result["fingerprint"]
+    if axis == "engine":
+        fp, mine = {**fp, "engine": None}, {**mine, "engine": None}
+    why = differences(mine, fp)
     if why:
         result["diff_refused"] = why
     else:
@@ -588,7 +610,7 @@ def fingerprint_of(bench: Bench, s: Subject) -> dict:
         max_new_tokens=bench.args.max_new_tokens,
         block_size=s.block_size,
         target=target_identity(bench.settings.target_path),
-        engine={"name": "vllm", "version": bench.version},
+        engine={"name": "vllm", "version": s.version},
         dtype=bench.server_args()["dtype"],
     )
     return {**fp, "concurrency": bench.levels, "server_args": bench.server_args()}
@@ -608,12 +630,12 @@ def run(bench: Bench, out: Path) -> dict:
             ready(bench, s, up)
             finish()
     shutil.rmtree(logs, ignore_errors=True)
-    plain = bench.subjects[-1]
-    mine = bench.subjects[0]
+    by = {s.name: s for s in bench.subjects}
+    mine, plain = by["checkpoint"], by["plain"]
     fp = fingerprint_of(bench, mine)
     result = subject_result(bench, mine, plain, fp)
     result.update(
-        engine={"name": "vllm", "version": bench.version},
+        engine={"name": "vllm", "version": mine.version},
         engine_device="gpu" if bench.gpu else "cpu",
         n_prompts=len(bench.prompts),
         max_new_tokens=bench.args.max_new_tokens,
@@ -621,9 +643,13 @@ def run(bench: Bench, out: Path) -> dict:
         prompt_tokens={"max": max(map(len, bench.ids)), "total": sum(map(len, bench.ids))},
         groups={f"{c}/{b}": len(v) for (c, b), v in sorted(bench.groups().items())},
     )
-    if len(bench.subjects) == 3:
-        vs = bench.subjects[1]
-        attach_vs(result, subject_result(bench, vs, plain, fingerprint_of(bench, vs)))
+    if "vs" in by:
+        vs, vs_plain = by["vs"], by.get("vs-plain", plain)
+        other = subject_result(bench, vs, vs_plain, fingerprint_of(bench, vs))
+        other["engine"] = {"name": "vllm", "version": vs.version}
+        if "vs-plain" in by:
+            other["engine"]["environment"] = bench.args.vs_engine_name or vs.python
+        attach_vs(result, other, "engine" if "vs-plain" in by else "drafter")
     elif bench.args.vs_result is not None:
         attach_vs(result, read_vs_result(bench.args.vs_result))
     timing = {s.name: {k: round(v, 3) for k, v in s.timing.items()} for s in bench.subjects}
@@ -642,6 +668,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--vs", type=Path, default=None, help="a second drafter, served side by side")
     p.add_argument("--vs-result", type=Path, default=None,
                    help="a stored serving result to put side by side")  # fmt: skip
+    p.add_argument("--vs-vllm-python", default=None, metavar="PATH",
+                   help="the checkpoint served side by side in this second vLLM environment")  # fmt: skip
+    p.add_argument("--vs-engine-name", default=None, metavar="NAME",
+                   help="the second environment's name, as the result keeps it")  # fmt: skip
     p.add_argument("--concurrency", default="1,4,16", help="concurrencies, e.g. 1,4,16")
     p.add_argument("--prompts", type=Path, help="prompts (default: prompts.jsonl beside data)")
     p.add_argument("--max-new-tokens", type=int, default=2048)
@@ -662,8 +692,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="despite train-to-serve mismatches")
     p.add_argument("--out", required=True, type=Path, help="where to write the result JSON")
     args = p.parse_args(argv)
-    if args.vs is not None and args.vs_result is not None:
-        p.error("--vs and --vs-result: give one")
+    given = [a for a in ("vs", "vs_result", "vs_vllm_python") if getattr(args, a) is not None]
+    if len(given) > 1:
+        p.error(" and ".join("--" + a.replace("_", "-") for a in given) + ": give one")
     args.engine = "vllm"  # for the parity check, which probes the engine
     args.reference = None
     return args
@@ -682,7 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parity = parity_check(args)
         say(f"serve: {len(bench.prompts)} prompts, max {args.max_new_tokens} new tokens, "
             f"concurrency {','.join(map(str, bench.levels))}, in vLLM ({bench.python}): "
-            + ", then ".join(s.name for s in bench.subjects))  # fmt: skip
+            + ", then ".join(s.name for s in bench.subjects)
+            + (f" (vs: in {bench.vs_python})" if bench.vs_python else ""))  # fmt: skip
         result = run(bench, args.out)
         result["parity"] = parity
         write_json_atomic(args.out, result)

@@ -6,10 +6,12 @@ step S is the record with the largest step <= S ("@N" marks a record from an ear
 "-" means the run never got to S.
 
 --tau adds the stored evaluations (`eval`, listed by `evals`): tau chain and tau per DDTree
-budget at each evaluated step (exactly that checkpoint's; "-": not evaluated); a tau measured
+budget at each evaluated step (exactly that checkpoint's; "-": not evaluated), and the speedup
+per concurrency of each stored serving benchmark (`eval --serve`: speedup@C); a value measured
 with other settings than the first run's at that step is marked with the differing keys
 (≠prompts; ?: no fingerprint), and no gap to the first run is computed for it. --plot draws tau
-against step below the training metrics whenever the runs have stored evaluations.
+(and the speedup per concurrency) against step below the training metrics whenever the runs
+have stored evaluations.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dflashops.errors import UsageError
 from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
 from dflashops.runs.evaluation.fingerprints import differs, mark
-from dflashops.runs.evaluation.results import Stored, stored, tau_value
+from dflashops.runs.evaluation.results import SPEEDUP, Stored, stored, tau_value
 from dflashops.runs.reading.survey import pick, survey
 from dflashops.runs.reading.view import VALUE_RULE, RunView, check_name, value_at
 from dflashops.runs.watching.status_tables import warn_logs
@@ -87,7 +89,7 @@ def register(app: typer.Typer) -> None:
             if taus is not None:
                 show_tau(taus)
         if plot is not None:
-            plotting.draw(views, keys, chosen, plot, evals=evals.results)
+            plotting.draw(views, keys, chosen, plot, evals=evals.results, serves=evals.serves)
             context.note(f"wrote {plot}")
 
 
@@ -104,29 +106,33 @@ def check_logged(views: list[RunView], keys: list[str]) -> None:
 def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:
     """The runs' stored taus in compare's shape: {"steps", "metrics", "runs": [{"run",
     "values": {key: {step: {"value", "step", "target", "settings"} or None}}}]}; keys "tau"
-    (chain), "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated).
-    "settings": the fingerprint keys where the result differs from the first run's at that step
-    (the first run's: from its first result); null when unknown (runs/evaluation/fingerprints.py)."""
-    steps = sorted({r["step"] for r in evals.results})
-    keys = ["tau", *(f"ddtree{b}" for b in evals.budgets()), "ref_tau"]
-    chosen = [newest_by_step(evals.of(v.name)) for v in views]
-    first = next((by[s] for by in chosen[:1] for s in sorted(by)), None)
-    rows = []
-    for i, (v, by_step) in enumerate(zip(views, chosen, strict=True)):
-        table_of: dict[str, dict[str, Any]] = {k: {} for k in keys}
-        for s in steps:
-            found = by_step.get(s)
-            base = (chosen[0].get(s) if i else None) or first
+    (chain), "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated)
+    and "speedup@C" per concurrency of the serving results. "settings": the fingerprint keys
+    where the result differs from the first run's at that step (the first run's: from its
+    first result of the same kind); null when unknown (runs/evaluation/fingerprints.py)."""
+    steps = sorted({r["step"] for r in evals.results + evals.serves})
+    taus = ["tau", *(f"ddtree{b}" for b in evals.budgets()), "ref_tau"]
+    speeds = [f"{SPEEDUP}{c}" for c in evals.concurrencies()]
+    rows = [{"run": v.name, "values": {}} for v in views]
+    for keys, results in ((taus, evals.results), (speeds, evals.serves)):
+        chosen = [newest_by_step([r for r in results if r["run"] == v.name]) for v in views]
+        first = next((by[s] for by in chosen[:1] for s in sorted(by)), None)
+        for i, by_step in enumerate(chosen):
             for k in keys:
-                value = None if found is None else tau_value(found, k)
-                table_of[k][str(s)] = (
-                    None
-                    if value is None
-                    else {"value": value, "step": s, "target": found["target"],
-                          "settings": differs(found, base)}
-                )  # fmt: skip
-        rows.append({"run": v.name, "values": table_of})
-    return {"steps": steps, "metrics": keys, "runs": rows}
+                rows[i]["values"][k] = {
+                    str(s): cell(by_step.get(s), k, (chosen[0].get(s) if i else None) or first)
+                    for s in steps
+                }
+    return {"steps": steps, "metrics": taus + speeds, "runs": rows}
+
+
+def cell(found: dict[str, Any] | None, key: str, base: dict[str, Any] | None) -> dict | None:
+    value = None if found is None else tau_value(found, key)
+    if value is None:
+        return None
+    assert found is not None
+    return {"value": value, "step": found["step"], "target": found["target"],
+            "settings": differs(found, base)}  # fmt: skip
 
 
 def newest_by_step(results: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -144,7 +150,8 @@ def show_tau(doc: dict[str, Any]) -> None:
         if any(c is not None for row in doc["runs"] for c in row["values"][k].values()):
             out.print(metric_table(doc["runs"], k, doc["steps"], bold))
             out.print()
-    out.print("tau: from stored evaluations of each step's checkpoint (dflashops evals); "
+    out.print("tau: from stored evaluations of each step's checkpoint (dflashops evals), "
+              "speedup@C: of its serving benchmark at concurrency C (eval --serve); "
               "-: not evaluated; ≠KEY: measured with settings that differ from the first run's "
               "(its first result's for the first run) in KEY, ?: settings unknown (no "
               "fingerprint); (+N%) only between equal settings")  # fmt: skip

@@ -128,6 +128,14 @@ def register(app: typer.Typer) -> None:
             "the target, or a stored serving result (.json); the difference where the "
             "fingerprints agree.",
         ),
+        vs_engine: str = typer.Option(
+            None,
+            "--vs-engine",
+            metavar="NAME|PATH",
+            help="--serve the checkpoint also in another vLLM environment of the target (an "
+            "`engines:` name in hosts.yaml, e.g. vllm-0.31, or its python's absolute path), "
+            "side by side: does a new engine version lower acceptance or speedup?",
+        ),
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
@@ -138,7 +146,8 @@ def register(app: typer.Typer) -> None:
         if every is not None and (step is not None or steps):
             raise UsageError("--every and --step/--steps: give one")
         chosen = [] if every is not None else chosen_steps(step, steps, follow)
-        check_serve(serve, concurrency, vs, chosen, every, reference, check_real, budgets, engine)
+        check_serve(serve, concurrency, vs, vs_engine, chosen, every, reference, check_real,
+                    budgets, engine)  # fmt: skip
         if check_real is not None and check_real < 0:
             raise UsageError(f"--check-real {check_real}: a number of prompts, >= 0")
         dest = opts.inventory().target(on)
@@ -148,7 +157,7 @@ def register(app: typer.Typer) -> None:
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host, engine, force, serve, concurrency_levels(concurrency) if serve
-                      else None, parse_vs(vs))  # fmt: skip
+                      else None, parse_vs(vs), vs_engine)  # fmt: skip
         if every is not None:
             return continuous(opts, opts.json, run, every, dest, extra)
         with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
@@ -161,15 +170,20 @@ def register(app: typer.Typer) -> None:
         finish(opts, opts.json, dest, job)
 
 
-def check_serve(serve: bool, concurrency: str | None, vs: str | None, chosen: list[int],
-                every: int | None, reference: str | None, check_real: int | None,
-                budgets: str | None, engine: str) -> None:  # fmt: skip
-    """--serve takes one --step, and none of the offline eval's own options."""
+def check_serve(serve: bool, concurrency: str | None, vs: str | None, vs_engine: str | None,
+                chosen: list[int], every: int | None, reference: str | None,
+                check_real: int | None, budgets: str | None, engine: str) -> None:  # fmt: skip
+    """--serve takes one --step, one side-by-side axis, and none of the offline eval's own
+    options."""
     if not serve:
-        given = [n for n, v in (("--concurrency", concurrency), ("--vs", vs)) if v is not None]
+        given = [n for n, v in (("--concurrency", concurrency), ("--vs", vs),
+                                ("--vs-engine", vs_engine)) if v is not None]  # fmt: skip
         if given:
             raise UsageError(f"{', '.join(given)}: only with --serve")
         return
+    if vs is not None and vs_engine is not None:
+        raise UsageError("--vs and --vs-engine: give one (another drafter, or the same drafter "
+                         "in another engine environment)")  # fmt: skip
     if every is not None or len(chosen) > 1:
         raise UsageError("--serve: one checkpoint at a time; give --step N")
     offline = [n for n, v in (("--reference", reference), ("--check-real", check_real),

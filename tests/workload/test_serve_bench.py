@@ -51,6 +51,24 @@ def test_an_ab_whose_prompts_differ_computes_no_difference_and_says_why():
     assert mine["diff_refused"] == ['prompts_sha256: "p1" vs "p2"']
 
 
+def test_one_drafter_in_two_engines_differs_only_in_the_engine():
+    """--vs-vllm-python: the engine is what is compared; its version may differ, nothing else."""
+    mine, other = result(250.0, 3.0), result(200.0, 2.5)
+    mine["fingerprint"]["engine"] = {"name": "vllm", "version": "0.32.0"}
+    other["fingerprint"]["engine"] = {"name": "vllm", "version": "0.31.1"}
+    attach_vs(mine, copy.deepcopy(other), "engine")
+    assert mine["vs_axis"] == "engine" and mine["diff"]["tau"] == pytest.approx(0.5)
+    drafters = result(250.0, 3.0)
+    drafters["fingerprint"]["engine"] = mine["fingerprint"]["engine"]
+    attach_vs(drafters, copy.deepcopy(other))  # two drafters: the engines must agree
+    assert drafters["diff_refused"] == [
+        'engine: {"name": "vllm", "version": "0.32.0"} vs {"name": "vllm", "version": "0.31.1"}'
+    ]
+    other["fingerprint"]["max_new_tokens"] = 128
+    attach_vs(mine, other, "engine")
+    assert "diff" not in mine and mine["diff_refused"] == ["max_new_tokens: 64 vs 128"]
+
+
 def test_length_buckets():
     assert [bucket_of(n) for n in (10, 1023, 1024, 4095, 4096, 16384)] == [
         "<1k", "<1k", "1-4k", "1-4k", "4-16k", ">16k"]  # fmt: skip
@@ -61,6 +79,7 @@ def test_length_buckets():
     [
         (["--concurrency", "0"], "--concurrency 0: expected numbers >= 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--vs", "/x", "--vs-vllm-python", "/y"], "--vs and --vs-vllm-python: give one"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, said):

@@ -24,7 +24,7 @@ from dflashops.remote import layout
 from dflashops.runs.evaluation.kind import EVAL
 from dflashops.runs.evaluation.pulls import pull
 from dflashops.runs.evaluation.results import stored
-from dflashops.runs.evaluation.serving import Vs, serve_argv, serve_result_path
+from dflashops.runs.evaluation.serving import Vs, serve_argv, serve_result_path, vs_engine_argv
 from dflashops.runs.lifecycle.placement import Node, Placement, new_run_id
 from dflashops.runs.lifecycle.snapshot import local_code
 from dflashops.runs.lifecycle.start import start_job
@@ -58,6 +58,7 @@ class Extra:
     )
     concurrency: list[int] | None = None  # --serve's concurrencies
     vs: Vs | None = None  # --serve's second subject
+    vs_engine: str | None = None  # --serve's second engine environment (a name or a python)
 
 
 def start_eval(
@@ -67,13 +68,14 @@ def start_eval(
     chosen = "vllm" if extra.serve else chosen_engine(reader.machine(dest), extra.engine)
     extra.engine = chosen.removesuffix("-auto")
     engine = engine_argv(reader.machine(dest), extra.engine)  # before anything starts
+    vs_engine = vs_engine_argv(reader.machine(dest), extra.vs_engine)
     view = find(reader, run, host=extra.host, records="none", files=[layout.RUN_CONFIG])
     config = parse_config(view, extra.sets)
     machine = writer.machine(dest)
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
     vs_view = None
     if extra.serve:
-        base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest)
+        base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest) + vs_engine
         vs_view = pull_vs(reader, writer, extra.vs, dest)
     else:
         base += engine
@@ -95,7 +97,7 @@ def start_eval(
            "reference": extra.reference, "engine": extra.engine}  # fmt: skip
     if extra.serve:
         own.update(serve=True, concurrency=extra.concurrency,
-                   vs=extra.vs.on(dest) if extra.vs else None)  # fmt: skip
+                   vs=extra.vs.on(dest) if extra.vs else None, vs_engine=extra.vs_engine)  # fmt: skip
     placement = start_on(reader, writer, Placement(EVAL, name, new_run_id(), [Node(0, dest, 1)],
                                                    state=own), plan)  # fmt: skip
     job = {**own, "target": dest.name, "tmux": tmux_session(name), "launched": time.time()}

@@ -38,6 +38,10 @@ class Stored(Unread):
         found = {b for r in self.results for b in (r.get("ddtree") or {})}
         return sorted(found, key=int)
 
+    def concurrencies(self) -> list[str]:
+        found = {c for r in self.serves for c in (r.get("serve") or {})}
+        return sorted(found, key=int)
+
     def of(self, run: str) -> list[dict[str, Any]]:
         return [r for r in self.results if r["run"] == run]
 

@@ -5,7 +5,8 @@ The job is an eval job (runs/evaluation/job.py: detached, the target's eval lock
 with the eval target's vLLM environment, and keeps its result in <ws>/evals/RUN/serve_N.json.
 `--vs RUN2:STEP` pulls that checkpoint there too and serves it side by side; `--vs PATH` is a
 drafter directory on the target (served side by side) or a stored serving result (`.json`, put
-side by side: its difference only where the fingerprints agree).
+side by side: its difference only where the fingerprints agree). `--vs-engine NAME|PATH` serves
+the checkpoint (and the target alone) in a second vLLM environment of the target too.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dflashops import engine_envs
 from dflashops.errors import UsageError
-from dflashops.inventory import Target
+from dflashops.inventory import Target, engine_of
 from dflashops.remote import layout
+from dflashops.runs.reading.probe import probe
 from dflashops.runs.reading.view import ckpt_copy_dir
+from dflashops.targets.base import Machine
 
 VS_STEP = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63}):(\d+)\Z")
 
@@ -81,3 +85,25 @@ def serve_argv(base: list[str], python: str, levels: list[int], vs: Vs | None,
     if vs is not None:
         argv += ["--vs-result" if vs.is_result else "--vs", vs.on(dest)]
     return argv
+
+
+def vs_engine_argv(machine: Machine, name: str | None) -> list[str]:
+    """--vs-engine NAME|PATH: the serving benchmark's second vLLM environment; refused when the
+    eval target has no such environment."""
+    if name is None:
+        return []
+    target = machine.target
+    named = [n for n in target.engines if engine_of(n) == "vllm"]
+    if name.startswith("/"):
+        python = name
+    elif name in named or name == "vllm":
+        python = engine_envs.python_of(target, name)
+    else:
+        raise UsageError(
+            f"--vs-engine {name}: {target.name} has no engine environment of that name "
+            f"(hosts.yaml engines: {', '.join(named) or 'none'}); name one, e.g. engines: "
+            "{vllm-0.31: /opt/vllm031/bin/python}, or give its python's absolute path"
+        )
+    if probe(machine, paths=[python]).paths.get(python) == "missing" and not machine.dry_run:
+        raise UsageError(f"--vs-engine {name}: {python} is not on {target.name}")
+    return ["--vs-vllm-python", python, "--vs-engine-name", name]

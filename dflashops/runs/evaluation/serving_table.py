@@ -53,7 +53,10 @@ def show_serve(run: str, step: int, dest: Target, out: str, result: dict[str, An
                  "PLAIN TTFT p50/p99", "SPEC TPOT p50/p99", "PLAIN TPOT p50/p99")  # fmt: skip
     subjects = [(f"{run} step_{step}", result)]
     vs = result.get("vs") if isinstance(result.get("vs"), dict) else None
-    if vs is not None:
+    if vs is not None and result.get("vs_axis") == "engine":
+        subjects = [(f"{run} step_{step} in {engine_label(result)}", result),
+                    (f"{run} step_{step} in {engine_label(vs)}", vs)]  # fmt: skip
+    elif vs is not None:
         subjects.append((vs_name(vs), vs))
     for name, r in subjects:
         for row in rows(name, r):
@@ -76,6 +79,14 @@ def show_serve(run: str, step: int, dest: Target, out: str, result: dict[str, An
             f"new tokens, vLLM {engine.get('version', '?')} on {result.get('engine_device', '?')}; "
             "TTFT/TPOT in ms; tau = 1 + accepted/drafts from the server's counters; "
             f"result: {dest.name}:{out}")  # fmt: skip
+
+
+def engine_label(result: dict[str, Any]) -> str:
+    """'vllm 0.32.0', or 'vllm-0.31 (vllm 0.31.1)' for a named second environment."""
+    engine = result.get("engine") if isinstance(result.get("engine"), dict) else {}
+    version = f"{engine.get('name', 'vllm')} {engine.get('version', '?')}"
+    where = engine.get("environment")
+    return f"{where} ({version})" if where else version
 
 
 def vs_name(vs: dict[str, Any]) -> str:
