@@ -23,7 +23,7 @@ listing every `poll` seconds too: a server whose run has ended waits only so lon
 for a follower that has gone quiet. A resume after the server has gone starts a new one
 (runs/evaluation/continuous.py) and gives its port and token in job.json, which the follower reads as it
 starts (and notes in state.json's "server"). It keeps to the contract of every job's program
-(dflashops/runs/job.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
+(dflashops/runs/lifecycle/job_kind.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
 evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; it resumes by
 the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
 the training target before they were copied, "failed" those whose evaluator failed, "lags"

@@ -8,7 +8,7 @@ stdin: a JSON request {"ws": workspace, "homes": {where: {"pattern": P, "name": 
 "free_port": address or null}.
 stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "runs": [...],
 "dirs": {path: ...}, "paths": {path: kind}, "gpus": {...} or null, "free_port": N or null};
-see dflashops/runs/view.py for the fields of a run.
+see dflashops/runs/reading/view.py for the fields of a run.
 
 A home is where one kind of job lives: the directories <ws>/P/<entry>/ (P a path under the
 workspace, whose "*" parts match any directory: "evals/*/jobs"), each job named by the template

@@ -1,7 +1,7 @@
 """Starting, following and combining a datagen job (the kind: runs/datagen/kind.py).
 
 Start: one read of the chosen targets (the target model there, the engine's environment, the
-code snapshot, GPUs), then the job starts as any job starts (start.py: its name claimed, the
+code snapshot, GPUs), then the job starts as any job starts (lifecycle/start.py: its name claimed, the
 code snapshot, launch.json, the launcher in a detached tmux session on each target), after its
 input is pushed into every node's <ws>/data/NAME/input/ (a verified copy) and checked there by
 the generator (`--check-only`): a malformed line is refused in one line naming FILE:LINE, exit

@@ -6,7 +6,7 @@ operator): on the run's target (node 0, where its checkpoints are), the checkpoi
 (remote/ckpt_server.py) in <ws>/evals/RUN/serve/ID/, listening on that target's address from
 the inventory (other targets reach it there: containers on a bridge, no DNS); on the eval
 target, the follower job (remote/follow_eval.py) in <ws>/evals/RUN/follow/ID/, started as any
-job starts (start.py). The two share a random token, written by us into a new 0600 file on each
+job starts (lifecycle/start.py). The two share a random token, written by us into a new 0600 file on each
 side (<ws>/dflashops/secrets/ckpt-RUN-ID-serve.json and ckpt-RUN-ID-follow.json: two names,
 as both sides may be one target): never on a command line, in a log or in a job's files. The
 server deletes its file once it has read it; the follower deletes its own as it ends (a resume

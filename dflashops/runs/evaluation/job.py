@@ -1,5 +1,5 @@
 """Starting and following an eval job (the kind: runs/evaluation/kind.py): it pulls each checkpoint
-the eval target lacks (pull-ckpt's copy), then starts the job as any job starts (start.py:
+the eval target lacks (pull-ckpt's copy), then starts the job as any job starts (lifecycle/start.py:
 claimed, the code snapshot, launch.json, the launcher in a detached tmux session there, which
 runs remote/evaljob.py: it survives a closed laptop), evaluating the steps one after the other.
 Each step runs `python -m workload.eval` with the run's run.yaml and keeps its result in

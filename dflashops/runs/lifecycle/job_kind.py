@@ -2,7 +2,7 @@
 job and any later kind. Everything else of a job's life is shared, whatever its kind: its name
 claimed (claim.py), the code snapshot (snapshot.py), launch.json and the launcher in a tmux
 session of our own (start.py), state.json and the exit code (remote/launcher.py), finding it by
-NAME (survey.py), stop and resume (stop.py, resume.py), its console (watching/log_stream.py).
+NAME (reading/survey.py), stop and resume (stop.py, resume.py), its console (watching/log_stream.py).
 
 A kind says where its directories live, what its launcher runs, how its progress is read and
 what stop and resume mean for it. The program a kind runs keeps to one contract, the trainer's:
