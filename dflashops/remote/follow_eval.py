@@ -51,7 +51,8 @@ import urllib.parse
 import urllib.request
 
 from dflashops.remote.evallock import one_evaluation
-from dflashops.remote.manifest import MANIFEST, file_sha256, manifest_entries, safe_name
+from dflashops.remote.layout import MANIFEST
+from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 DEADLINE = 60  # seconds for each request to the server (connect, and each read)
