@@ -51,6 +51,10 @@ Sections (each in try/except: a failure is recorded with its traceback tail and 
              way), the sharding `auto` gives (zero1 for 2 ranks). Losses per step, fp32 (rel.
              <= 1e-4; CPU 1e-5) and, on GPU, bf16 (<= 2e-2); the drafter's weights after the
              steps; median step time and tokens/s of each. Skipped in one line under 2 GPUs
+  serve_tiny the serving benchmark (workload.serve_bench) of two checkpoints of a tiny drafter in
+             vLLM's server at concurrencies 1, 4, 16: speedup, tokens/s, TPOT, tau
+             (bench/gpu_serve.py); needs a vLLM environment (--vllm-python), else skipped. Last:
+             `--only serve_tiny` runs it alone
 Sections stop starting new measurements when the time budget is spent. Needs torch with CUDA,
 transformers >= 5, and for `hybrid` flash-linear-attention with triton.
 """
@@ -713,6 +717,15 @@ def summary(r: dict) -> list[str]:
     for gbps, row in (r.get("plan_27b") or {}).items():
         if isinstance(row, dict) and "verdict" in row:
             out.append(f"plan, 27B on 2 x 8 H200 at {gbps} GbE: {row['verdict']}")
+    serve = (r.get("serve_tiny") or {}).get("summary") or {}
+    for which in ("half", "last") if serve else ():
+        row = serve.get(which) or {}
+        speed = ", ".join(f"@{c} {_num(e.get('speedup'), '.2f')}x ({_num(e.get('spec_tok_s'))} vs "
+                          f"{_num(e.get('plain_tok_s'))} tok/s)"
+                          for c, e in (row.get("serve") or {}).items())  # fmt: skip
+        out.append(f"serve_tiny, {which} checkpoint: tau {_num(row.get('tau'))}; {speed}")
+    if "skipped" in (r.get("serve_tiny") or {}):
+        out.append(f"serve_tiny: skipped ({r['serve_tiny']['skipped']})")
     for name in ("flex", "dense_1b", "hybrid", "fla", "target_load", "multi"):
         sec = r.get(name)
         if isinstance(sec, dict):
@@ -737,6 +750,7 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (no flex, no fla)")
     p.add_argument("--only", help="run only these sections (comma-separated names)")
     p.add_argument("--multi-worker", help=argparse.SUPPRESS)  # one rank of section multi
+    p.add_argument("--vllm-python", help="a vLLM environment's python, for serve_tiny")
     a = p.parse_args()
     if a.multi_worker:
         return multi_worker(json.loads(a.multi_worker))
@@ -749,6 +763,7 @@ def main() -> int:
     from bench.gpu_drafter_flex import section_drafter_flex
     from bench.gpu_drafter_step import section_drafter_27b
     from bench.gpu_fc_precision import section_fc_precision
+    from bench.gpu_serve import section_serve_tiny
 
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
@@ -772,6 +787,7 @@ def main() -> int:
                 ("fla", lambda: section_fla(mode, d, budget))]  # fmt: skip
     sections.append(("target_load", lambda: section_target_load(mode, d, Path(a.out))))
     sections.append(("multi", lambda: section_multi(mode, budget, Path(a.out))))
+    sections.append(("serve_tiny", lambda: section_serve_tiny(mode, Path(a.out), a.vllm_python)))
     if a.only:
         sections = [(n, fn) for n, fn in sections if n in a.only.split(",")]
     for name, fn in sections:

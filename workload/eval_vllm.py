@@ -315,6 +315,7 @@ def subject_summary(ev: Evaluation, s: Subject, engines: dict, records: list[dic
             "rounds_identical": at is None,
             "equals_greedy": equal,
             "unaccounted_tokens": unaccounted,
+            "engine_accepted": list(out["per_step_accepted"]),  # uncut: as its counters count
             "draft_s": record["draft_s"],
         }
         if not equal:

