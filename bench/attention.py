@@ -30,7 +30,7 @@ LEVELS = ("attention", "drafter")
 def _attention_step(seq_len: int, anchors: int, block: int, impl: str):
     import torch
 
-    from workload.attention import block_attention
+    from workload.drafter.attention import block_attention
 
     g = torch.Generator().manual_seed(0)
     pos = torch.sort(torch.randperm(seq_len - 1, generator=g)[:anchors]).values[None]
@@ -56,7 +56,7 @@ def _drafter_step(seq_len: int, anchors: int, block: int, impl: str):
     import torch
     from transformers import Qwen3Config
 
-    from workload.model import DFlashDrafter, build_drafter_config
+    from workload.drafter.model import DFlashDrafter, build_drafter_config
 
     target = Qwen3Config(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, num_hidden_layers=8, intermediate_size=3 * HIDDEN,

@@ -155,7 +155,7 @@ def _flex_errors(case, dtype_name: str, device, grads: bool) -> dict:
     """Normalised max errors of flex and of dense (same dtype) against dense float32."""
     import torch
 
-    from workload.attention import block_attention
+    from workload.drafter.attention import block_attention
 
     S, N, window, causal, docs = case
     dtype = getattr(torch, dtype_name)
@@ -198,7 +198,7 @@ def section_flex(device, mode: str, budget: Budget) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    import workload.attention as attention
+    import workload.drafter.attention as attention
 
     attention.COMPILE_FLEX = True  # the trainer's CUDA path (forced on for the CPU smoke run)
     grads = device.type == "cuda"  # flex has no backward on CPU
@@ -250,7 +250,7 @@ def _target(kind: str, size: dict, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = cls(config).to(dtype)
-    from workload.targets import force_torch_fallback_off_gpu
+    from workload.drafter.targets import force_torch_fallback_off_gpu
 
     force_torch_fallback_off_gpu(model)
     model.eval().requires_grad_(False)
@@ -260,7 +260,7 @@ def _target(kind: str, size: dict, device):
 def _examples(spec: dict, vocab: int, n: int = 4) -> list:
     import torch
 
-    from workload.data import Example
+    from workload.data.chat import Example
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -273,9 +273,9 @@ def _examples(spec: dict, vocab: int, n: int = 4) -> list:
 def _measure(target, spec: dict, size: dict, impl: str, d, budget: Budget) -> dict:
     import torch
 
-    from workload import train as T
     from workload.config import load_config
-    from workload.step import StepSums
+    from workload.train import loop as T
+    from workload.train.step import StepSums
 
     cfg = load_config(None, [
         "target.path=in-memory", "data.path=in-memory",
@@ -325,7 +325,7 @@ def _measure(target, spec: dict, size: dict, impl: str, d, budget: Budget) -> di
 
 
 def _metrics(sums: dict) -> dict:
-    from workload.metrics import finalize
+    from workload.train.metrics import finalize
 
     return finalize(sums) if sums.get("blocks") else {}
 
@@ -362,8 +362,8 @@ FLA_TOL = 1e-2  # float32, relative to max |torch|: catches a wrong kernel, not 
 @contextmanager
 def torch_code(model):
     """Within: the model's linear-attention and conv functions are transformers' torch code,
-    whatever kernels transformers (or workload.targets' dispatcher) picked at import."""
-    from workload.targets import _KERNEL_FUNCS
+    whatever kernels transformers (or workload.drafter.targets' dispatcher) picked at import."""
+    from workload.drafter.targets import _KERNEL_FUNCS
 
     saved = []
     for name in {type(m).__module__ for m in model.modules()}:
@@ -386,7 +386,7 @@ def kernel_sources(model) -> dict:
     transformers' own torch code when the kernel package did not import)."""
     import inspect
 
-    from workload.targets import _KERNEL_FUNCS
+    from workload.drafter.targets import _KERNEL_FUNCS
 
     found = {}
     for name in {type(m).__module__ for m in model.modules()}:
@@ -491,7 +491,7 @@ def watch():
 threading.Thread(target=watch, daemon=True).start()
 path, device, how = sys.argv[1:4]
 if how == "device_map":
-    from workload.targets import load_target
+    from workload.drafter.targets import load_target
     model, _ = load_target(path, dtype="bfloat16", device=device)
 else:
     from transformers import AutoModelForCausalLM
@@ -549,9 +549,9 @@ def multi_worker(spec: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from workload import train as T
     from workload.config import DistConfig, load_config
-    from workload.step import StepSums, train_step
+    from workload.train import loop as T
+    from workload.train.step import StepSums, train_step
 
     m, size = spec["multi"], spec["multi"]["size"]
     d = T.init_distributed(DistConfig(timeout_s=300))
@@ -660,8 +660,9 @@ def section_plan_27b() -> dict:
     """The step-time plan's verdict for the 27B template on 2 x 8 H200 at 25 and 100 GbE (from
     the configs alone; the same on any machine)."""
     from bench.gpu_drafter_flex import RUN_27B, TARGET_27B
-    from workload import plan, step_plan
     from workload.config import load_config
+    from workload.plan import memory as plan
+    from workload.plan import step_time as step_plan
 
     cfg, target = load_config(RUN_27B, []), plan.load_target_config(TARGET_27B)
     out = {}
@@ -757,7 +758,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from workload import train as T
+    from workload.train import loop as T
 
     spec = SMOKE if a.cpu_smoke else FULL
     from bench.gpu_drafter_flex import section_drafter_flex

@@ -22,7 +22,7 @@ TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 def drafter_shape() -> dict:
     """The 27B template's drafter attention shape, from its configs (what the trainer builds)."""
     from workload.config import load_config
-    from workload.targets import text_config
+    from workload.drafter.targets import text_config
 
     cfg = load_config(RUN_27B, [])
     text = text_config_of(TARGET_27B, text_config)
@@ -34,7 +34,7 @@ def drafter_shape() -> dict:
 
 
 def text_config_of(path: Path, text_config):
-    from workload.plan import load_target_config
+    from workload.plan.memory import load_target_config
 
     return text_config(load_target_config(path))
 
@@ -54,7 +54,7 @@ def _inputs(shape: dict, seq: int, n: int, device, dtype, seed: int, grads: bool
 def _run(impl, qkv, anchors, valid, shape, window, causal, pad_to, grads: bool):
     import torch
 
-    from workload.attention import block_attention
+    from workload.drafter.attention import block_attention
 
     out = block_attention(*qkv, anchors=anchors, anchor_valid=valid, block_size=shape["block"],
                           sliding_window=window, causal_in_block=causal,
@@ -77,7 +77,7 @@ def section_drafter_flex(device, smoke: bool, budget) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    import workload.attention as A
+    import workload.drafter.attention as A
 
     shape = drafter_shape()
     seq, n = (256, 16) if smoke else (shape["seq_len"], shape["anchors"])

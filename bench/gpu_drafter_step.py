@@ -28,8 +28,8 @@ def shallow_target(device, smoke: bool):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from bench.gpu_drafter_flex import TARGET_27B
-    from workload.plan import load_target_config
-    from workload.targets import text_config
+    from workload.drafter.targets import text_config
+    from workload.plan.memory import load_target_config
 
     t = text_config(load_target_config(TARGET_27B))
     size = SMOKE if smoke else dict(hidden=t.hidden_size, heads=t.num_attention_heads,
@@ -63,7 +63,7 @@ def run_config(size: dict, smoke: bool):
 
 
 def planned_bytes(cfg, target, device) -> dict:
-    from workload import plan
+    from workload.plan import memory as plan
 
     p = plan.estimate(cfg, target.config, 1, device=device.type)
     allocator = p.per_rank.total - p.per_rank.overhead
@@ -75,9 +75,9 @@ def steps(run, warmup: int, timed: int, budget) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from workload import attention as A
-    from workload import train as T
-    from workload.step import StepSums
+    from workload.drafter import attention as A
+    from workload.train import loop as T
+    from workload.train.step import StepSums
 
     cuda = run.device.type == "cuda"
     run.timing = True
@@ -113,8 +113,8 @@ def section_drafter_27b(d, smoke: bool, budget) -> dict:
     import torch
 
     from bench.gpu_check import _examples
-    from workload import train as T
-    from workload.attention import resolve_impl
+    from workload.drafter.attention import resolve_impl
+    from workload.train import loop as T
 
     t0 = time.perf_counter()
     target, size = shallow_target(d.device, smoke)

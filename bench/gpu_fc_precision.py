@@ -37,8 +37,8 @@ def fc_shape() -> dict:
     """Taps, hidden size and noise of the 27B template's drafter fc, from its configs."""
     from bench.gpu_drafter_flex import RUN_27B, TARGET_27B
     from workload.config import load_config
-    from workload.plan import fc_layer_ids, load_target_config
-    from workload.targets import text_config
+    from workload.drafter.targets import text_config
+    from workload.plan.memory import fc_layer_ids, load_target_config
 
     cfg = load_config(RUN_27B, [])
     text = text_config(load_target_config(TARGET_27B))

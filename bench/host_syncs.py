@@ -152,18 +152,18 @@ def _short(path: str) -> str:
 
 def count_step(tiny: Path, chunk_blocks: int, overrides: list[str]) -> dict:
     """Set up the tiny run, take one warm-up step and count the host syncs of the next one.
-    Works with the trainer before the step moved to workload/step.py (dict sums) and after."""
+    Works with the trainer before the step moved to workload/train/step.py (dict sums) and after."""
     import importlib
 
     import torch
     import torch.distributed as dist
 
-    from workload import loss as L
-    from workload import train as T
     from workload.config import load_config
+    from workload.train import loop as T
+    from workload.train import loss as L
 
     try:
-        step_mod = importlib.import_module("workload.step")
+        step_mod = importlib.import_module("workload.train.step")
     except ImportError:
         step_mod = T
     if not dist.is_initialized():

@@ -24,8 +24,8 @@ ROWS = [(4096, 512), (4096, 256), (4096, 128), (2048, 256)]
 
 
 def main() -> int:
-    from workload import plan
     from workload.config import load_config
+    from workload.plan import memory as plan
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(ROOT / "templates/runs/qwen36-27b.yaml"))

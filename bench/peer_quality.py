@@ -10,7 +10,7 @@ drafters trained the same number of steps on the same tiny target (`python -m wo
 default: the tests' newest cached dense build, else a fresh one under --out) and the same
 conversations, plus each trainer's wall time. The Markdown table at the end has, per trainer:
 steps, training wall time, τ in vLLM on the build's held-out prompts (prompts.jsonl, never
-trained on) with its standard error over prompts, our simulated τ (workload/decode.py) of the
+trained on) with its standard error over prompts, our simulated τ (workload/eval/decode.py) of the
 same drafter, and the settings in which it departs from the other.
 
 - ours: `python -m workload.train` with templates/runs/tiny.yaml (its loss, AdamW, schedule).
@@ -244,7 +244,7 @@ def train_speculators(config: Path, ours_ckpt: Path, steps: int, site: Path, out
     from transformers import AutoTokenizer, get_cosine_schedule_with_warmup
 
     from workload.config import load_config
-    from workload.inspect_data import open_store, read_settings
+    from workload.data.inspect_rows import open_store, read_settings
 
     model_cls, layer_config_of, build_optimizers, trainer_config = import_speculators(site)
     cfg = load_config(config)

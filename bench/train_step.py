@@ -100,9 +100,9 @@ def measure(config_path: str, overrides: list[str], steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workload import train as T
     from workload.config import load_config
-    from workload.step import StepSums
+    from workload.train import loop as T
+    from workload.train.step import StepSums
 
     cfg = load_config(config_path, overrides)
     if not dist.is_initialized():

@@ -60,9 +60,9 @@ def rounds_as_simulated(args: argparse.Namespace, patched: bool) -> tuple[int, i
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from workload.eval import load_run_settings
-    from workload.eval_vllm import engine_rounds
-    from workload.prompts import read_prompt_set, render
+    from workload.eval.prompts import read_prompt_set, render
+    from workload.eval.run_settings import load_run_settings
+    from workload.eval.vllm_offline import engine_rounds
 
     if patched:
         per_layer_norm()

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from workload.common.provenance import same_target
+
 LOSS_TYPES = ("ce", "kl", "blend")
 WEIGHTINGS = ("decay", "dpace", "uniform")
 TEACHERS = ("logits", "last_layer")
@@ -800,8 +802,6 @@ _OFF_PATH = (
 
 
 def _audit_data(cfg: RunConfig, data: DataFacts) -> list[AuditItem]:
-    from workload.provenance import same_target
-
     items: list[AuditItem] = []
     on = cfg.loss.on_trajectory
     m = data.manifest

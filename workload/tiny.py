@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from workload.data import BatchStream, Example, render_chat
-from workload.targets import force_torch_fallback_off_gpu
+from workload.common.layout import RUN_CONFIG
+from workload.data.batches import BatchStream
+from workload.data.chat import Example, render_chat
+from workload.drafter.targets import force_torch_fallback_off_gpu
 
 # ----------------------------------------------------------------------------- synthetic tasks
 
@@ -444,7 +446,7 @@ def write_outputs(out: Path, kind: str, model, tokenizer, convs, evals, seed: in
     _write_jsonl(out / "data.jsonl", ({"messages": c} for c in convs))
     _write_jsonl(out / "prompts.jsonl", evals)
     cfg = run_config(out, kind, tokenizer, model.config.num_hidden_layers, seed)
-    (out / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (out / RUN_CONFIG).write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
 def _build(out: Path, kind: str, steps: int | None, seed: int, conversations: int,

@@ -1,7 +1,7 @@
 """`dflashops check`: train-to-serve parity of a run on the `local` target (and on a second
 local target as the eval target: the facts gathered where the run trained, compared where it
 will serve), through the real command line, with the tiny target and a chat template that
-behaves like Qwen3.5/3.6's (workload/parity.py's own tests cover each setting)."""
+behaves like Qwen3.5/3.6's (workload/eval/parity.py's own tests cover each setting)."""
 
 from __future__ import annotations
 

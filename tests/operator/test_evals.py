@@ -188,7 +188,7 @@ def test_an_eval_job_survives_the_operator_going_away(cli, trained, inv, home, b
 SAVE_AS_ZLAB = """
 import copy, sys
 import dflash.model as zlab
-from workload.model import DFlashDrafter
+from workload.drafter.model import DFlashDrafter
 ours = DFlashDrafter.from_pretrained(sys.argv[1])
 theirs = zlab.DFlashDraftModel(copy.deepcopy(ours.config))
 theirs.load_state_dict(ours.state_dict())

@@ -118,8 +118,8 @@ def test_a_run_executes_its_own_snapshot_and_a_later_launch_never_changes_it(
     assert json.loads((run1 / "launch.json").read_text())["code"] == str(code1)
     assert trainer_env(run1)["PYTHONPATH"] == str(code1)  # what the trainer imports
     before = tree_hashes(code1)
-    assert "workload/train.py" in before
-    trainer = src / "workload" / "train.py"
+    assert "workload/train/loop.py" in before
+    trainer = src / "workload" / "train" / "loop.py"
     original = trainer.read_text()
     trainer.write_text(original + "# edited after snap1 was launched\n")
 
@@ -130,11 +130,14 @@ def test_a_run_executes_its_own_snapshot_and_a_later_launch_never_changes_it(
     code2 = ws / "dflashops" / "code" / digest2
     assert digest2 != digest1
     assert trainer_env(run2)["PYTHONPATH"] == str(code2)
-    assert (code2 / "workload" / "train.py").read_text().endswith("# edited after snap1 was "
-                                                                  "launched\n")  # fmt: skip
+    assert (
+        (code2 / "workload" / "train" / "loop.py")
+        .read_text()
+        .endswith("# edited after snap1 was launched\n")
+    )
     # the first run's code and its record of it are as they were, and it still runs on them
     assert tree_hashes(code1) == before
-    assert (code1 / "workload" / "train.py").read_text() == original
+    assert (code1 / "workload" / "train" / "loop.py").read_text() == original
     assert snapshot_of(run1) == digest1
     assert json.loads(cli("--json", "status", "snap1").out)["state"] == "running"
     # resumed, it keeps the code it ran, though the workload has changed since

@@ -21,7 +21,7 @@ TINY_OPTIONS = ["--steps", "1", "--conversations", "120", "--prompts", "3", "--n
 def tiny_build() -> Path:
     """A tiny target (barely trained: only its format matters here), cached by code and options."""
     key = hashlib.sha256()
-    for name in ("tiny.py", "data.py"):
+    for name in ("tiny.py", "data/chat.py", "data/batches.py"):
         key.update((ROOT / "workload" / name).read_bytes())
     key.update(repr(TINY_OPTIONS).encode())
     root = Path(

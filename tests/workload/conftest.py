@@ -2,7 +2,7 @@
 
 The tiny targets are built once and cached under $DFLASHOPS_TEST_CACHE (default: a folder in
 the system temp dir), keyed by the source of the code that builds them and the build options,
-so a change to workload/tiny.py or workload/data.py rebuilds them and nothing else does.
+so a change to workload/tiny.py or workload/data/ (chat.py, batches.py) rebuilds them and nothing else does.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def build_key(options: dict) -> str:
     import transformers
 
     h = hashlib.sha256()
-    for name in ("tiny.py", "data.py", "targets.py"):
+    for name in ("tiny.py", "data/chat.py", "data/batches.py", "drafter/targets.py"):
         h.update((WORKLOAD / name).read_bytes())
     h.update(repr(sorted(options.items())).encode())
     h.update(f"{torch.__version__} {transformers.__version__}".encode())

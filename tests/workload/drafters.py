@@ -21,9 +21,8 @@ REPO = WORKLOAD.parent
 TEMPLATE = REPO / "templates" / "runs" / "tiny.yaml"
 STEPS = 200  # the dense drafter learns (test_train) and drafts a tau near 3 (test_eval_vllm)
 # the eval side: a change here does not retrain the drafter
-NOT_TRAINING = {"eval.py", "eval_vllm.py", "vllm_engine.py", "prompts.py", "fingerprint.py",
-                "decode.py", "ddtree.py", "inspect_data.py", "datagen.py", "engines.py",
-                "parity.py", "serve_bench.py", "serve_client.py"}  # fmt: skip
+NOT_TRAINING = ("eval/", "data/datagen/", "data/inspect_rows.py", "inspect_data.py",
+                "datagen.py", "parity.py", "serve_bench.py")  # fmt: skip
 
 
 def build_settings(build: Path) -> list[str]:
@@ -45,8 +44,8 @@ def trained_drafter(build: Path) -> Path:
     sets = [*build_settings(build), f"optim.max_steps={STEPS}", f"checkpoint.every={STEPS}"]
     h = hashlib.sha256(f"{build.name} {sets}".encode())
     h.update(TEMPLATE.read_bytes())
-    for path in sorted(WORKLOAD.glob("*.py")):
-        if path.name not in NOT_TRAINING:
+    for path in sorted(WORKLOAD.rglob("*.py")):
+        if not path.relative_to(WORKLOAD).as_posix().startswith(NOT_TRAINING):
             h.update(path.read_bytes())
     final = cache_root() / f"drafter-{h.hexdigest()[:16]}"
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import workload.attention as attention_module
-from workload.attention import block_attention
+import workload.drafter.attention as attention_module
+from workload.drafter.attention import block_attention
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),

@@ -12,11 +12,11 @@ import torch
 from transformers import DynamicCache
 
 from tests.workload.test_train import config, group  # noqa: F401 - group is a fixture
-from workload import checkpoint as ckpt
-from workload import dflash_module
-from workload import train as T
 from workload.config import recipe_layer_ids
-from workload.model import MODULE_NAME, DFlashDrafter
+from workload.drafter import checkpoint as ckpt
+from workload.drafter import dflash_module
+from workload.drafter.model import MODULE_NAME, DFlashDrafter
+from workload.train import loop as T
 
 # Run in a fresh interpreter where the workload package cannot be imported: the checkpoint's own
 # module must be all AutoModel needs. Writes the outputs of two plain calls and a cached one.

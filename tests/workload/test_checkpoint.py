@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workload import checkpoint as ck
+from workload.drafter import checkpoint as ck
+from workload.train import save_restore
 
 
 def payload(text: str):
@@ -73,7 +74,7 @@ def test_writer_killed_mid_save_leaves_no_complete_checkpoint(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from workload import checkpoint as ck
+        from workload.drafter import checkpoint as ck
         def slow(d: Path):
             (d / "model.safetensors").write_text("half")
             (d / "started").write_text("")
@@ -167,7 +168,7 @@ def test_a_checkpoint_started_in_parts_lists_every_file(tmp_path):
 def test_background_writer_keeps_a_failure_for_the_next_join(tmp_path):
     import threading
 
-    writer = ck.BackgroundWriter()
+    writer = save_restore.BackgroundWriter()
     release = threading.Event()
 
     def slow() -> None:
@@ -187,9 +188,11 @@ def test_background_writer_keeps_a_failure_for_the_next_join(tmp_path):
     while writer.busy:
         time.sleep(0.01)
     assert writer.failed
-    with pytest.raises(ck.CheckpointWriteError, match="step_2: writing failed: .*No space left"):
+    with pytest.raises(
+        save_restore.CheckpointWriteError, match="step_2: writing failed: .*No space left"
+    ):
         writer.join()
     assert writer.join() is True  # raised once, then the writer is idle again
     writer.start("step_3", broken)
-    with pytest.raises(ck.CheckpointWriteError):  # starting the next write joins the last
+    with pytest.raises(save_restore.CheckpointWriteError):  # starting the next write joins the last
         writer.start("step_4", lambda: None)

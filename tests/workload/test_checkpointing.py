@@ -16,10 +16,10 @@ from torch.profiler import ProfilerActivity, profile
 from tests.workload.test_model import _blocks, _embeds, _features, _target_config
 from tests.workload.test_train import config, read_log
 from tests.workload.test_train_ranks import assert_same_log, largest_difference, train_cli, weights
-from workload import train as T
 from workload.config import ConfigError, load_config
-from workload.model import DFlashDrafter, build_drafter_config, checkpointing_on
-from workload.step import StepSums, micro_step, trim_padding
+from workload.drafter.model import DFlashDrafter, build_drafter_config, checkpointing_on
+from workload.train import loop as T
+from workload.train.step import StepSums, micro_step, trim_padding
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

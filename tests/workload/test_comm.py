@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.workload.test_distributed import on_ranks
-from workload import plan
+from workload.plan import memory as plan
 
 # Each rank builds the run several ways and trains the same 4 micro-batches per rank, counting
 # the bytes it hands to collectives (torch.distributed's own functions, wrapped: DDP's comm
@@ -20,9 +20,10 @@ import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from tests.workload.test_train import config
-from workload import step as S, train as T
-from workload.build_run import setup
-from workload.targets import load_target
+from workload.train import step as S
+from workload.train import loop as T
+from workload.train.build_run import setup
+from workload.drafter.targets import load_target
 
 d = T.init_distributed()
 counts = {}
@@ -56,7 +57,7 @@ for name, accum, dtype, sharding in (("before", 1, "fp32", "zero1"),
     out[name] = {"losses": losses, "bytes": dict(counts), "norm": float(params.norm()),
                  "params": params.tolist()[:4096], "sharding": run.sharding,
                  "numel": params.numel()}
-from workload.comm import measure_link_gbps
+from workload.train.comm import measure_link_gbps
 out["link_gbps"] = measure_link_gbps(d)
 print("RESULT " + json.dumps(out))
 """
@@ -112,8 +113,8 @@ def test_the_plan_counts_the_bytes_that_cross_nodes(tiny_dense, two_nodes):
 def test_the_link_between_nodes_is_measured_and_one_node_has_none(two_nodes):
     import torch
 
-    from workload.comm import measure_link_gbps
-    from workload.distributed import Dist
+    from workload.train.comm import measure_link_gbps
+    from workload.train.distributed import Dist
 
     assert two_nodes["link_gbps"] > 0.1  # gloo over loopback: many Gb/s
     assert measure_link_gbps(Dist(0, 1, 0, torch.device("cpu"))) is None

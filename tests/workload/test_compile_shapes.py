@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.workload.test_train import tiny_config
-from workload import attention as A
-from workload import step as S
-from workload import train as T
-from workload.build_run import setup
-from workload.data import sample_anchors
+from workload.data.batches import sample_anchors
+from workload.drafter import attention as A
+from workload.train import loop as T
+from workload.train import step as S
+from workload.train.build_run import setup
 
 
 @pytest.fixture(scope="module")

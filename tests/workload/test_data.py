@@ -9,18 +9,14 @@ import time
 import pytest
 import torch
 
-from workload.data import (
+from workload.data.batches import (
     Batch,
     BatchStream,
-    DataError,
-    Example,
     eligible_anchors,
-    load_examples,
     pack_documents,
-    render_chat,
-    render_rows,
     sample_anchors,
 )
+from workload.data.chat import DataError, Example, load_examples, render_chat, render_rows
 
 TWO_TURNS = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -407,7 +403,7 @@ def test_parallel_rendering_matches_sequential(chat_tokenizer, tmp_path):
 
 
 def test_inspect_data_marks_supervised_tokens(tiny_dense, capsys):
-    from workload.inspect_data import main
+    from workload.data.inspect_rows import main
 
     assert main(["--config", str(tiny_dense / "run.yaml"), "--n", "2", "--color", "never"]) == 0
     out = capsys.readouterr().out

@@ -22,10 +22,10 @@ from tests.workload.test_train import (  # noqa: F401 - group is a fixture
     group,
     read_log,
 )
-from workload import train as T
+from workload.common.provenance import target_digest
 from workload.config import audit_json
-from workload.provenance import target_digest
-from workload.token_store import HEADER
+from workload.data.token_store import HEADER
+from workload.train import loop as T
 
 pytestmark = pytest.mark.usefixtures("group")  # in-process runs share one process group
 
@@ -206,8 +206,8 @@ def test_an_incomplete_datagen_dataset_is_refused_in_one_line(tiny_dense, tmp_pa
 
 
 def test_tokenizer_workers_build_the_same_store(chat_tokenizer, tmp_path):
-    from workload.data_source import open_source
-    from workload.token_store import RenderSettings, TokenStore, build
+    from workload.data.source import open_source
+    from workload.data.token_store import RenderSettings, TokenStore, build
 
     data = _write(tmp_path / "chat.jsonl", (_conversation(i) for i in range(3000)))
     stores = []

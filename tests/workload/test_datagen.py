@@ -436,9 +436,9 @@ def test_a_failing_conversation_fails_alone_and_an_empty_reply_is_a_failure(tiny
     """Failure modes a healthy engine cannot be made to show on demand: a stand-in engine
     (the real base class, only its batch call replaced) refuses one prompt and answers
     another with nothing; the rest of the chunk is answered."""
-    from workload.conversations import Conversation
-    from workload.datagen import Renderer, load_tokenizer, regenerate_chunk
-    from workload.engines import Engine, EngineSettings
+    from workload.data.datagen.conversations import Conversation
+    from workload.data.datagen.engines import Engine, EngineSettings
+    from workload.data.datagen.generate import Renderer, load_tokenizer, regenerate_chunk
 
     tok = load_tokenizer(tiny_dense / "target")
     render = Renderer(tok, {})
@@ -450,7 +450,7 @@ def test_a_failing_conversation_fails_alone_and_an_empty_reply_is_a_failure(tiny
         calls = 0
 
         def _batch(self, prompts, budgets):
-            from workload.engines import Reply
+            from workload.data.datagen.engines import Reply
 
             Flaky.calls += 1
             if poison in prompts:
@@ -568,8 +568,8 @@ def test_records_keep_the_engines_prompt_and_reply_ids(thinking_runs, thinking_t
 
 
 def test_the_store_trains_a_datagen_dataset_from_its_ids(thinking_runs, thinking_target, tmp_path):
-    from workload.data_source import open_source
-    from workload.token_store import RenderSettings, TokenStore, build
+    from workload.data.source import open_source
+    from workload.data.token_store import RenderSettings, TokenStore, build
 
     out = thinking_runs["transformers"]
     turns = [t for r in outputs(out) for t in r["turns"]]
@@ -616,7 +616,7 @@ def test_a_thinking_multi_turn_dataset_trains(thinking_runs, thinking_target, ti
     import torch.distributed as dist
 
     from tests.workload.test_train import config, read_log
-    from workload import train as T
+    from workload.train import loop as T
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

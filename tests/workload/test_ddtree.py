@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from workload.ddtree import build_tree, label_ranks, tree_depth, tree_depths
-from workload.metrics import ddtree_depth
+from workload.drafter.acceptance import build_tree, label_ranks, tree_depth, tree_depths
+from workload.train.metrics import ddtree_depth
 
 # Three draft slots over tokens a..d, probabilities chosen by hand (no ties between paths).
 A, B, C, D = range(4)

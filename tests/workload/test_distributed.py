@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from workload import distributed as D
-from workload import rank_files as R
+from workload.common import rank_files as R
+from workload.train import distributed as D
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_addresses_on_a_veth_in_a_namespace_are_found(netns):
     ip("addr", "add", "192.0.2.11/24", "dev", "eth0")  # secondary
     ip("addr", "add", "198.51.100.7/24", "dev", "eth0", "label", "eth0:1")
     ip("link", "set", "eth0", "up")
-    probe = ("from workload import distributed as D; import sys; "
+    probe = ("from workload.train import distributed as D; import sys; "
              "print([D.interface_of(a) for a in sys.argv[1:]])")  # fmt: skip
     cmd = ["ip", "netns", "exec", netns, sys.executable, "-c", probe,
            "192.0.2.10", "192.0.2.11", "198.51.100.7", "127.0.0.1", "192.0.2.2"]  # fmt: skip
@@ -125,7 +125,7 @@ def test_addresses_on_a_veth_in_a_namespace_are_found(netns):
 
 _SEND = """
 import torch
-from workload import distributed as D
+from workload.train import distributed as D
 d = D.init_distributed()
 assert d.control is None and d.world == 2
 state = {"state": {3: {"step": torch.tensor(5.0), "exp_avg": torch.arange(6.0).view(2, 3)}},
@@ -157,7 +157,8 @@ def test_state_and_control_values_cross_between_ranks():
 _SHARDS = """
 import copy, torch
 from torch import nn
-from workload import distributed as D, sharding as S
+from workload.train import distributed as D
+from workload.train import sharding as S
 from workload.config import OptimConfig
 d = D.init_distributed()
 o = OptimConfig(lr=1e-2, weight_decay=0.1)
@@ -248,7 +249,7 @@ def test_heartbeat_fields(tmp_path, monkeypatch):
 _REDIRECT = """
 import os, sys
 from pathlib import Path
-from workload import rank_files as R
+from workload.common import rank_files as R
 R.redirect_output(Path(sys.argv[1]), int(sys.argv[2]))
 print("to stdout", flush=True)
 os.write(2, b"to fd 2\\n")

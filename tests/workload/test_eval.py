@@ -17,10 +17,11 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from workload import decode as dc
-from workload import eval as ev
-from workload.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
-from workload.model import DFlashDrafter
+from workload.drafter.model import DFlashDrafter
+from workload.eval import decode as dc
+from workload.eval import evaluate as ev
+from workload.eval import summary
+from workload.eval.decode import Round, evaluate_drafter, greedy_continuation, real_draft_and_verify
 
 VOCAB, BLOCK = 32, 8
 MASK, MASK_CTX = 31, 30  # two drafters, two mask rows of the target's embedding
@@ -273,7 +274,7 @@ def test_simulated_ddtree_equals_real_tree_verification(tiny, kind):
         for b in budgets:
             real = _real_tree_rounds(drafter, target, prompt, 30, b)
             assert [r.produced for r in result.trees[b]] == real, b
-        deeper += ev._tau(result.trees[12]) > ev._tau(result.chain)
+        deeper += summary.tau(result.trees[12]) > summary.tau(result.chain)
     assert deeper >= 1  # a wide tree beats the chain somewhere, as it should
 
 
@@ -291,7 +292,7 @@ def test_real_tree_loop_equals_the_simulated_ddtree(tiny, kind):
             tokens, real = dc.real_tree_generate(drafter, target, prompt, max_new, stops, b)
             assert tokens == continuation
             assert real == [r.produced for r in result.trees[b]], b
-        deeper += (ev._tau(result.trees[16]) or 0) > (ev._tau(result.chain) or 0)
+        deeper += (summary.tau(result.trees[16]) or 0) > (summary.tau(result.chain) or 0)
     assert deeper >= 1
 
 
@@ -303,7 +304,7 @@ def test_summary_follows_the_contract():
     a.trees[8] = [Round(10, 4, 3, 4), Round(14, 4, 2, 3)]
     b = dc.PromptResult([Round(5, 4, 1, 2)])
     b.trees[8] = [Round(5, 4, 1, 2)]
-    s = ev.summarize([a, b, dc.PromptResult([], {8: []})], block_size=4, budgets=[8])
+    s = summary.summarize([a, b, dc.PromptResult([], {8: []})], block_size=4, budgets=[8])
     assert s["tau"] == pytest.approx(((4 + 1 + 2) / 3 + 2) / 2)  # mean over prompts of means
     assert s["ddtree"] == {"8": pytest.approx((3.5 + 2) / 2)}
     assert s["histogram"] == [0, 1, 2, 0, 1]  # rounds by accepted + 1
@@ -328,8 +329,8 @@ def run_dir(tmp_path_factory):
     """A run directory as the operator lays it out: a saved tiny target with a ChatML tokenizer,
     data + prompts, run.yaml with relative paths, a checkpoint with its manifest, and the same
     drafter saved by z-lab's class (no manifest) as the reference."""
-    from workload.checkpoint import write_manifest
-    from workload.model import build_drafter_config
+    from workload.drafter.checkpoint import write_manifest
+    from workload.drafter.model import build_drafter_config
     from workload.tiny import build_tokenizer
 
     root = tmp_path_factory.mktemp("run")

@@ -13,10 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.workload.test_eval import _eval, _one_line_error, run_dir  # noqa: F401  (a fixture)
-from workload import eval as ev
-from workload import prompts as pr
-from workload.decode import Round
-from workload.eval_vllm import engine_rounds, first_difference, last_error
+from workload.eval import evaluate as ev
+from workload.eval import prompts as pr
+from workload.eval import run_settings
+from workload.eval.decode import Round
+from workload.eval.vllm_offline import engine_rounds, first_difference, last_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -195,12 +196,12 @@ def test_the_kwargs_key_is_read_from_the_yaml_where_the_config_lacks_it(tmp_path
     path = tmp_path / "run.yaml"
     path.write_text("data: {chat_template_kwargs: {enable_thinking: false}}\n")
     bare = SimpleNamespace(data=SimpleNamespace())
-    assert ev._config_kwargs(bare, path) == {"enable_thinking": False}
+    assert run_settings.config_kwargs(bare, path) == {"enable_thinking": False}
     path.write_text("data: {path: x}\n")
-    assert ev._config_kwargs(bare, path) == {}
+    assert run_settings.config_kwargs(bare, path) == {}
     path.write_text("data: {chat_template_kwargs: [1]}\n")
     with pytest.raises(ev.EvalError, match="data.chat_template_kwargs: expected a mapping"):
-        ev._config_kwargs(bare, path)
+        run_settings.config_kwargs(bare, path)
 
 
 def test_bad_chat_template_kwargs_are_one_line(run_dir, capsys):  # noqa: F811
@@ -283,9 +284,9 @@ def test_the_vllm_result_names_the_first_departure_and_the_greedy_misses(
     says where the rounds part (and the draft there) and which output is not greedy."""
     import torch
 
-    from workload import eval_vllm
-    from workload.decode import greedy_continuation
-    from workload.targets import load_target
+    from workload.drafter.targets import load_target
+    from workload.eval import vllm_offline as eval_vllm
+    from workload.eval.decode import greedy_continuation
 
     rc, _, err, sim = _eval(capsys, run_dir, "--budgets", "8")
     assert rc == 0, err

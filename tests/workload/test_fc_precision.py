@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from workload.build_run import resolve_fc_precision, set_fc_precision
 from workload.config import ConfigError, load_config
-from workload.model import DFlashDrafter, build_drafter_config
+from workload.drafter.model import DFlashDrafter, build_drafter_config
+from workload.train.build_run import resolve_fc_precision, set_fc_precision
 
 
 @pytest.mark.parametrize(

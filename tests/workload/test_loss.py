@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workload.loss import (
+from workload.train.loss import (
     Objective,
     decay_weights,
     dpace_weights,

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from workload import metrics
-from workload.ddtree import tree_depth, tree_depths
-from workload.metrics import DraftMetrics, ddtree_depth, finalize, metric_sums, streak_lengths
+from workload.drafter.acceptance import tree_depth, tree_depths
+from workload.train import metrics
+from workload.train.metrics import DraftMetrics, ddtree_depth, finalize, metric_sums, streak_lengths
 
 # ----------------------------------------------------------------------------- references
 

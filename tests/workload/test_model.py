@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3Config
 
-from workload.model import (
+from workload.drafter.model import (
     DFlashDrafter,
     build_drafter_config,
     default_target_layer_ids,

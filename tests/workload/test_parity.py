@@ -1,4 +1,4 @@
-"""Train-to-serve parity (workload/parity.py) on the tiny target with a chat template that
+"""Train-to-serve parity (workload/eval/parity.py) on the tiny target with a chat template that
 behaves like Qwen3.5/3.6's (thinking on by default, an empty think block when it is off,
 reasoning dropped from earlier turns): a consistent run passes; each setting a user gets
 wrong is named with both sides."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workload import parity
+from workload.eval import parity
 
 # Our own template with the semantics of chat-templates.md (not Qwen's text)
 THINKING = (
@@ -139,7 +139,7 @@ def test_bad_input_is_one_line_exit_2(run, tmp_path, capsys):
 
 def test_the_plan_names_data_made_with_other_kwargs_before_a_launch(run, tmp_path, capsys):
     """A datagen dataset made with thinking on, trained (and evaluated) with thinking off."""
-    from workload import plan
+    from workload.plan import memory as plan
 
     data = tmp_path / "data"
     data.mkdir()

@@ -28,12 +28,13 @@ import torch.distributed as dist
 import yaml
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from workload import plan, tiny
-from workload import step as step_module
-from workload import train as T
+from workload import tiny
 from workload.config import load_config
-from workload.step import micro_step, train_step
-from workload.targets import load_target
+from workload.drafter.targets import load_target
+from workload.plan import memory as plan
+from workload.train import loop as T
+from workload.train import step as step_module
+from workload.train.step import micro_step, train_step
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "templates" / "runs" / "tiny.yaml"
@@ -374,8 +375,8 @@ def test_the_verdict_line_says_slower_or_faster_and_the_accum_that_pays(capsys):
     """The 27B template on 2 x 8 H200: at 25 Gb/s (measured) the line says slower, with both
     step times, the link and the grad_accum that pays, and the trainer's audit warns with it;
     at 100 Gb/s (assumed) it says faster and the audit says nothing; one node has no line."""
-    from workload import step_plan
-    from workload import train as trainer
+    from workload.plan import step_time as step_plan
+    from workload.train import loop as trainer
 
     cfg = load_config(RUN_27B)
     target_config = plan.load_target_config(TARGET_27B)

@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
-from workload.decode import (
+from workload.drafter.model import DFlashDrafter
+from workload.drafter.targets import force_torch_fallback_off_gpu
+from workload.eval.decode import (
     evaluate_drafter,
     greedy_continuation,
     real_generate,
     real_tree_generate,
     target_hidden_states,
 )
-from workload.model import DFlashDrafter
-from workload.rollback import VerifyCache, crop, linear_layers, new_cache
-from workload.targets import force_torch_fallback_off_gpu
+from workload.eval.rollback import VerifyCache, crop, linear_layers, new_cache
 
 VOCAB, BLOCK, MASK = 32, 8, 31
 

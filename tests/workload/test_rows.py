@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from workload.data import Example, render_rows, rows_of_record
-from workload.data_source import open_source
-from workload.token_store import RenderSettings, build
+from workload.data.chat import Example, render_rows, rows_of_record
+from workload.data.source import open_source
+from workload.data.token_store import RenderSettings, build
 
 # A Qwen3.5/3.6-like template: reasoning from `reasoning_content` or a think block in the content;
 # kept only for assistant turns after the last user turn (or all, with preserve_thinking); the
@@ -239,7 +239,7 @@ def test_inspect_data_json_prints_the_trainers_rows(chat_tokenizer, tiny_dense, 
     import yaml
     from transformers import AutoTokenizer
 
-    from workload.inspect_data import main
+    from workload.data.inspect_rows import main
 
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS.values()))

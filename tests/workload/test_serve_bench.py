@@ -1,4 +1,4 @@
-"""The serving benchmark's side-by-side (workload/serve_bench.py): the difference of two results
+"""The serving benchmark's side-by-side (workload/eval/serve.py): the difference of two results
 only where their fingerprints agree, and otherwise what differs, named with both values; and its
 own inputs refused in one line. (The benchmark itself, servers and all: tests/operator/test_serve.py.)"""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.workload.conftest import WORKLOAD
-from workload.serve_bench import attach_vs, bucket_of
+from workload.eval.serve import attach_vs, bucket_of
 
 
 def result(tokens_per_s: float, tau: float, prompts: str = "p1") -> dict:

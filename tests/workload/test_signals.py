@@ -14,12 +14,13 @@ import torch.distributed as dist
 
 from tests.workload.test_distributed import on_ranks
 from tests.workload.test_train import config
-from workload import decode as E
-from workload import loss as L
-from workload import step as S
-from workload import train as T
-from workload.data import Batch, eligible_anchors, render_chat
-from workload.targets import load_target
+from workload.data.batches import Batch, eligible_anchors
+from workload.data.chat import render_chat
+from workload.drafter.targets import load_target
+from workload.eval import decode as E
+from workload.train import loop as T
+from workload.train import loss as L
+from workload.train import step as S
 
 ANCHORS_ALL = "data.num_anchors=512"  # more than a row's eligible positions: every one, no draw
 NO_NOISE = ("noise.start=0", "noise.end=0")
@@ -227,9 +228,9 @@ def test_grad_accumulation_gives_the_gradient_of_one_micro_batch(tiny_dense, loa
 _RANK = """
 import sys, torch
 from tests.workload.test_signals import make_run, rows, step_grads
-from workload import train as T
-from workload.data import Batch
-from workload.targets import load_target
+from workload.train import loop as T
+from workload.data.batches import Batch
+from workload.drafter.targets import load_target
 from pathlib import Path
 build, batch_file, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 d = T.init_distributed()

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from bench.host_syncs import HostSyncs
 from tests.workload.test_train import config
-from workload import loss as L
-from workload import step as S
-from workload import train as T
-from workload.ddtree import label_ranks, tree_depth
-from workload.metrics import finalize, leading_valid, streak_lengths
+from workload.drafter.acceptance import label_ranks, tree_depth
+from workload.train import loop as T
+from workload.train import loss as L
+from workload.train import step as S
+from workload.train.metrics import finalize, leading_valid, streak_lengths
 
 
 @pytest.fixture(scope="module")

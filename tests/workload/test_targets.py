@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workload.targets import load_target
+from workload.drafter.targets import load_target
 
 
 @pytest.mark.parametrize("kind", ["tiny_dense", "tiny_hybrid"])

@@ -15,8 +15,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from workload import tiny
-from workload.data import load_examples
-from workload.targets import (
+from workload.data.chat import load_examples
+from workload.drafter.targets import (
     _device_dispatch,
     embedding_rows,
     force_torch_fallback_off_gpu,

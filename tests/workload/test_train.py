@@ -16,11 +16,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tests.workload.drafters import REPO, TEMPLATE, build_settings, trained_drafter
-from workload import checkpoint as ckpt
-from workload import runlog
-from workload import step as S
-from workload import train as T
+from workload.common.layout import STATE_NAME
 from workload.config import load_config
+from workload.drafter import checkpoint as ckpt
+from workload.train import loop as T
+from workload.train import save_restore
+from workload.train import step as S
 
 # A small, fast configuration of the tiny template (the tests' runs take seconds per step).
 SMALL = [
@@ -57,7 +58,7 @@ def read_log(run_dir: Path) -> list[dict]:
 
 
 def read_state(run_dir: Path) -> dict:
-    return json.loads((run_dir / runlog.STATE_NAME).read_text())
+    return json.loads((run_dir / STATE_NAME).read_text())
 
 
 def cli(build: Path, run_dir: Path, *args: str, launcher=(sys.executable,), **kw):
@@ -114,7 +115,7 @@ def test_noise_reaches_the_drafter_under_bf16_autocast():
     neither when it is added nor when the drafter's fc reads the features."""
     from transformers import Qwen3Config
 
-    from workload.model import DFlashDrafter, build_drafter_config
+    from workload.drafter.model import DFlashDrafter, build_drafter_config
 
     target = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          num_hidden_layers=4, vocab_size=128, intermediate_size=96)  # fmt: skip
@@ -168,7 +169,7 @@ def test_old_run_teacher_from_the_final_layer_equals_the_logits_teacher(tiny_den
 
 def _start_drafter(path: Path, run: T.Run, *, mask, **settings) -> str:
     """Save a drafter for run's target with the run's layers and block, and `settings`."""
-    from workload.model import DFlashDrafter, build_drafter_config
+    from workload.drafter.model import DFlashDrafter, build_drafter_config
 
     d = run.cfg.drafter
     kw = {"num_layers": d.num_layers, "block_size": d.block_size, **settings}
@@ -234,7 +235,7 @@ def _packed_run(build: Path | None, impl: str, group) -> T.Run:
         return run
     from types import SimpleNamespace
 
-    from workload.data import Example
+    from workload.data.chat import Example
 
     g = torch.Generator().manual_seed(0)
     examples = []
@@ -326,7 +327,7 @@ def test_refuses_a_used_run_dir_and_bad_config(tiny_dense, tmp_path, group):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / T.LOG_NAME).write_text('{"step": 1, "time": 0}\n')
-    (run_dir / runlog.STATE_NAME).write_text('{"pid": 1}')
+    (run_dir / STATE_NAME).write_text('{"pid": 1}')
     with pytest.raises(T.UsageError, match="--resume"):
         T.train(config(tiny_dense), run_dir)
     assert read_state(run_dir) == {"pid": 1}
@@ -420,7 +421,7 @@ def test_resume_continues_exactly(tiny_dense, tmp_path, group, monkeypatch):
 _CHOOSE = """
 import sys
 from pathlib import Path
-from workload import train as T
+from workload.train import loop as T
 d = T.init_distributed()
 print("chose", T.choose_checkpoint(Path(sys.argv[d.rank + 1]), d).name)
 """
@@ -508,7 +509,7 @@ def test_torchrun_two_ranks_on_cpu_and_resume_between_log_steps(tiny_dense, tmp_
     assert read_state(straight)["world_size"] == 2
     wa, wb = _weights(straight, 4), _weights(split, 4)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6
-    state = ckpt.load_training_state(ckpt.step_dir(straight, 4))
+    state = save_restore.load_training_state(ckpt.step_dir(straight, 4))
     assert len(state["rng"]) == 2
 
 

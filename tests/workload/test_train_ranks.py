@@ -27,9 +27,10 @@ from tests.workload.test_train import (
     read_log,
     read_state,
 )
-from workload import checkpoint as ckpt
-from workload import rank_files
-from workload import train as T
+from workload.common import rank_files
+from workload.drafter import checkpoint as ckpt
+from workload.train import loop as T
+from workload.train import save_restore
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node")
@@ -141,7 +142,7 @@ def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(
     assert largest_difference(weights(zero, 6), weights(plain, 6)) <= 1e-5
 
     step3 = ckpt.step_dir(split, 3)
-    state = ckpt.load_training_state(step3)
+    state = save_restore.load_training_state(step3)
     assert (state["sharding"], state["world_size"]) == ("zero1", 2) and "optimizer" not in state
     assert state["optimizer_shards"] == ["optimizer/rank_0.pt", "optimizer/rank_1.pt"]
     listed = {line.split("  ")[1] for line in (step3 / ckpt.MANIFEST).read_text().splitlines()}
@@ -211,7 +212,7 @@ def test_a_checkpoint_slower_than_the_timeout_does_not_stall_the_ranks(tiny_dens
     every checkpoint is complete."""
     run_dir = tmp_path / "run"
     done = train_cli(tiny_dense, run_dir, "--set", "dist.timeout_s=10",
-                     env={ckpt.CHECKPOINT_DELAY_ENV: "15"})  # fmt: skip
+                     env={save_restore.CHECKPOINT_DELAY_ENV: "15"})  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     # steps went on while step_4 was being written
@@ -238,7 +239,9 @@ def test_a_failed_background_write_fails_the_run(tiny_dense, tmp_path, monkeypat
     run_dir = tmp_path / "run"
     if not T.dist.is_initialized():
         T.dist.init_process_group("gloo", store=T.dist.HashStore(), rank=0, world_size=1)
-    with pytest.raises(ckpt.CheckpointWriteError, match="step_4: writing failed.*No space left"):
+    with pytest.raises(
+        save_restore.CheckpointWriteError, match="step_4: writing failed.*No space left"
+    ):
         T.train(config(tiny_dense), run_dir)
     state = read_state(run_dir)
     assert (state["status"], state["exit_code"]) == ("failed", 1)

@@ -8,7 +8,7 @@ from tests.workload.test_distributed import on_ranks
 
 _HAND_OUT = """
 import time, torch
-from workload import distributed as D
+from workload.train import distributed as D
 from workload.config import DistConfig
 D.PIECE_BYTES = 64  # 16 float32s: every tensor below goes in several pieces
 D.POLL_S = 0.5

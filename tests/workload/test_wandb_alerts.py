@@ -12,7 +12,7 @@ import pytest
 
 from tests.wandb_files import alerts
 from tests.workload.test_train import config, group  # noqa: F401 (a fixture)
-from workload import train as T
+from workload.train import loop as T
 
 
 def ask(run_dir: Path, name: str, text: str) -> None:

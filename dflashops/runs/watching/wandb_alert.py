@@ -5,7 +5,7 @@ request written on the run's node 0 through remote/runctl.py ("alert": the text 
 JSON, never on a command line) to <run dir>/alerts/ID.json, ID made from the alert's rule, metric
 and step: a second `watch` raising the same alert asks nothing new. The trainer's rank 0 sends
 each request at its next log step (and as it ends) with `wandb.run.alert` and renames it
-ID.sent (workload/runlog.py), so it is sent once, a resume included. A run whose trainer is gone
+ID.sent (workload/train/runlog.py), so it is sent once, a resume included. A run whose trainer is gone
 gets no request: `watch` says so.
 """
 

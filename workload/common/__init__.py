@@ -1,0 +1,1 @@
+"""Small helpers every program of the workload shares (no torch)."""

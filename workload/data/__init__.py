@@ -1,0 +1,1 @@
+"""The data: sources, conversations rendered as served, the token store, datagen."""

@@ -1,0 +1,1 @@
+"""Data generation: the target answers a chat corpus again (`python -m workload.datagen`)."""

@@ -1,0 +1,1 @@
+"""Will it fit: `python -m workload.plan`, memory per rank and step time."""
