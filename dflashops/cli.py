@@ -1,41 +1,17 @@
-"""The `dflashops` command line: global options, one sub-module per verb, contract exit codes."""
+"""The `dflashops` command line: global options, one sub-module per verb (loaded when it runs:
+verbs.py), contract exit codes."""
 
 from __future__ import annotations
 
 import typer
 
-from dflashops import complete
-from dflashops.commands import (
-    _options,
-    archive,
-    attach,
-    check,
-    ckpts,
-    compare,
-    datagen,
-    diff,
-    doctor,
-    eval_cmd,
-    evals,
-    exec_cmd,
-    fetch_model,
-    hosts,
-    launch,
-    logs,
-    pull_ckpt,
-    push,
-    resume,
-    run_script,
-    setup,
-    shell,
-    status,
-    stop,
-    watch,
-)
+from dflashops.commands import _options
 from dflashops.context import Context
+from dflashops.verbs import LazyVerbs
 
 app = typer.Typer(
     name="dflashops",
+    cls=LazyVerbs,  # a verb's module is imported only when it runs
     help="Train and evaluate DFlash drafters on Proxmox GPU servers.",
     no_args_is_help=True,
     add_completion=True,
@@ -98,32 +74,6 @@ def global_options(
         timeout=timeout,
         deadlines=_options.COMMAND_TIMEOUT_S,
     )
-
-
-for module in (hosts, exec_cmd, shell, push, run_script, setup, doctor, fetch_model):
-    module.register(app)
-for module in (
-    launch,
-    status,
-    logs,
-    attach,
-    stop,
-    resume,
-    ckpts,
-    check,
-    compare,
-    diff,
-    archive,
-    pull_ckpt,
-    eval_cmd,
-    evals,
-    watch,
-    datagen,
-):
-    module.register(app)
-
-
-complete.attach(app)
 
 
 def dry_run_first(argv: list[str]) -> list[str]:

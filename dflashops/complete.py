@@ -11,14 +11,13 @@ import inspect
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from typer.models import ParameterInfo
 
-from dflashops.inventory import Inventory, find_inventory, load_inventory
-from dflashops.runs.survey import survey
-from dflashops.ssh.session import Session
+if TYPE_CHECKING:
+    from dflashops.inventory import Inventory
 
 DEADLINE_S = 3.0  # the longest a completion may take
 CALL_S = 2.0  # the deadline of each remote read inside it
@@ -34,6 +33,8 @@ def _quiet() -> None:
 
 
 def _inventory(ctx: typer.Context) -> Inventory:
+    from dflashops.inventory import find_inventory, load_inventory  # only when completing
+
     return load_inventory(find_inventory(ctx.find_root().params.get("inventory")))
 
 
@@ -78,6 +79,9 @@ def _runs_given(ctx: typer.Context) -> set[str]:
 
 
 def _read_names(ctx: typer.Context, out: list[str]) -> None:
+    from dflashops.runs.reading.survey import survey  # only when completing run names
+    from dflashops.ssh.session import Session
+
     try:
         with Session(_inventory(ctx), announce=lambda _: None, timeout=CALL_S) as session:
             out += survey(session, names=[], archive=True, records="none").all_names()

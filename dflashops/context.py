@@ -11,13 +11,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from dflashops.errors import ExitCode, OpsError
-from dflashops.inventory import Inventory, find_inventory, load_inventory
-from dflashops.targets.base import DEFAULT_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from dflashops.inventory import Inventory
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,6 +37,8 @@ class Context:
 
     def inventory(self) -> Inventory:
         if self._inventory is None:
+            from dflashops.inventory import find_inventory, load_inventory  # not for --help
+
             self._inventory = load_inventory(find_inventory(self.inventory_path))
         return self._inventory
 
@@ -76,6 +79,8 @@ class Context:
 
     def deadline(self) -> float:
         """Seconds a remote call may go without an answer: --timeout, else the command's."""
+        from dflashops.targets.base import DEFAULT_TIMEOUT_S
+
         if self.timeout is not None:
             return self.timeout
         return self.deadlines.get(self.command, DEFAULT_TIMEOUT_S)
@@ -92,6 +97,16 @@ class Context:
     def close(self) -> None:
         if self._session is not None:
             self._session.close()
+
+    def answer(self, document: Any, text: str | Callable[[], None]) -> None:
+        """A command's closing: its one JSON document under --json, else its text (a line on
+        stdout, or what `text()` prints)."""
+        if self.json:
+            self.emit(document)
+        elif callable(text):
+            text()
+        else:
+            say(text)
 
     def emit(self, document: Any) -> None:
         """The one JSON document of a `--json` reading command."""
@@ -145,6 +160,14 @@ _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "
 def get(ctx: typer.Context) -> Context:
     obj = ctx.find_root().obj
     return obj if isinstance(obj, Context) else Context()
+
+
+def begin(ctx: typer.Context, json_out: bool = False) -> Context:
+    """A command's opening: its Context, with --json settled (the global option or the
+    command's own); the command closes with `Context.answer` (or `emit`, `dry_run_done`)."""
+    opts = get(ctx)
+    opts.want_json(json_out)
+    return opts
 
 
 class Terminated(KeyboardInterrupt):

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from dflashops.errors import OpsError, UsageError
-from dflashops.runs.evals import SPEEDUP, tau_value
-from dflashops.runs.settings import differs
-from dflashops.runs.view import RunView
+from dflashops.runs.evaluation.fingerprints import differs
+from dflashops.runs.evaluation.results import SPEEDUP, tau_value
+from dflashops.runs.reading.view import RunView
 
 FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 LOG_SPAN = 10.0  # a loss panel whose values span more than this factor gets a log scale

@@ -5,7 +5,7 @@ goes in is hashed while it is read here and hashed again inside the target as it
 and the two must agree, with the size. The in-flight digest of a copy is CRC-32 (a tenth of
 sha256's CPU: a copy of a GB on two shared cores was CPU-bound by its two sha256 passes; the
 bytes travel over SSH, which authenticates them), sha256 with `checksum` (push --checksum);
-checkpoints are checked with sha256 against their own manifest (runs/pulls.py).
+checkpoints are checked with sha256 against their own manifest (runs/evaluation/pulls.py).
 Every bulk byte stream (a tar in, a file out, one target's tar into another) runs through
 `stream`, the one place that says how bulk bytes travel.
 """

@@ -75,7 +75,7 @@ def json_option(help: str) -> bool:  # noqa: A002 (typer's own keyword)
 
 
 def set_option(help: str) -> list[str]:  # noqa: A002
-    """--set KEY=VALUE, repeated: config overrides (runs/config.py applies them)."""
+    """--set KEY=VALUE, repeated: config overrides (runs/training/config.py applies them)."""
     return typer.Option(None, "--set", metavar="KEY=VALUE", help=help)
 
 

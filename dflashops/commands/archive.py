@@ -11,12 +11,12 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.render import console, human_bytes, styled, table
-from dflashops.runs.archive import Plan, archive_dir, make_plan
-from dflashops.runs.archive import archive as archive_run
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.stop import running
-from dflashops.runs.survey import find
-from dflashops.runs.view import RunView
+from dflashops.runs.lifecycle.archive import Plan, archive_dir, make_plan
+from dflashops.runs.lifecycle.archive import archive as archive_run
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.lifecycle.stop import running
+from dflashops.runs.reading.survey import find
+from dflashops.runs.reading.view import RunView
 
 
 def register(app: typer.Typer) -> None:
@@ -38,8 +38,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Move a finished run to the target's archive/ (every node's), pruning checkpoints."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         if keep_last is not None and keep_last < 0:
             raise UsageError("--keep-last: expected 0 or more")
         if keep_every is not None and keep_every < 1:
@@ -55,7 +54,7 @@ def register(app: typer.Typer) -> None:
                 )
             plan = make_plan(view.checkpoints, keep_last, keep_every)
             dest = archive_dir(writer, view)
-            if not as_json:
+            if not opts.json:
                 show_plan(view, plan, dest)
             done = archive_run(writer, view, plan)
         doc = {"run": run, "target": view.target, "from": view.dir, "to": dest,
@@ -65,14 +64,12 @@ def register(app: typer.Typer) -> None:
             removed = [c.name for c in plan.remove]
             opts.dry_run_done(**doc, removed=removed, freed_bytes=plan.freed)
             return
-        if as_json:
-            opts.emit({**doc, "to": done.get("dir", dest), "removed": done.get("removed", []),
-                       "freed_bytes": done.get("freed", 0)})  # fmt: skip
-            return
-        context.say(
+        said = (
             f"{run}: archived on {view.target} to {dest}; removed {len(done.get('removed', []))} "
             f"checkpoint(s), freed {human_bytes(done.get('freed', 0))}"
         )
+        opts.answer({**doc, "to": done.get("dir", dest), "removed": done.get("removed", []),
+                     "freed_bytes": done.get("freed", 0)}, said)  # fmt: skip
 
 
 def show_plan(view: RunView, plan: Plan, dest: str) -> None:

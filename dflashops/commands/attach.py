@@ -18,9 +18,9 @@ from dflashops import context
 from dflashops.attached import on_terminal
 from dflashops.commands import _options
 from dflashops.errors import NotFoundError
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.survey import resolve
-from dflashops.runs.view import RunView, tmux_session
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.survey import resolve
+from dflashops.runs.reading.view import RunView, tmux_session
 
 # $1: the session, $2: its console.log. The launcher is the first window's pane. The console
 # window ends when the launcher is gone or a zombie: tmux can miss a pane's SIGCHLD while it
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
         C-b d detaches (exit 0); the run goes on.
         """
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = on_node(resolve(reader, run, host=host, records="none"), node)

@@ -8,7 +8,7 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode
 from dflashops.render import console
-from dflashops.runs.parity import check_run
+from dflashops.runs.training.parity import check_run
 
 
 def register(app: typer.Typer) -> None:
@@ -39,8 +39,7 @@ def register(app: typer.Typer) -> None:
         """Train-to-serve parity: the chat template and kwargs of the run's data, its training,
         its eval and the serving engine's defaults; the drafter's block size, mask token,
         taps, layer types and dtype against the target and the engine. Exit 2 on any mismatch."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         session = opts.session()
         dest = opts.inventory().target(on) if on is not None else None
         doc = check_run(session, session, run, on=dest, step=step, host=host,
@@ -48,10 +47,8 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             opts.dry_run_done(run=run)
             return
-        if as_json:
-            opts.emit({k: doc[k] for k in ("run", "target", "on", "step", "mismatches", "facts")})
-        else:
-            show(doc)
+        keys = ("run", "target", "on", "step", "mismatches", "facts")
+        opts.answer({k: doc[k] for k in keys}, lambda: show(doc))
         if doc["mismatches"]:
             raise typer.Exit(int(ExitCode.USAGE))
 

@@ -8,8 +8,8 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode
 from dflashops.render import console, duration, human_bytes, styled, table
-from dflashops.runs.survey import reread, resolve, survey
-from dflashops.runs.view import Checkpoint, RunView
+from dflashops.runs.reading.survey import reread, resolve, survey
+from dflashops.runs.reading.view import Checkpoint, RunView
 from dflashops.tables import Col
 
 
@@ -28,8 +28,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List a run's checkpoints: step, complete or not, size (and --verify their hashes)."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         session = opts.session()
         if opts.dry_run:
             survey(session, names=[run] if run else None, archive=True, checkpoints=True)
@@ -41,11 +40,9 @@ def register(app: typer.Typer) -> None:
         machine = session.machine(view.target)
         view = reread(machine, view.name, records="none", checkpoints=True, verify=verify)
         points = view.checkpoints
-        if as_json:
-            opts.emit({"run": view.name, "target": view.target, "dir": view.dir,
-                       "checkpoints": [checkpoint_doc(c) for c in points]})  # fmt: skip
-        else:
-            show(view, points, verify)
+        opts.answer({"run": view.name, "target": view.target, "dir": view.dir,
+                     "checkpoints": [checkpoint_doc(c) for c in points]},
+                    lambda: show(view, points, verify))  # fmt: skip
         if verify and any(c.verified is False for c in points):
             raise typer.Exit(int(ExitCode.FAILED))
 

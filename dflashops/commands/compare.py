@@ -27,11 +27,11 @@ from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
-from dflashops.runs.evals import SPEEDUP, Stored, stored, tau_value
-from dflashops.runs.settings import differs, mark
-from dflashops.runs.survey import pick, survey
-from dflashops.runs.tables import warn_logs
-from dflashops.runs.view import VALUE_RULE, RunView, check_name, value_at
+from dflashops.runs.evaluation.fingerprints import differs, mark
+from dflashops.runs.evaluation.results import SPEEDUP, Stored, stored, tau_value
+from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.reading.view import VALUE_RULE, RunView, check_name, value_at
+from dflashops.runs.watching.status_tables import warn_logs
 from dflashops.tables import Col, Grid
 
 DEFAULT_STEP_COUNT = 6
@@ -58,8 +58,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Compare runs' metrics at the same steps, across targets and archives."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         if plot is not None:
             plotting.check(plot)
         wanted = _options.parse_steps(steps)
@@ -82,7 +81,7 @@ def register(app: typer.Typer) -> None:
         evals = stored(session, list(names)) if tau or plot is not None else Stored()
         evals.warn_errors()
         taus = tau_doc(views, evals) if tau else None
-        if as_json:
+        if opts.json:
             doc = {"rule": VALUE_RULE, "steps": chosen, "metrics": keys, "runs": table_doc}
             opts.emit(doc | ({"tau": taus} if taus is not None else {}))
         else:
@@ -110,7 +109,7 @@ def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:
     (chain), "ddtreeB" per budget, "ref_tau" (the reference drafter's, where one was evaluated)
     and "speedup@C" per concurrency of the serving results. "settings": the fingerprint keys
     where the result differs from the first run's at that step (the first run's: from its
-    first result of the same kind); null when unknown (runs/settings.py)."""
+    first result of the same kind); null when unknown (runs/evaluation/fingerprints.py)."""
     steps = sorted({r["step"] for r in evals.results + evals.serves})
     taus = ["tau", *(f"ddtree{b}" for b in evals.budgets()), "ref_tau"]
     speeds = [f"{SPEEDUP}{c}" for c in evals.concurrencies()]

@@ -23,10 +23,10 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.render import console
-from dflashops.runs.datagenjob import Request, collect, follow, start_datagen
-from dflashops.runs.kind_datagen import DATAGEN
-from dflashops.runs.survey import find
-from dflashops.runs.view import check_name
+from dflashops.runs.datagen.job import Request, collect, follow, start_datagen
+from dflashops.runs.datagen.kind import DATAGEN
+from dflashops.runs.reading.survey import find
+from dflashops.runs.reading.view import check_name
 
 
 def register(app: typer.Typer) -> None:
@@ -104,14 +104,13 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.json_option("Print one JSON document: the job and dataset."),
     ) -> None:
         """Generate training replies with the target model, as a job on one target or several."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(name)
         if collect_:
             with opts.sessions() as (reader, writer):
                 view = find(reader, name, records="none")
                 manifest = collect(reader, writer, view)
-            return report(opts, as_json, name, view.target, view.dir, "finished", manifest)
+            return report(opts, opts.json, name, view.target, view.dir, "finished", manifest)
         for option, value in (("--host", host), ("--prompts", prompts), ("--target", model)):
             if value is None:
                 raise UsageError(f"{option} is required (or --collect NAME)")
@@ -129,9 +128,9 @@ def register(app: typer.Typer) -> None:
                 return
             view = started.view
             if not follow_:
-                return report(opts, as_json, name, view.target, view.dir, view.state, None)
+                return report(opts, opts.json, name, view.target, view.dir, view.state, None)
             manifest = follow(reader, writer, view)
-        report(opts, as_json, name, view.target, view.dir, "finished", manifest)
+        report(opts, opts.json, name, view.target, view.dir, "finished", manifest)
 
 
 def template_kwargs(text: str) -> dict[str, Any]:

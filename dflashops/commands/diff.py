@@ -22,9 +22,9 @@ import yaml
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, styled, table
-from dflashops.runs.datagenjob import dataset_of
-from dflashops.runs.survey import pick, survey
-from dflashops.runs.view import RunView, check_name
+from dflashops.runs.datagen.job import dataset_of
+from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.reading.view import RunView, check_name
 from dflashops.tables import Col
 
 FILES = ["resolved.yaml", "run.yaml", "audit.json"]
@@ -43,8 +43,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Show the runs' resolved configs side by side, with the recipe audit."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         for name in names:
             check_name(name)
         session = opts.session()
@@ -59,7 +58,7 @@ def register(app: typer.Typer) -> None:
             configs[v.name][0].update(dataset_rows(datasets[v.name]))
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)
-        if as_json:
+        if opts.json:
             opts.emit(
                 {
                     "runs": [

@@ -1,6 +1,6 @@
 """`doctor TARGET [--config FILE|TEMPLATE] [--set KEY=VALUE]...`: is the target ready to run
 that config? One read of the target, one line per requirement (ok / missing / wrong, and what
-to do); exit 0 only when it is ready (runs/doctor.py judges)."""
+to do); exit 0 only when it is ready (runs/readiness/doctor.py judges)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import yaml
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.inventory import Target
-from dflashops.runs import doctor as checks
-from dflashops.runs.config import resolve_config
+from dflashops.runs.readiness import doctor as checks
+from dflashops.runs.training.config import resolve_config
 
 
 def register(app: typer.Typer) -> None:
@@ -33,8 +33,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Check every requirement of a run on TARGET, one line each; exit 0 when ready."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         found = opts.inventory().target(target)
         spec = config or default_config(found)
         model = model_of(resolve_config(spec, sets or [], "doctor"))

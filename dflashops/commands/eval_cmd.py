@@ -14,7 +14,7 @@ line, exit 2, before anything starts) with the run's run.yaml and keeps its resu
 One --step is followed to the end and its table printed (--detach: leave it); --steps returns
 once the job has started (--follow: stay). `eval RUN --follow --on TARGET` attaches to RUN's
 newest job there. Ctrl-C while following only detaches (exit 130): the job goes on.
-`--every N` starts a continuous eval instead (runs/follow.py), and returns once it runs.
+`--every N` starts a continuous eval instead (runs/evaluation/continuous.py), and returns once it runs.
 `dflashops evals RUN` lists the results.
 """
 
@@ -26,17 +26,17 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.commands._continuous import continuous
 from dflashops.errors import ExitCode, UsageError
 from dflashops.inventory import Target
 from dflashops.render import console, metric, table
-from dflashops.runs.evaljob import Extra, newest_job, read_result, start_eval
-from dflashops.runs.evaljob import follow as follow_job
-from dflashops.runs.evals import engine_note, gap, real_rounds
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.serve import concurrency_levels, parse_vs, serve_result_path
-from dflashops.runs.serve_view import show_serve
-from dflashops.runs.view import check_name, eval_result_path
+from dflashops.runs.evaluation.continuous_cli import continuous
+from dflashops.runs.evaluation.job import Extra, newest_job, read_result, start_eval
+from dflashops.runs.evaluation.job import follow as follow_job
+from dflashops.runs.evaluation.results import engine_note, gap, real_rounds
+from dflashops.runs.evaluation.serving import concurrency_levels, parse_vs, serve_result_path
+from dflashops.runs.evaluation.serving_table import show_serve
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.view import check_name, eval_result_path
 
 
 def register(app: typer.Typer) -> None:
@@ -139,8 +139,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(run)
         if follow and detach:
             raise UsageError("--follow and --detach: choose one")
@@ -154,21 +153,21 @@ def register(app: typer.Typer) -> None:
         dest = opts.inventory().target(on)
         if not chosen and every is None:  # --follow alone: the newest job of RUN there
             job = newest_job(opts.session(), run, dest)
-            return finish(opts, as_json, dest, job)
+            return finish(opts, opts.json, dest, job)
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host, engine, force, serve, concurrency_levels(concurrency) if serve
                       else None, parse_vs(vs), vs_engine)  # fmt: skip
         if every is not None:
-            return continuous(opts, as_json, run, every, dest, extra)
+            return continuous(opts, opts.json, run, every, dest, extra)
         with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
             job = start_eval(reader, writer, run, chosen, dest, extra)
             if opts.dry_run:
                 opts.dry_run_done(run=run, steps=chosen, on=dest.name, job=job["dir"])
                 return
         if detach or (len(chosen) > 1 and not follow):
-            return started(opts, as_json, dest, job)
-        finish(opts, as_json, dest, job)
+            return started(opts, opts.json, dest, job)
+        finish(opts, opts.json, dest, job)
 
 
 def check_serve(serve: bool, concurrency: str | None, vs: str | None, vs_engine: str | None,

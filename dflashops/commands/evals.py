@@ -22,10 +22,17 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, metric, table
-from dflashops.runs.evals import Stored, engine_name, gap, real_rounds, speedups, stored
-from dflashops.runs.settings import differs, mark, prompt_group
-from dflashops.runs.survey import not_found, survey
-from dflashops.runs.view import check_name
+from dflashops.runs.evaluation.fingerprints import differs, mark, prompt_group
+from dflashops.runs.evaluation.results import (
+    Stored,
+    engine_name,
+    gap,
+    real_rounds,
+    speedups,
+    stored,
+)
+from dflashops.runs.reading.survey import not_found, survey
+from dflashops.runs.reading.view import check_name
 from dflashops.tables import Col
 
 
@@ -38,8 +45,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List stored eval results: tau, DDTree tau per budget, the reference's, the date."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         if run is not None:
             check_name(run)
         found = stored(opts.session(), [run] if run else None)
@@ -52,10 +58,8 @@ def register(app: typer.Typer) -> None:
             opts.dry_run_done(run=run)
             return
         found.results = grouped(with_serves(found.results, found.serves))
-        if as_json:
-            opts.emit({"evals": found.results, "jobs": found.jobs, "follows": found.follows})
-        else:
-            show(found, run)
+        doc = {"evals": found.results, "jobs": found.jobs, "follows": found.follows}
+        opts.answer(doc, lambda: show(found, run))
         raise typer.Exit(found.exit_code())
 
 

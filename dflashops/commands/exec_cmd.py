@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError(
                 "nothing to run: give the command after --, e.g. exec ct200 -- nvidia-smi"
             )
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         machine = opts.session().machine(target)
         result = run_streaming(
             machine, list(argv), env=parse_env(env), cwd=cwd, forward_stdin=not no_stdin

@@ -37,8 +37,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Download a hub model inside the target, resumable, verified against the hub's hashes."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         machine = opts.session().machine(target)
         dest = to or posixpath.join(machine.target.workspace, "hf", repo.rsplit("/", 1)[-1])
         token = next(iter(_options.secret_values(secrets or []).values()), None)
@@ -58,7 +57,7 @@ def register(app: typer.Typer) -> None:
         if done["bad"]:
             raise OpsError(f"{target}: {repo}: do not match the hub's hashes: "
                            f"{', '.join(done['bad'])}; run fetch-model again")  # fmt: skip
-        if as_json:
+        if opts.json:
             return opts.emit({"target": target, "dest": dest, **done})
         context.say(f"{target}: {repo} at {dest}: {done['files']} files, "
                     f"{human_bytes(done['bytes'])}, commit {done['commit'][:12]}, verified")  # fmt: skip

@@ -20,8 +20,8 @@ from dflashops.errors import (
     UsageError,
 )
 from dflashops.inventory import Endpoint, Inventory, Target
-from dflashops.runs import probe as runs_probe
-from dflashops.runs.probe import Probe
+from dflashops.runs.reading import probe as runs_probe
+from dflashops.runs.reading.probe import Probe
 from dflashops.ssh.config import resolve
 from dflashops.tables import Col, Grid
 from dflashops.yamlfile import did_you_mean
@@ -75,8 +75,7 @@ def register(app: typer.Typer) -> None:
         memory used, utilisation and the run holding it."""
         if ctx.invoked_subcommand is not None:
             return
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         host_rows, target_rows = survey(opts.session(), opts.inventory())
         if opts.json:
             opts.emit(
@@ -103,7 +102,7 @@ def register(app: typer.Typer) -> None:
         yes: bool = typer.Option(False, "--yes", "-y", help="Pin without asking."),
     ) -> None:
         """Show a host's SSH key fingerprint and pin it (asks first)."""
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         session = opts.session()
         endpoint = session.endpoint(host)
         not_a_typo(session, host, endpoint)

@@ -5,7 +5,7 @@ One read of every target first (name free everywhere, chosen targets not busy, t
 then: the name claimed on each node, the workload snapshot, the run directory (run.yaml,
 launch.json, launcher.py), the memory plan checked on node 0, and the launcher started in a
 detached session of our own tmux server on each node; then it waits for the trainer's first
-sign of life. A launch that fails takes back what it made (runs/launch.py).
+sign of life. A launch that fails takes back what it made (runs/training/launch.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.commands._continuous import with_launch
 from dflashops.errors import UsageError
-from dflashops.runs.config import resolve_config
-from dflashops.runs.evaljob import Extra
-from dflashops.runs.launch import launch as start_run
-from dflashops.runs.rehearse import check_config
-from dflashops.runs.view import check_name
-from dflashops.runs.watch import then_follow
+from dflashops.runs.evaluation.continuous_cli import with_launch
+from dflashops.runs.evaluation.job import Extra
+from dflashops.runs.lifecycle.rehearse import check_config
+from dflashops.runs.reading.view import check_name
+from dflashops.runs.training.config import resolve_config
+from dflashops.runs.training.launch import launch as start_run
+from dflashops.runs.watching.status_follow import then_follow
 
 FORCE_OPTION = typer.Option(
     False,
@@ -101,8 +101,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Start a training run in a detached tmux session on one target or several."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(run)
         if (eval_on is None) != (eval_every is None):
             raise UsageError("--eval-on TARGET and --eval-every N go together: give both")

@@ -12,9 +12,9 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode, NotFoundError, UsageError
-from dflashops.runs.logs import console_path, stream_log
-from dflashops.runs.survey import resolve, survey
-from dflashops.runs.view import RunView
+from dflashops.runs.reading.survey import resolve, survey
+from dflashops.runs.reading.view import RunView
+from dflashops.runs.watching.log_stream import console_path, stream_log
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         host: str = _options.HOST_OPTION,
     ) -> None:
         """Print a run's console.log (everything the trainer printed)."""
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         if opts.json and follow:
             raise UsageError("logs --follow streams text; drop --json (or follow `status --json`)")
         session = opts.session()

@@ -2,7 +2,7 @@
 
 The copy (a tar stream through this process into a partial directory there, every file verified
 against the checkpoint's MANIFEST.sha256 before it is put in place; resumed when cut short) is
-runs/pulls.py's, which `eval` shares.
+runs/evaluation/pulls.py's, which `eval` shares.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import human_bytes
-from dflashops.runs.pulls import MANIFEST, pull
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.survey import resolve
+from dflashops.runs.evaluation.pulls import MANIFEST, pull
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.survey import resolve
 
 
 def register(app: typer.Typer) -> None:
@@ -35,8 +35,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         dest = opts.inventory().target(to)
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
@@ -45,7 +44,7 @@ def register(app: typer.Typer) -> None:
         if opts.dry_run:
             opts.dry_run_done(**done)
             return
-        if as_json:
+        if opts.json:
             opts.emit(done)
         elif not done["copied"]:
             context.say(

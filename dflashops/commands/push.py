@@ -38,8 +38,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Copy a file or a directory into TARGET (only what differs there), every sent file
         checked there against what was read here (CRC-32 and size; sha256 with --checksum)."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         machine = opts.session().machine(target)
         clock = Stopwatch()
         with progress(f"push {local.name}", None) as meter:

@@ -9,10 +9,10 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.resume import resume as start_again
-from dflashops.runs.survey import find
-from dflashops.runs.watch import then_follow
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.lifecycle.resume import resume as start_again
+from dflashops.runs.reading.survey import find
+from dflashops.runs.watching.status_follow import then_follow
 
 
 def register(app: typer.Typer) -> None:
@@ -33,8 +33,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Start a run again from its newest complete checkpoint."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         values = _options.secret_values(secrets or [])
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):

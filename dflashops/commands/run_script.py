@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         """Copy SCRIPT into TARGET as a file and run it there; its exit code becomes ours."""
         if not script.is_file():
             raise UsageError(f"{script}: no such script")
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         machine = opts.session().machine(target)
         remote = stage_script(machine, script)
         interpreter = python or machine.target.python

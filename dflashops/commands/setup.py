@@ -8,11 +8,11 @@ from pathlib import Path
 
 import typer
 
-from dflashops import bundle, context, engines, transfer
+from dflashops import bundle, context, engine_envs, transfer
 from dflashops.commands import _options
 from dflashops.errors import OpsError, UsageError
 from dflashops.render import Stopwatch, progress
-from dflashops.runs import doctor, prepare
+from dflashops.runs.readiness import doctor, prepare
 from dflashops.targets.base import Machine
 
 
@@ -51,15 +51,14 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Make the target's venv if missing, install requirements with pip there, sync workload/."""
-        opts = context.get(ctx)
-        opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         reqs = requirements or bundle.requirements_file()
         if not reqs.is_file():
             raise UsageError(f"{reqs}: no such requirements file")
         if wheels is not None and not wheels.is_dir():
             raise UsageError(f"--wheels {wheels}: not a directory of wheels")
         if engine is not None:
-            engines.check_name(engine)
+            engine_envs.check_name(engine)
         machine = opts.session().machine(target)
         clock = Stopwatch()
         facts = doctor.read(machine, None, torch=False)
@@ -90,10 +89,10 @@ def register(app: typer.Typer) -> None:
 
 def ensure_engine(machine: Machine, engine: str, torch_index: str | None) -> dict[str, str]:
     """The engine's environment there: kept when it imports, else made."""
-    python = engines.python_of(machine.target, engine)
-    found = engines.version(machine, engine)
+    python = engine_envs.python_of(machine.target, engine)
+    found = engine_envs.version(machine, engine)
     if found is None:
-        found = engines.install(machine, engine, torch_index=torch_index)
+        found = engine_envs.install(machine, engine, torch_index=torch_index)
     return {"name": engine, "python": python, "version": found}
 
 

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
 
         Needs a terminal (a pty end to end); `exit` comes back with the shell's exit code.
         """
-        opts = context.get(ctx)
+        opts = context.begin(ctx)
         machine = opts.session().machine(target)
         argv = ["/bin/sh", "-c", SHELL_SCRIPT, "sh", machine.target.workspace]
         if not opts.dry_run and machine.target.kind != "local":

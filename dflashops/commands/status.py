@@ -15,13 +15,19 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.render import console, duration, metric
-from dflashops.runs import kinds
-from dflashops.runs.failure import trainer_lines
-from dflashops.runs.follow import latest_eval
-from dflashops.runs.survey import Survey, find, resolve, survey
-from dflashops.runs.tables import history_table, runs_table, vs_rows, vs_table, warn_logs
-from dflashops.runs.view import VALUE_RULE, RunView, tmux_session
-from dflashops.runs.watch import follow_run
+from dflashops.runs.evaluation.results import latest_eval
+from dflashops.runs.lifecycle import kinds
+from dflashops.runs.reading.failure import trainer_lines
+from dflashops.runs.reading.survey import Survey, find, resolve, survey
+from dflashops.runs.reading.view import VALUE_RULE, RunView, tmux_session
+from dflashops.runs.watching.status_follow import follow_run
+from dflashops.runs.watching.status_tables import (
+    history_table,
+    runs_table,
+    vs_rows,
+    vs_table,
+    warn_logs,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -54,8 +60,7 @@ def register(app: typer.Typer) -> None:
 
         --follow exits 0 when the run finishes or is stopped, 1 when it fails, and 130 on
         Ctrl-C, which only detaches: the run goes on."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         session = opts.session()
         if opts.dry_run:
             survey(session, archive=all_)
@@ -64,7 +69,7 @@ def register(app: typer.Typer) -> None:
         if follow:
             view = resolve(session, run, records="recent", host=host)
             other = find(session, vs, records="all", host=host, strict=False) if vs else None
-            emit = opts.emit if as_json else None
+            emit = opts.emit if opts.json else None
             code = follow_run(
                 session, view, other, interval=_options.check_interval(interval), emit=emit
             )
@@ -72,17 +77,17 @@ def register(app: typer.Typer) -> None:
         if vs:
             view = resolve(session, run, records="all", host=host)
             other = find(session, vs, records="all", host=host, strict=False)
-            show_vs(view, other, as_json, opts)
+            show_vs(view, other, opts.json, opts)
             return
         if run:
             view = find(session, run, host=host, records="recent", checkpoints=True,
                         console=8192)  # fmt: skip
-            show_one(view, as_json, opts, latest_eval(opts.session(), view))
+            show_one(view, opts.json, opts, latest_eval(opts.session(), view))
             return
         if host is not None:
             opts.inventory().target(host)  # a name that is no target: one line, exit 4
         found = survey(session, archive=all_, records="recent")
-        show_all(found, all_, as_json, opts, host=host)
+        show_all(found, all_, opts.json, opts, host=host)
         raise typer.Exit(found.exit_code())
 
 

@@ -1,7 +1,7 @@
 """`stop RUN`: ask the trainer to save a checkpoint and stop (SIGTERM to rank 0, which tells
 every rank at the end of the step), wait until every node has exited, report the checkpoint.
 `stop RUN --kill`: SIGKILL to every node's torchrun and ranks, for a trainer that does not stop.
-Processes are recognised by pid and start time, never by a name (runs/stop.py)."""
+Processes are recognised by pid and start time, never by a name (runs/lifecycle/stop.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.runs import stop as stopping
-from dflashops.runs.rehearse import unread_is_said
-from dflashops.runs.survey import find
+from dflashops.runs.lifecycle import stop as stopping
+from dflashops.runs.lifecycle.rehearse import unread_is_said
+from dflashops.runs.reading.survey import find
 
 
 def register(app: typer.Typer) -> None:
@@ -30,23 +30,18 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Ask a run's trainer to save a checkpoint and stop; wait until it has."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = find(reader, run, host=host, checkpoints=True, records="none")
             if not stopping.running(view):
-                if as_json:
-                    opts.emit({**view.summary(), "stopped": False})
-                else:
-                    context.say(f"{run}: not running ({view.state}); nothing to stop")
+                said = f"{run}: not running ({view.state}); nothing to stop"
+                opts.answer({**view.summary(), "stopped": False}, said)
                 return
             done = stopping.stop(reader, writer, view, kill=kill, timeout=timeout)
             if done is None:
                 opts.dry_run_done(**view.summary(), stopped=False)
                 return
         where, doc = stopping.stopped(done)
-        if as_json:
-            opts.emit({**done.summary(), "stopped": True, **doc})
-            return
-        context.say(f"{run}: {done.state}{where}; continue with: dflashops resume {run}")
+        said = f"{run}: {done.state}{where}; continue with: dflashops resume {run}"
+        opts.answer({**done.summary(), "stopped": True, **doc}, said)

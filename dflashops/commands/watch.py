@@ -3,7 +3,7 @@
 
 Every --interval seconds (default 60) the run is read again (and, for tau, the stored
 evaluations of both runs; for speedup@C, their serving results' speedup at concurrency C,
-`eval --serve`), and each rule of runs/alarms.py is checked at the newest milestone:
+`eval --serve`), and each rule of runs/watching/alarms.py is checked at the newest milestone:
 --margin X raises an alert when the run is not ahead of BASELINE by more than X there (tau:
 only at steps both were evaluated with equal settings); --stall K when the run has not risen over
 its last K values. Each alert (rule, metric, step) is raised once: a line on stdout, and
@@ -32,11 +32,11 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode, UsageError
 from dflashops.render import console
-from dflashops.runs.alarms import Alert, Rule, check, facts_env
-from dflashops.runs.evals import SPEEDUP, stored
-from dflashops.runs.survey import find
-from dflashops.runs.view import TERMINAL, RunView, check_name
-from dflashops.runs.wandb_alert import logs_to_wandb, request
+from dflashops.runs.evaluation.results import SPEEDUP, stored
+from dflashops.runs.reading.survey import find
+from dflashops.runs.reading.view import TERMINAL, RunView, check_name
+from dflashops.runs.watching.alarms import Alert, Rule, check, facts_env
+from dflashops.runs.watching.wandb_alert import logs_to_wandb, request
 
 ALERT_CMD_TIMEOUT_S = 60.0
 
@@ -76,8 +76,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Alarms on a run: tau (or acc, streak) too close to a baseline's, or not rising."""
-        opts = context.get(ctx)
-        as_json = opts.want_json(json_out)
+        opts = context.begin(ctx, json_out)
         check_name(run)
         interval = _options.check_interval(interval)
         rule = make_rule(metric, vs, margin, stall)
@@ -93,14 +92,14 @@ def register(app: typer.Typer) -> None:
         try:
             while True:
                 view, ended = poll(session, run, vs, rule, host, (raised, wandb_said), argv,
-                                   as_json)  # fmt: skip
+                                   opts.json)  # fmt: skip
                 if once or ended:
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:
             context.note(f"stopped watching {run}")
             raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-        if as_json:
+        if opts.json:
             opts.emit({"run": run, "baseline": vs, "state": view.state,
                        "alerts": [{**vars(a), "wandb": wandb_said.get(k)}
                                   for k, a in raised.items()]})  # fmt: skip

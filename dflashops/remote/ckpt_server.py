@@ -34,7 +34,8 @@ import threading
 import time
 import urllib.parse
 
-from dflashops.remote.manifest import MANIFEST, manifest_entries, safe_name
+from dflashops.remote.layout import MANIFEST
+from dflashops.remote.manifest import manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 STEP_DIR = re.compile(r"^step_(\d+)\Z")

@@ -1,5 +1,5 @@
 """`dflashops doctor`'s one read of a target (stdlib only, run by the target's python3): the
-facts a run needs, as one JSON object on stdout; the operator judges them (runs/doctor.py).
+facts a run needs, as one JSON object on stdout; the operator judges them (runs/readiness/doctor.py).
 
 stdin: {"python": the target's python, "ws": its workspace, "model": the config's target.path
 or null, "engines": {name: python}, "torch": whether to import it}. Every command it starts has a deadline."""

@@ -7,7 +7,7 @@ through a shell, with the launcher's environment; their output goes where ours g
 (console.log). A step that fails does not stop the others; the job's exit code is the first
 failure's (0 when every step wrote its result).
 
-It keeps to the contract of every job's program (dflashops/runs/job.py): state.json's "status"
+It keeps to the contract of every job's program (dflashops/runs/lifecycle/job_kind.py): state.json's "status"
 is "running" while it works, then "finished" (or "stopped"), with its "pid" and "pid_start" so
 that `stop` can signal it. One evaluation at a time on a target: each step waits for the
 target's evaluation lock (remote/evallock.py), which a continuous eval's steps hold too.

@@ -21,9 +21,9 @@ Every request has a deadline; a server out of reach is asked again (every `poll`
 up to an hour before the job fails. While it copies and evaluates a step it asks the server's
 listing every `poll` seconds too: a server whose run has ended waits only so long (its linger)
 for a follower that has gone quiet. A resume after the server has gone starts a new one
-(runs/follow.py) and gives its port and token in job.json, which the follower reads as it
+(runs/evaluation/continuous.py) and gives its port and token in job.json, which the follower reads as it
 starts (and notes in state.json's "server"). It keeps to the contract of every job's program
-(dflashops/runs/job.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
+(dflashops/runs/lifecycle/job_kind.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
 evaluator being run gets SIGTERM; no result is kept for that step), "stopped"; it resumes by
 the results there. state.json's "done" is the steps it evaluated, "skipped" those gone from
 the training target before they were copied, "failed" those whose evaluator failed, "lags"
@@ -51,7 +51,8 @@ import urllib.parse
 import urllib.request
 
 from dflashops.remote.evallock import one_evaluation
-from dflashops.remote.manifest import MANIFEST, file_sha256, manifest_entries, safe_name
+from dflashops.remote.layout import MANIFEST
+from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 DEADLINE = 60  # seconds for each request to the server (connect, and each read)
@@ -428,7 +429,7 @@ def main():
     job_dir = sys.argv[1]
     try:
         return follow(job_dir)
-    finally:  # a resume whose token is gone gets a new server and token (runs/follow.py)
+    finally:  # a resume whose token is gone gets a new server and token (runs/evaluation/continuous.py)
         token_file = read_json(os.path.join(job_dir, "job.json")).get("token_file")
         if token_file:
             with contextlib.suppress(FileNotFoundError):
@@ -449,7 +450,7 @@ def follow(job_dir):
         follower.bye()
         return 1
     if not ended:
-        follower.bye()  # a resume gets a server of its own (runs/follow.py)
+        follower.bye()  # a resume gets a server of its own (runs/evaluation/continuous.py)
         update(job_dir, status="stopped")
         return 0
     update(job_dir, status="finished", finished=time.time())

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from dflashops.remote.layout import CONSOLE_LOG, LAUNCH_FILE, STATE_FILE
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 
@@ -54,19 +55,19 @@ def record_end(run_dir, node, code):
     now = time.time()
     node.update(status="finished" if code == 0 else "failed", exit_code=code, finished=now)
     write_json(os.path.join(run_dir, "node.json"), node)
-    state = read_json(os.path.join(run_dir, "state.json"))
+    state = read_json(os.path.join(run_dir, STATE_FILE))
     state["exit_code"] = code
     if code != 0:
         state["status"] = "failed"
     state["finished"] = state.get("finished") or now
-    write_json(os.path.join(run_dir, "state.json"), state)
+    write_json(os.path.join(run_dir, STATE_FILE), state)
 
 
 def main():
     run_dir = sys.argv[1]
     os.chdir(run_dir)
-    launch = read_json("launch.json")
-    console = open("console.log", "ab", buffering=0)  # noqa: SIM115 (open for our whole life)
+    launch = read_json(LAUNCH_FILE)
+    console = open(CONSOLE_LOG, "ab", buffering=0)  # noqa: SIM115 (open for our whole life)
 
     def say(text):
         console.write(f"[dflashops] {stamp()}: {text}\n".encode())

@@ -5,8 +5,6 @@ import hashlib
 import os
 import stat
 
-MANIFEST = "MANIFEST.sha256"
-
 
 def manifest_entries(text):
     """{name: sha256} of a sha256sum-format manifest; None when it is empty or malformed."""

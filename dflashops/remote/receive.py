@@ -61,13 +61,13 @@ import time
 import zlib
 
 from dflashops.remote.describe import describe
+from dflashops.remote.layout import MANIFEST
 
 BLOCK = 512
 CHUNK = 1 << 20
 BUFFERS = 8  # chunks read ahead of the writer and the hasher
 PAX_LIMIT = 1 << 20
 NAME_MAX, PATH_MAX = 255, 4096
-MANIFEST = "MANIFEST.sha256"
 MARKER = ".dflashops-verified"
 SEAL_DIGEST, SEAL_SIZE = "DFLASHOPS.digest", "DFLASHOPS.size"  # transfer.py's seal()
 PART = re.compile(r"^\.dfo-(\d+)-[0-9a-f]+\.part$")

@@ -53,17 +53,18 @@ import signal
 import sys
 import time
 
+from dflashops.remote.layout import CHECKPOINTS, MANIFEST, STATE_FILE
 from dflashops.remote.shared import read_json, same_process, write_json
 
 LOCK = ".lock"
 
 
 def load_state(run_dir):
-    return read_json(os.path.join(run_dir, "state.json"))
+    return read_json(os.path.join(run_dir, STATE_FILE))
 
 
 def save_state(run_dir, state):
-    write_json(os.path.join(run_dir, "state.json"), state)
+    write_json(os.path.join(run_dir, STATE_FILE), state)
 
 
 @contextlib.contextmanager
@@ -132,7 +133,7 @@ def read_files(run_dir, names):
 
 def relaunch(run_dir, req):
     expect_unchanged(run_dir, req)
-    stale = ["state.json", "exit_code", "node.json"]
+    stale = [STATE_FILE, "exit_code", "node.json"]
     ranks = os.path.join(run_dir, "ranks")
     if os.path.isdir(ranks):
         stale += [os.path.join("ranks", n) for n in os.listdir(ranks) if n.endswith(".json")]
@@ -158,7 +159,7 @@ def restore(run_dir, req):
     for name in ("exit_code", "node.json"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(run_dir, name))
-    for name, text in sorted(req["before"].items(), key=lambda kv: kv[0] == "state.json"):
+    for name, text in sorted(req["before"].items(), key=lambda kv: kv[0] == STATE_FILE):
         path = os.path.join(run_dir, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(f"{path}.restore", "w") as f:
@@ -397,14 +398,14 @@ def move(run_dir, dest, skip):
 
 def prune(run_dir, names):
     removed, freed = [], 0
-    base = os.path.join(run_dir, "checkpoints")
+    base = os.path.join(run_dir, CHECKPOINTS)
     for name in names:
         path = os.path.join(base, name)
         if not os.path.isdir(path):
             continue
         freed += tree_bytes(path)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, "MANIFEST.sha256"))
+            os.unlink(os.path.join(path, MANIFEST))
         shutil.rmtree(path)
         removed.append(name)
     return removed, freed
@@ -420,7 +421,7 @@ def archive(run_dir, req):
     if os.path.lexists(dest):
         raise FileExistsError(f"{dest} already exists")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    before = {n: tree_bytes(os.path.join(run_dir, "checkpoints", n)) for n in names}
+    before = {n: tree_bytes(os.path.join(run_dir, CHECKPOINTS, n)) for n in names}
     move(run_dir, dest, set(names))
     removed, freed = prune(dest, names)
     gone = [n for n in names if n not in removed and before[n]]  # left out of a copy

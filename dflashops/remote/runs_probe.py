@@ -8,7 +8,7 @@ stdin: a JSON request {"ws": workspace, "homes": {where: {"pattern": P, "name": 
 "free_port": address or null}.
 stdout: {"now": time, "names": {"runs": [...], "archive": [...]}, "runs": [...],
 "dirs": {path: ...}, "paths": {path: kind}, "gpus": {...} or null, "free_port": N or null};
-see dflashops/runs/view.py for the fields of a run.
+see dflashops/runs/reading/view.py for the fields of a run.
 
 A home is where one kind of job lives: the directories <ws>/P/<entry>/ (P a path under the
 workspace, whose "*" parts match any directory: "evals/*/jobs"), each job named by the template
@@ -40,11 +40,10 @@ import subprocess
 import sys
 import time
 
+from dflashops.remote.layout import CHECKPOINTS, CONSOLE_LOG, MANIFEST, STATE_FILE, TRAIN_LOG
 from dflashops.remote.manifest import manifest_entries
 from dflashops.remote.shared import read_json, same_process
 
-LOG = "train_log.jsonl"
-MANIFEST = "MANIFEST.sha256"
 STEP_DIR = re.compile(r"^step_(\d+)\Z")
 TEMP_DIR = re.compile(r"^\.tmp-step_(\d+)-")
 PROGRESS = re.compile(rb"^step (\d+)/(\d+) ", re.M)
@@ -264,13 +263,13 @@ def numbered(f, bad):
             chunk = f.read(min(CHUNK, offset - pos))
             line += chunk.count(b"\n")
             pos += len(chunk)
-        out.append(f"{LOG}:{line}: {why}")
+        out.append(f"{TRAIN_LOG}:{line}: {why}")
     return out
 
 
 def log_info(run_dir, req):
     """What train_log.jsonl says, parsed only as far as the request needs (module docstring)."""
-    path = os.path.join(run_dir, LOG)
+    path = os.path.join(run_dir, TRAIN_LOG)
     try:
         f = open(path, "rb")  # noqa: SIM115 (closed below)
     except OSError:
@@ -300,7 +299,7 @@ def log_info(run_dir, req):
 
 
 def console_info(run_dir, tail):
-    path = os.path.join(run_dir, "console.log")
+    path = os.path.join(run_dir, CONSOLE_LOG)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -405,7 +404,7 @@ def dir_info(path, verify):
 
 
 def checkpoints(run_dir, verify):
-    root = os.path.join(run_dir, "checkpoints")
+    root = os.path.join(run_dir, CHECKPOINTS)
     out = []
     for name in listdir(root):
         path = os.path.join(root, name)
@@ -443,7 +442,7 @@ def exit_file(run_dir):
 
 
 def run_info(run_dir, where, name, req, sessions, extra):
-    state = read_json(os.path.join(run_dir, "state.json"))
+    state = read_json(os.path.join(run_dir, STATE_FILE))
     info = {
         "name": name,
         "where": where,

@@ -87,7 +87,7 @@ def gpu_lines(gpus: int, **torch: str) -> list[str]:
     import json
 
     from dflashops.inventory import Target
-    from dflashops.runs.doctor import judge
+    from dflashops.runs.readiness.doctor import judge
 
     facts = json.loads(H200_FACTS.read_text())
     facts["target"].update(torch)

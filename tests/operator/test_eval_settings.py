@@ -108,7 +108,7 @@ def test_compare_tau_computes_no_gap_across_unlike_settings(unlike, tmp_path):
     assert line.count("%") == 1  # and none across unlike settings
 
     from dflashops import plot
-    from dflashops.runs.view import RunView
+    from dflashops.runs.reading.view import RunView
 
     views = [RunView(n, "local", "runs", "/x", "finished", 0.0, {"log": {"records": []}})
              for n in ("base", "new")]  # fmt: skip

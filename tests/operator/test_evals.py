@@ -134,7 +134,7 @@ def test_a_sweep_stores_three_results_listed_tabled_and_drawn(cli, trained, bed,
 
 def test_the_tau_panel_draws_each_evaluated_step(tmp_path):
     from dflashops import plot
-    from dflashops.runs.view import RunView
+    from dflashops.runs.reading.view import RunView
 
     records = [{"step": s, "loss": 1.0 / s} for s in (2, 4, 6)]
     view = RunView(RUN, "evalbox", "runs", "/x", "finished", 0.0, {"log": {"records": records}})

@@ -112,7 +112,7 @@ def test_compare_tables_and_draws_the_speedup_per_concurrency(inv, tmp_path):
     import json
 
     from dflashops import plot
-    from dflashops.runs.view import RunView
+    from dflashops.runs.reading.view import RunView
     from tests.operator.rundirs import make_run
 
     for run, (early, late) in (("sa", (1.2, 1.5)), ("sb", (1.4, 1.8))):

@@ -1,0 +1,43 @@
+"""The names of a workspace's layout (CONTRACTS §2-4, §6), spelled once for the whole operator:
+its own modules import them from here, and the helper programs get this file in front of them
+(stdlib only, as shared.py) when they import it.
+
+<ws>/runs/RUN/ (archive/RUN/ once archived): run.yaml, launch.json, state.json, console.log,
+train_log.jsonl, checkpoints/step_N/ (complete once its MANIFEST.sha256 is written);
+<ws>/ckpts/RUN/step_N/: a pulled copy; <ws>/evals/RUN/step_N.json and serve_N.json: results.
+"""
+
+import posixpath
+
+RUNS = "runs"  # <ws>/runs/RUN: a training run
+ARCHIVE = "archive"  # <ws>/archive/RUN: an archived run
+CKPTS = "ckpts"  # <ws>/ckpts/RUN/step_N: a checkpoint copied in by pull-ckpt
+EVALS = "evals"  # <ws>/evals/RUN/: eval results, eval jobs, continuous evals
+CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints/step_N
+MANIFEST = "MANIFEST.sha256"  # a checkpoint's, written last (CONTRACTS §4)
+STATE_FILE = "state.json"  # a job's state: pid, tmux, times, exit code
+TRAIN_LOG = "train_log.jsonl"  # the trainer's metrics (CONTRACTS §3)
+CONSOLE_LOG = "console.log"  # everything a job's program printed
+RUN_CONFIG = "run.yaml"  # the resolved run config, written once by launch
+LAUNCH_FILE = "launch.json"  # what the launcher runs, written at every start
+
+
+def step_name(step):
+    """A checkpoint's directory name: step_N, N not zero-padded."""
+    return f"step_{step}"
+
+
+def run_path(ws, run, where=RUNS):
+    return posixpath.join(ws, where, run)
+
+
+def ckpt_copy_path(ws, run, step):
+    return posixpath.join(ws, CKPTS, run, step_name(step))
+
+
+def eval_result_path(ws, run, step):
+    return posixpath.join(ws, EVALS, run, f"step_{step}.json")
+
+
+def serve_result_path(ws, run, step):
+    return posixpath.join(ws, EVALS, run, f"serve_{step}.json")

@@ -1,0 +1,1 @@
+"""The datagen job: kind.py, job.py."""

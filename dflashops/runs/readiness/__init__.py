@@ -1,0 +1,1 @@
+"""Is a target ready to run a config: doctor.py, prepare.py."""

@@ -1,0 +1,1 @@
+"""The training run: kind.py, launch.py, config.py, parity.py."""
