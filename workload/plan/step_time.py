@@ -187,7 +187,7 @@ def lines(t: StepTime, c: Comm, nnodes: int, accum: int) -> list[str]:
 
 def verdict(t: StepTime, nnodes: int) -> str | None:
     """One line: does the second node pay, at which link, and the grad_accum that makes it
-    (None on one node). dflashops/runs/launch.py words the same line from plan.json."""
+    (None on one node). dflashops/runs/training/launch.py words the same line from plan.json."""
     if t.one_node_s is None:
         return None
     link = "measured between the nodes" if t.link_measured else "assumed"
