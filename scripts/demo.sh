@@ -85,7 +85,7 @@ print("What to take away: a loss bug does not show in the loss column (the two l
 print("different scales) and can even look ahead early on; the runs compared at the same")
 print("milestones (acc, streak, dds8, tau) and the recipe audit in diff (loss.type, marked *)")
 print("show it on day one, not weeks later. For scale: a 2-layer drafter of block 8 on this")
-print("tiny target reaches about 2 in 150 steps and about 3 in 200; published drafters reach")
+print("tiny target reaches about 1.7 in 150 steps and about 3 in 200; published drafters reach")
 print("6-7 on Qwen3-8B (GSM8K, block 16).")
 ' "$RUN" "$BUGGY" "$BUGGY_STEPS" "$STEPS"
 
