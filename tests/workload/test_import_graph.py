@@ -168,3 +168,20 @@ def test_the_workload_never_imports_the_operator():
         for module, _ in _imports(name, tree, package="dflashops")
     ]
     assert not found, "\n".join(found)
+
+
+def test_the_workloads_packages_import_one_way():
+    """The modules' graph folded into its packages (train/, plan/, eval/, ...; a top-level
+    module is its own) has no circle either: plan/ prices what train/ runs without importing
+    it (both read common/parallel_rules.py)."""
+    folded: dict[str, set[str]] = {}
+    for module, targets in _edges().items():
+        home = ".".join(module.split(".")[:2])
+        folded.setdefault(home, set()).update(
+            t for t in (".".join(x.split(".")[:2]) for x in targets) if t != home
+        )
+    for targets in folded.values():
+        for t in targets:
+            folded.setdefault(t, set())
+    circle = _a_circle(folded)
+    assert circle is None, "packages in a circle: " + " -> ".join(circle or [])

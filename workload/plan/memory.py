@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from workload.common.layout import DATASET_MANIFEST
+from workload.common.parallel_rules import resolve_grad_comm, resolve_sharding, shard_ranks
 from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
 from workload.eval.parity import ParityError, before_launch
 from workload.plan import step_time as step_plan
@@ -291,8 +292,6 @@ def optimizer_bytes(param_sizes: list[int], world: int, sharding: str, nnodes: i
     """AdamW moments in fp32; zero1 gives whole parameters, largest first, to the emptiest
     rank (ZeroRedundancyOptimizer's partition), so a rank holds its largest share; hybrid does
     so over the ranks of a node."""
-    from workload.train.sharding import shard_ranks
-
     shards = shard_ranks(sharding, world, nnodes)
     if shards == 1:
         return ADAM_MOMENTS * FP32 * sum(param_sizes)
@@ -629,8 +628,6 @@ def estimate(
     """The memory plan of one rank of a `world`-rank run of `cfg` on `device` (cuda | cpu)
     over `nnodes` nodes, with its communication and step time."""
     from workload.drafter.targets import text_config
-    from workload.train.comm import resolve_grad_comm
-    from workload.train.sharding import resolve_sharding
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, not {device!r}")

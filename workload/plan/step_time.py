@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from workload.common.parallel_rules import GRAD_BYTES, resolve_sharding
+
 # dense bf16 TFLOPS (no sparsity) and GPU-to-GPU bandwidth within a node (GB/s, one direction)
 GPUS: dict[str, tuple[float, float]] = {
     "h200": (989.0, 450.0),
@@ -69,12 +71,10 @@ class StepTime:
 
 def comm_bytes(params: int, world: int, nnodes: int, sharding: str, grad_dtype: str) -> Comm:
     """Payload per rank per optimizer step (see the module doc)."""
-    from workload.train.comm import BYTES
-
     c = Comm()
     if world == 1:
         return c
-    c.grads = params * BYTES[grad_dtype]
+    c.grads = params * GRAD_BYTES[grad_dtype]
     c.params = params * 4 if sharding in ("zero1", "hybrid") else 0
     across = nnodes > 1
     if across:
@@ -141,8 +141,6 @@ def step_time(s, counts: dict[str, int], *, params: int, world: int, nnodes: int
     micro_s = per_micro / (peak * 1e12 * mfu)
 
     def seconds(world_: int, nnodes_: int, accum_: int) -> float:
-        from workload.train.sharding import resolve_sharding
-
         mode = resolve_sharding(sharding, world_, nnodes_)
         c = comm_bytes(params, world_, nnodes_, mode, grad_dtype)
         return accum_ * micro_s + comm_seconds(c, world_, nnodes_, mode, intra, link_gbps)

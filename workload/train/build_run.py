@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from workload.common.parallel_rules import resolve_grad_comm, resolve_sharding
 from workload.config import (
     PACKED_ATTENTION,
     RunConfig,
@@ -290,10 +291,10 @@ def setup(
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
     )
-    grad_comm = comm.resolve_grad_comm(cfg.dist.grad_comm_dtype, d.device.type, d.nnodes)
+    grad_comm = resolve_grad_comm(cfg.dist.grad_comm_dtype, d.device.type, d.nnodes)
     comm.install_grad_comm(ddp, grad_comm)
     o = cfg.optim
-    mode = sharding.resolve_sharding(cfg.dist.sharding, d.world, d.nnodes)
+    mode = resolve_sharding(cfg.dist.sharding, d.world, d.nnodes)
     group = node_group(d, timedelta(seconds=cfg.dist.timeout_s)) if mode == "hybrid" else None
     optimizer = sharding.build_optimizer(list(drafter.parameters()), o, mode, d.device, group)
     total = count_steps(cfg, stream, d.world)

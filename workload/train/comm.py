@@ -31,14 +31,6 @@ def _bf16(state, bucket):  # no annotations: DDP checks them, and they are strin
 
 
 HOOKS = {"fp32": default_hooks.allreduce_hook, "bf16": _bf16}
-BYTES = {"fp32": 4, "bf16": 2}
-
-
-def resolve_grad_comm(setting: str, device_type: str, nnodes: int) -> str:
-    """fp32 | bf16 from `dist.grad_comm_dtype` (auto: bf16 for GPUs over several nodes)."""
-    if setting == "auto":
-        return "bf16" if device_type == "cuda" and nnodes > 1 else "fp32"
-    return setting
 
 
 def install_grad_comm(ddp: nn.Module, dtype: str) -> None:

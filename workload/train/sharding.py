@@ -29,23 +29,6 @@ from workload.config import OptimConfig
 SHARDED = ("zero1", "hybrid")
 
 
-def resolve_sharding(setting: str, world: int, nnodes: int = 1) -> str:
-    """`auto`: hybrid when the ranks span several nodes, zero1 with several ranks on one node
-    (a lone rank has nothing to shard); hybrid on one node is zero1."""
-    if setting == "auto":
-        setting = "hybrid" if nnodes > 1 else "zero1" if world > 1 else "none"
-    if setting == "hybrid" and nnodes == 1:
-        return "zero1"
-    return setting
-
-
-def shard_ranks(sharding: str, world: int, nnodes: int) -> int:
-    """Over how many ranks the AdamW moments are sharded."""
-    if sharding == "zero1":
-        return world
-    return max(1, world // nnodes) if sharding == "hybrid" else 1
-
-
 def build_optimizer(
     params: Sequence[nn.Parameter], o: OptimConfig, sharding: str, device: torch.device,
     group: Any = None,
