@@ -12,11 +12,10 @@ continuous evals (<ws>/evals/RUN/follow/ID/) as the jobs.
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
-from dflashops.remote.shared import proc_start, read_json
+from dflashops.remote.shared import job_alive, read_json
 
 STEP_FILE = re.compile(r"^step_(\d+)\.json\Z")
 SERVE_FILE = re.compile(r"^serve_(\d+)\.json\Z")  # eval --serve's
@@ -76,18 +75,6 @@ def results(base, run, pattern=STEP_FILE, summarize=summary):
     return found
 
 
-def alive(session, job_dir):
-    try:
-        argv = ["tmux", "-L", "dflashops", "has-session", "-t", "=" + session]
-        if subprocess.run(argv, capture_output=True).returncode == 0:
-            return True
-    except OSError:
-        pass
-    launcher = read_json(os.path.join(job_dir, "node.json")).get("launcher") or {}
-    pid, start = launcher.get("pid"), launcher.get("start")
-    return pid is not None and start is not None and proc_start(pid) == start
-
-
 def jobs(base, run, sub="jobs"):
     found = []
     for job in listdir(os.path.join(base, run, sub)):
@@ -95,7 +82,7 @@ def jobs(base, run, sub="jobs"):
         state = read_json(os.path.join(job_dir, "state.json"))
         if not state:
             continue
-        state.update(run=run, job=job, dir=job_dir, alive=alive(state.get("tmux", ""), job_dir))
+        state.update(run=run, job=job, dir=job_dir, alive=job_alive(state.get("tmux", ""), job_dir))
         found.append(state)
     return found
 

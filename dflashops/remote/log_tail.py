@@ -11,12 +11,12 @@ shorter starts over from 0.
 """
 
 import os
-import subprocess
 import sys
 import threading
 import time
 
-from dflashops.remote.shared import proc_start, read_json
+from dflashops.remote.layout import STATE_FILE
+from dflashops.remote.shared import job_alive
 
 CHUNK = 1 << 16
 
@@ -48,22 +48,6 @@ def _byte_at(f, pos):
     return f.read(1)
 
 
-def alive(session, run_dir):
-    try:
-        argv = ["tmux", "-L", "dflashops", "has-session", "-t", "=" + session]
-        if subprocess.run(argv, capture_output=True).returncode == 0:
-            return True
-    except OSError:
-        pass
-    launcher = read_json(os.path.join(run_dir, "node.json")).get("launcher") or {}
-    state = read_json(os.path.join(run_dir, "state.json"))
-    for pid, start in ((launcher.get("pid"), launcher.get("start")),
-                       (state.get("pid"), state.get("pid_start"))):  # fmt: skip
-        if pid is not None and start is not None and proc_start(pid) == start:
-            return True
-    return False
-
-
 def watch_stdin(done):
     # os.read, not sys.stdin: a thread blocked in a buffered read holds a lock at exit
     try:
@@ -91,7 +75,7 @@ def main():
     if follow:
         threading.Thread(target=watch_stdin, args=(gone,), daemon=True).start()
     while not os.path.exists(path):
-        if not follow or not alive(session, run_dir) or gone.is_set():
+        if not follow or not job_alive(session, run_dir, STATE_FILE) or gone.is_set():
             sys.stderr.write(f"follow: {path}: no such file\n")
             sys.exit(4)
         time.sleep(0.5)
@@ -114,7 +98,7 @@ def main():
                 sys.stderr.flush()
                 f.seek(0)
                 continue
-            if not alive(session, run_dir):
+            if not job_alive(session, run_dir, STATE_FILE):
                 time.sleep(0.3)
                 copy(f, out)
                 out.flush()

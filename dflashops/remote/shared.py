@@ -6,6 +6,7 @@ boot), never by a name: after a container restart another process can have the p
 
 import json
 import os
+import subprocess
 
 
 def proc_start(pid):
@@ -34,6 +35,25 @@ def same_process(pid, start):
             return b"workload.train" in f.read()
     except OSError:
         return False
+
+
+def job_alive(session, job_dir, state_file=None):
+    """True while a job lives: its tmux session on our server (-L dflashops), or its launcher
+    (node.json's pid and start) or, given `state_file`, the process that file names (pid,
+    pid_start)."""
+    try:
+        argv = ["tmux", "-L", "dflashops", "has-session", "-t", "=" + session]
+        if subprocess.run(argv, capture_output=True).returncode == 0:
+            return True
+    except OSError:
+        pass
+    launcher = read_json(os.path.join(job_dir, "node.json")).get("launcher") or {}
+    named = [(launcher.get("pid"), launcher.get("start"))]
+    if state_file is not None:
+        state = read_json(os.path.join(job_dir, state_file))
+        named.append((state.get("pid"), state.get("pid_start")))
+    return any(pid is not None and start is not None and proc_start(pid) == start
+               for pid, start in named)  # fmt: skip
 
 
 def read_json(path):
