@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workload.common.layout import CHECKPOINTS_DIR, MANIFEST, STEP_PREFIX, step_name
+from workload.common.processes import pid_alive
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 _TEMP_PREFIX = ".tmp-step_"
@@ -212,16 +213,6 @@ def apply_keep_policy(
     return dropped
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temps(run_dir: str | os.PathLike) -> list[Path]:
     """Delete temporary checkpoint directories whose writer (a pid on this machine) is gone,
     and replaced checkpoints whose removal was cut short (renamed away: nobody reads them)."""
@@ -231,7 +222,7 @@ def remove_stale_temps(run_dir: str | os.PathLike) -> list[Path]:
         return removed
     for entry in root.iterdir():
         m = _TEMP_RE.match(entry.name)
-        if (m and not _pid_alive(int(m.group(2)))) or _OLD_RE.match(entry.name):
+        if (m and not pid_alive(int(m.group(2)))) or _OLD_RE.match(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

@@ -32,6 +32,7 @@ from typing import Any
 
 from workload.common.jsonfile import write_json_atomic
 from workload.common.layout import DATASET_MANIFEST as MANIFEST
+from workload.common.processes import pid_alive
 
 CHUNKS_DIR = "chunks"
 JOB = "job.json"
@@ -130,16 +131,6 @@ def read_records(out: Path) -> dict[int, dict]:
     return records
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(out: Path) -> int:
     """Delete temporary files whose writer (a pid on this machine) is gone."""
     removed = 0
@@ -148,7 +139,7 @@ def remove_stale_temporaries(out: Path) -> int:
             continue
         for entry in root.iterdir():
             m = _TMP_RE.match(entry.name)
-            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
                 entry.unlink(missing_ok=True)
                 removed += 1
     return removed
