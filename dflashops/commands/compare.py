@@ -127,10 +127,9 @@ def tau_doc(views: list[RunView], evals: Stored) -> dict[str, Any]:
 
 
 def cell(found: dict[str, Any] | None, key: str, base: dict[str, Any] | None) -> dict | None:
-    value = None if found is None else tau_value(found, key)
-    if value is None:
+    """One stored value as compare --tau shows it; None where the step has none."""
+    if found is None or (value := tau_value(found, key)) is None:
         return None
-    assert found is not None
     return {"value": value, "step": found["step"], "target": found["target"],
             "settings": differs(found, base)}  # fmt: skip
 
