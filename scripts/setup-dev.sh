@@ -18,8 +18,12 @@ pip install -e .
 # engine use it (DFLASHOPS_TEST_VLLM=require makes its absence an error instead of a skip).
 # It is built in the background while the workload's packages go into $VENV; the installs
 # below leave the operator's package as it is (the extras' requirement files, not `-e .[...]`).
+# DFLASHOPS_SETUP_VLLM=background (scripts/test.sh): this does not wait for that build; it goes
+# on beside the tests, which wait for it where they need vLLM (tests/engines.py reads its pid
+# and exit status files), so the tests that need none start at once.
 vllm_pid=
 vllm_log=.dflashops/setup-vllm.log
+vllm_status=.dflashops/setup-vllm.status
 rootfs_pid=
 stop_background() {  # each in its own process group (setsid): its children go with it
   for pid in $vllm_pid $rootfs_pid; do kill -- "-$pid" 2>/dev/null || true; done
@@ -28,9 +32,13 @@ trap stop_background EXIT
 trap 'exit 130' INT TERM
 if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
   mkdir -p .dflashops
-  setsid "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup local --no-install \
-    --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} >"$vllm_log" 2>&1 </dev/null &
+  rm -f "$vllm_status" .dflashops/setup-vllm.pid
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  setsid sh -c 'out=$1; shift; "$@" >"$0" 2>&1; echo $? >"$out.part"; mv "$out.part" "$out"' \
+    "$vllm_log" "$vllm_status" "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup \
+    local --no-install --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} </dev/null &
   vllm_pid=$!
+  echo "$vllm_pid" >.dflashops/setup-vllm.pid
   echo "setup-dev: making the vLLM environment in the background ($vllm_log)" >&2
 fi
 # The test bed's LXC rootfs (tests/testbed/rootfs.py: debootstrap, about a minute, cached), also
@@ -75,11 +83,15 @@ if [ "${DFLASHOPS_PREBUILD:-1}" != 0 ]; then
   setsid "$VENV/bin/python" -m tests.prebuild >.dflashops/prebuild.log 2>&1 </dev/null &
   echo "setup-dev: the tests' tiny builds, where missing, in the background (.dflashops/prebuild.log)" >&2
 fi
-if [ -n "$vllm_pid" ]; then
+if [ "${DFLASHOPS_SETUP_VLLM:-wait}" = background ]; then
+  # left running: the tests wait for what they need (tests/engines.py, tests/testbed/rootfs.py)
+  [ -z "$vllm_pid" ] || echo "setup-dev: the vLLM environment is still being made ($vllm_log)" >&2
+  vllm_pid= rootfs_pid=
+elif [ -n "$vllm_pid" ]; then
   echo "setup-dev: waiting for the vLLM environment" >&2
-  status=0
-  wait "$vllm_pid" || status=$?
+  wait "$vllm_pid" || true
   vllm_pid=
+  status=$(cat "$vllm_status" 2>/dev/null || echo "none")
   sed 's/^/  vllm: /' "$vllm_log" >&2
   if [ "$status" != 0 ]; then
     if [ "${DFLASHOPS_TEST_VLLM:-}" = require ]; then

@@ -17,10 +17,22 @@ for arg in "$@"; do
   fi
 done
 ./scripts/install-system.sh
+# The vLLM environment is made beside the first tests (those that need it wait for it: see
+# tests/engines.py), not before them; a build still under way when this ends is stopped.
+export DFLASHOPS_SETUP_VLLM=background
+stop_vllm_build() {
+  if [ ! -e .dflashops/setup-vllm.status ] && pid=$(cat .dflashops/setup-vllm.pid 2>/dev/null); then
+    kill -- "-$pid" 2>/dev/null || true
+  fi
+  if [ -e .dflashops/setup-vllm.log ]; then
+    echo "test: the vLLM environment: $(tail -n 1 .dflashops/setup-vllm.log)" >&2
+  fi
+}
+trap stop_vllm_build EXIT
 ./scripts/setup-dev.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # --no-loadscope-reorder: files in tests/conftest.py's order (longest first), not xdist's own
 # (most tests first), which left long files to the end
-exec .venv/bin/python -m pytest -q --durations=30 -n "${DFLASHOPS_TEST_WORKERS:-2}" \
+.venv/bin/python -m pytest -q --durations=30 -n "${DFLASHOPS_TEST_WORKERS:-2}" \
   --dist loadfile --no-loadscope-reorder "${args[@]}"

@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from tests.engines import building
 from tests.testbed import LxcUnavailable, running
 
 # OpenMP threads that wait for work sleep instead of spinning (libgomp, torch's runtime): a
@@ -32,6 +33,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _TERMINAL = ("COLUMNS", "LINES")
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["DFLASHOPS_TEST_TERMINAL"] = json.dumps({k: os.environ.get(k) for k in _TERMINAL})
+    # whether the vLLM environment is still being built as the run starts, decided once here
+    # and handed to the workers (each orders its collection the same way, or xdist stops)
+    os.environ["DFLASHOPS_TEST_VLLM_BUILDING"] = str(int(building()))
 
 
 def _terminal_as_the_controller_had_it() -> None:
@@ -57,19 +61,29 @@ def pytest_configure(config: pytest.Config) -> None:
 def _weight(item: pytest.Item) -> int:
     """About how long a test takes, in slow tests: a vLLM engine start (one or more, under
     load a minute each) is a few."""
-    vllm = "vllm_python" in getattr(item, "fixturenames", ())
-    return 3 * vllm + bool(item.get_closest_marker("slow"))
+    return 3 * _needs_vllm(item) + bool(item.get_closest_marker("slow"))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _needs_vllm(item: pytest.Item) -> bool:
+    return "vllm_python" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with the most long tests (marked slow, or starting a vLLM engine) first, each
     file's tests in their own order: xdist hands a worker a file at a time in this order, and a
-    long file started last is a tail that one worker runs while the others are done."""
+    long file started last is a tail that one worker runs while the others are done. While the
+    vLLM environment is still being built, each worker's first file is one that needs none."""
     files: dict[object, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.path, []).append(item)
     weight = {path: sum(_weight(i) for i in its) for path, its in files.items()}
-    items[:] = [i for path in sorted(files, key=lambda p: -weight[p]) for i in files[path]]
+    order = sorted(files, key=lambda p: -weight[p])
+    if os.environ.get("DFLASHOPS_TEST_VLLM_BUILDING") == "1":
+        n = str(getattr(config.option, "numprocesses", None) or 1)
+        workers = max(1, int(n)) if n.isdigit() else 2
+        free = [p for p in order if not any(_needs_vllm(i) for i in files[p])][:workers]
+        order = free + [p for p in order if p not in free]
+    items[:] = [i for path in order for i in files[path]]
 
 
 @pytest.fixture(scope="session")
