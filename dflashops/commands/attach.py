@@ -18,6 +18,7 @@ from dflashops import context
 from dflashops.attached import on_terminal
 from dflashops.commands import _options
 from dflashops.errors import NotFoundError
+from dflashops.remote import layout
 from dflashops.runs.lifecycle.rehearse import unread_is_said
 from dflashops.runs.reading.survey import resolve
 from dflashops.runs.reading.view import RunView, tmux_session
@@ -65,7 +66,7 @@ def register(app: typer.Typer) -> None:
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = on_node(resolve(reader, run, host=host, records="none"), node)
-            console = posixpath.join(view.dir, "console.log")
+            console = posixpath.join(view.dir, layout.CONSOLE_LOG)
             argv = ["/bin/sh", "-c", ATTACH, "sh", tmux_session(view.name), console]
             hint = f"`dflashops logs {view.name} --follow` shows its output"
             code = on_terminal(writer.machine(view.target), argv, what="attach", hint=hint)

@@ -21,13 +21,14 @@ import yaml
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.remote import layout
 from dflashops.render import console, styled, table
 from dflashops.runs.datagen.job import dataset_of
 from dflashops.runs.reading.survey import pick, survey
 from dflashops.runs.reading.view import RunView, check_name
 from dflashops.tables import Col
 
-FILES = ["resolved.yaml", "run.yaml", "audit.json"]
+FILES = [layout.RESOLVED_CONFIG, layout.RUN_CONFIG, layout.AUDIT_FILE]
 MARKS = {"peer": "~", "info": "*", "warn": "!", "error": "!!"}  # the least severe first
 UNSET = "(unset)"
 
@@ -127,7 +128,7 @@ def dataset_line(dataset: dict[str, Any]) -> str:
 def read_config(view: RunView) -> tuple[dict[str, Any], str]:
     """(flattened config, the file it came from)."""
     files = view.raw.get("files") or {}
-    for name in ("resolved.yaml", "run.yaml"):
+    for name in (layout.RESOLVED_CONFIG, layout.RUN_CONFIG):
         text = files.get(name)
         if text is None:
             continue
@@ -144,7 +145,7 @@ def read_config(view: RunView) -> tuple[dict[str, Any], str]:
 
 def read_audit(view: RunView) -> dict[str, dict[str, Any]]:
     """key -> the audit item of the most severe level for that key."""
-    text = (view.raw.get("files") or {}).get("audit.json")
+    text = (view.raw.get("files") or {}).get(layout.AUDIT_FILE)
     if not text:
         return {}
     try:

@@ -9,6 +9,7 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.remote import layout
 from dflashops.runs.lifecycle.rehearse import unread_is_said
 from dflashops.runs.lifecycle.resume import resume as start_again
 from dflashops.runs.reading.survey import find
@@ -38,7 +39,7 @@ def register(app: typer.Typer) -> None:
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = find(reader, run, host=host, checkpoints=True, records="none",
-                        files=["launch.json"])  # fmt: skip
+                        files=[layout.LAUNCH_FILE])  # fmt: skip
             started = start_again(reader, writer, view, values, update_code=update_code,
                                   wait=wait)  # fmt: skip
             if started is None:

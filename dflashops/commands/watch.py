@@ -31,6 +31,7 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode, UsageError
+from dflashops.remote import layout
 from dflashops.render import console
 from dflashops.runs.evaluation.results import SPEEDUP, stored
 from dflashops.runs.reading.survey import find
@@ -146,7 +147,7 @@ def poll(
     """One check: the run (and baseline) read again, each new alert raised (and what came of
     its W&B alert); whether it ended."""
     raised, wandb_said = seen
-    view = find(session, run, records="all", host=host, files=["run.yaml"])
+    view = find(session, run, records="all", host=host, files=[layout.RUN_CONFIG])
     other = find(session, vs, records="all", strict=False) if vs else None
     evals = stored(session, [n for n in (run, vs) if n]) if rule.is_tau() else None
     if evals is not None:

@@ -51,20 +51,35 @@ del _dflashops_preamble
 
 
 # A helper's import of another file of this folder (shared.py, describe.py: what several need)
-SHARED_IMPORT = re.compile(r"^from dflashops\.remote\.(\w+) import .*\n", re.M)
+SHARED_IMPORT = re.compile(r"^from dflashops\.remote\.(\w+) import (?:\([^)]*\)|.*)\n", re.M)
 
 
 @cache
 def source(name: str) -> str:
     """The text of the helper program `name` (e.g. "receive.py"). A helper's imports from the
-    files beside it (for readers and linters) become those files' texts in front of it: in a
-    target, a helper is one program, never a package."""
-    text = (Path(__file__).parent / name).read_text()
-    libraries = dict.fromkeys(SHARED_IMPORT.findall(text))
+    files beside it (for readers and linters) become those files' texts in front of it, each
+    once, a file's own imports before it: in a target, a helper is one program, never a
+    package."""
+    text = _text(name)
+    libraries = _libraries(name)
     if not libraries:
         return text
-    front = "\n\n".join(source(f"{lib}.py") for lib in libraries)
+    front = "\n\n".join(f"# ---- {lib}\n{SHARED_IMPORT.sub('', _text(lib))}" for lib in libraries)
     return f"{front}\n\n# ---- {name}\n{SHARED_IMPORT.sub('', text)}"
+
+
+def _text(name: str) -> str:
+    return (Path(__file__).parent / name).read_text()
+
+
+def _libraries(name: str) -> list[str]:
+    """The files `name` imports from, with theirs, each once, every file after its own."""
+    order: list[str] = []
+    for lib in dict.fromkeys(SHARED_IMPORT.findall(_text(name))):
+        for dep in [*_libraries(f"{lib}.py"), f"{lib}.py"]:
+            if dep not in order:
+                order.append(dep)
+    return order
 
 
 def python_argv(code: str, *args: str, name: str = "<helper>") -> list[str]:

@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.parse
 
-from dflashops.remote.layout import MANIFEST
+from dflashops.remote.layout import CONSOLE_LOG, EXIT_CODE_FILE, MANIFEST, STATE_FILE
 from dflashops.remote.manifest import manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
@@ -66,8 +66,8 @@ class Run:
     def ended(self):
         if not os.path.isdir(self.dir):  # archived or removed: it will write nothing more
             return True, "gone"
-        status = read_json(os.path.join(self.dir, "state.json")).get("status")
-        return status in ENDED or os.path.exists(os.path.join(self.dir, "exit_code")), status
+        status = read_json(os.path.join(self.dir, STATE_FILE)).get("status")
+        return status in ENDED or os.path.exists(os.path.join(self.dir, EXIT_CODE_FILE)), status
 
     def steps(self):
         try:
@@ -232,7 +232,7 @@ class Capped(http.server.ThreadingHTTPServer):
 
 def main():
     serve_dir = sys.argv[1]
-    log = os.open(os.path.join(serve_dir, "console.log"),
+    log = os.open(os.path.join(serve_dir, CONSOLE_LOG),
                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # fmt: skip
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -247,7 +247,7 @@ def main():
     server = Capped((conf["address"], 0), handler(run, token, seen, bye))
     signal.signal(signal.SIGTERM, lambda *_: bye.set())
     port = server.server_address[1]
-    write_json(os.path.join(serve_dir, "state.json"), {
+    write_json(os.path.join(serve_dir, STATE_FILE), {
         "status": "running", "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
         "address": conf["address"], "port": port, "started": time.time()})  # fmt: skip
     say(f"serving the checkpoints of {run.dir} on {conf['address']}:{port}")
@@ -258,8 +258,8 @@ def main():
             say(f"the run has ended and nothing was asked for {linger:.0f} s")
             break
     server.shutdown()
-    state = read_json(os.path.join(serve_dir, "state.json"))
-    write_json(os.path.join(serve_dir, "state.json"), {**state, "status": "finished",
+    state = read_json(os.path.join(serve_dir, STATE_FILE))
+    write_json(os.path.join(serve_dir, STATE_FILE), {**state, "status": "finished",
                                                        "finished": time.time()})  # fmt: skip
     say("stopped" if bye.is_set() else "done")
     return 0

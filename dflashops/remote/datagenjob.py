@@ -13,10 +13,12 @@ import json
 import os
 import sys
 
+from dflashops.remote.layout import LAUNCH_FILE
+
 
 def main():
     job_dir = sys.argv[1]
-    with open(os.path.join(job_dir, "launch.json"), encoding="utf-8") as f:
+    with open(os.path.join(job_dir, LAUNCH_FILE), encoding="utf-8") as f:
         launch = json.load(f)
     with open(os.path.join(job_dir, "datagen.json"), encoding="utf-8") as f:
         argv = json.load(f)["argv"][launch["target"]]

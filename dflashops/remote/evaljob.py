@@ -24,6 +24,7 @@ import sys
 import time
 
 from dflashops.remote.evallock import one_evaluation
+from dflashops.remote.layout import STATE_FILE
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 
@@ -35,7 +36,7 @@ def say(text):
 
 def update(job_dir, **keys):
     """Merge `keys` into state.json (atomically)."""
-    path = os.path.join(job_dir, "state.json")
+    path = os.path.join(job_dir, STATE_FILE)
     state = read_json(path)
     state.update(keys)
     write_json(path, state)
@@ -63,7 +64,7 @@ def main():
     job_dir = sys.argv[1]
     job = read_json(os.path.join(job_dir, "job.json"))
     evals = job["evals"]
-    done = list(read_json(os.path.join(job_dir, "state.json")).get("done") or [])
+    done = list(read_json(os.path.join(job_dir, STATE_FILE)).get("done") or [])
     stopping, current = [], []
 
     def on_term(_signum, _frame):

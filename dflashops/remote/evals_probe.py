@@ -15,6 +15,7 @@ import re
 import sys
 import time
 
+from dflashops.remote.layout import STATE_FILE
 from dflashops.remote.shared import job_alive, read_json
 
 STEP_FILE = re.compile(r"^step_(\d+)\.json\Z")
@@ -79,7 +80,7 @@ def jobs(base, run, sub="jobs"):
     found = []
     for job in listdir(os.path.join(base, run, sub)):
         job_dir = os.path.join(base, run, sub, job)
-        state = read_json(os.path.join(job_dir, "state.json"))
+        state = read_json(os.path.join(job_dir, STATE_FILE))
         if not state:
             continue
         state.update(run=run, job=job, dir=job_dir, alive=job_alive(state.get("tmux", ""), job_dir))

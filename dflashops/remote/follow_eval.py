@@ -51,7 +51,7 @@ import urllib.parse
 import urllib.request
 
 from dflashops.remote.evallock import one_evaluation
-from dflashops.remote.layout import MANIFEST
+from dflashops.remote.layout import MANIFEST, STATE_FILE
 from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
@@ -138,7 +138,7 @@ def kept_alive(server, every):
 
 
 def update(job_dir, **keys):
-    path = os.path.join(job_dir, "state.json")
+    path = os.path.join(job_dir, STATE_FILE)
     write_json(path, {**read_json(path), **keys})
 
 
@@ -310,7 +310,7 @@ class Follower:
     def __init__(self, job_dir):
         self.dir = job_dir
         self.job = read_json(os.path.join(job_dir, "job.json"))
-        state = read_json(os.path.join(job_dir, "state.json"))
+        state = read_json(os.path.join(job_dir, STATE_FILE))
         self.done = list(state.get("done") or [])
         self.skipped = list(state.get("skipped") or [])
         self.failed = list(state.get("failed") or [])

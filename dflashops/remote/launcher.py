@@ -23,7 +23,13 @@ import subprocess
 import sys
 import time
 
-from dflashops.remote.layout import CONSOLE_LOG, LAUNCH_FILE, STATE_FILE
+from dflashops.remote.layout import (
+    CONSOLE_LOG,
+    EXIT_CODE_FILE,
+    LAUNCH_FILE,
+    NODE_FILE,
+    STATE_FILE,
+)
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 
@@ -50,11 +56,11 @@ def exit_status(code):
 
 
 def record_end(run_dir, node, code):
-    with open(os.path.join(run_dir, "exit_code"), "w") as f:
+    with open(os.path.join(run_dir, EXIT_CODE_FILE), "w") as f:
         f.write(f"{code}\n")
     now = time.time()
     node.update(status="finished" if code == 0 else "failed", exit_code=code, finished=now)
-    write_json(os.path.join(run_dir, "node.json"), node)
+    write_json(os.path.join(run_dir, NODE_FILE), node)
     state = read_json(os.path.join(run_dir, STATE_FILE))
     state["exit_code"] = code
     if code != 0:
@@ -87,7 +93,7 @@ def main():
         "exit_code": None,
         "finished": None,
     }
-    write_json("node.json", node)
+    write_json(NODE_FILE, node)
     try:
         own = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if k in os.environ}
         env = {**own, **launch["env"], **take_secrets(launch.get("secrets"))}
@@ -108,7 +114,7 @@ def main():
         record_end(run_dir, node, code)
         return code
     node.update(agent={"pid": agent.pid, "start": proc_start(agent.pid)}, status="running")
-    write_json("node.json", node)
+    write_json(NODE_FILE, node)
     code = exit_status(agent.wait())
     say(f"exit code {code}")
     record_end(run_dir, node, code)

@@ -19,7 +19,12 @@ STATE_FILE = "state.json"  # a job's state: pid, tmux, times, exit code
 TRAIN_LOG = "train_log.jsonl"  # the trainer's metrics (CONTRACTS §3)
 CONSOLE_LOG = "console.log"  # everything a job's program printed
 RUN_CONFIG = "run.yaml"  # the resolved run config, written once by launch
+RESOLVED_CONFIG = "resolved.yaml"  # the trainer's: every key, defaults filled in
+AUDIT_FILE = "audit.json"  # the trainer's recipe audit
+PLAN_FILE = "plan.json"  # the trainer's memory and step-time plan, the link it measured
 LAUNCH_FILE = "launch.json"  # what the launcher runs, written at every start
+NODE_FILE = "node.json"  # the launcher's and the torchrun agent's processes (pid, start)
+EXIT_CODE_FILE = "exit_code"  # the job's exit code, written by its launcher as it ends
 
 
 def step_name(step):

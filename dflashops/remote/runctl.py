@@ -53,7 +53,7 @@ import signal
 import sys
 import time
 
-from dflashops.remote.layout import CHECKPOINTS, MANIFEST, STATE_FILE
+from dflashops.remote.layout import CHECKPOINTS, EXIT_CODE_FILE, MANIFEST, NODE_FILE, STATE_FILE
 from dflashops.remote.shared import read_json, same_process, write_json
 
 LOCK = ".lock"
@@ -133,7 +133,7 @@ def read_files(run_dir, names):
 
 def relaunch(run_dir, req):
     expect_unchanged(run_dir, req)
-    stale = [STATE_FILE, "exit_code", "node.json"]
+    stale = [STATE_FILE, EXIT_CODE_FILE, NODE_FILE]
     ranks = os.path.join(run_dir, "ranks")
     if os.path.isdir(ranks):
         stale += [os.path.join("ranks", n) for n in os.listdir(ranks) if n.endswith(".json")]
@@ -156,7 +156,7 @@ def restore(run_dir, req):
             os.unlink(path)
     if (load_state(run_dir).get("hold") or {}).get("token") != req["token"]:
         return {"restored": False}
-    for name in ("exit_code", "node.json"):
+    for name in (EXIT_CODE_FILE, NODE_FILE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(run_dir, name))
     for name, text in sorted(req["before"].items(), key=lambda kv: kv[0] == STATE_FILE):
@@ -207,7 +207,7 @@ def alert(run_dir, req):
 def recorded_processes(run_dir):
     """(pid, start) of this node's torchrun agent and of every rank it recorded."""
     found = []
-    node = read_json(os.path.join(run_dir, "node.json"))
+    node = read_json(os.path.join(run_dir, NODE_FILE))
     agent = node.get("agent") or {}
     found.append((agent.get("pid"), agent.get("start")))
     ranks = os.path.join(run_dir, "ranks")
@@ -238,7 +238,7 @@ def claim(run_dir, req):
     try:
         os.mkdir(run_dir)
     except FileExistsError:
-        started = os.path.exists(os.path.join(run_dir, "node.json"))
+        started = os.path.exists(os.path.join(run_dir, NODE_FILE))
         return {"taken": load_state(run_dir), "now": time.time(), "started": started}
     if req.get("hold"):
         req = {**req, "hold": held(req["hold"])}
@@ -263,7 +263,7 @@ def sweep(run_dir, req):
     if state.get("run_id") != req["run_id"] or token != req.get("token"):
         return {"swept": False}
     if state.get("status") not in ("claiming", "launching") or os.path.exists(
-        os.path.join(run_dir, "node.json")
+        os.path.join(run_dir, NODE_FILE)
     ):
         return {"swept": False}
     sweep_secrets({**req, "run": run_dir}, req["run_id"])

@@ -40,7 +40,15 @@ import subprocess
 import sys
 import time
 
-from dflashops.remote.layout import CHECKPOINTS, CONSOLE_LOG, MANIFEST, STATE_FILE, TRAIN_LOG
+from dflashops.remote.layout import (
+    CHECKPOINTS,
+    CONSOLE_LOG,
+    EXIT_CODE_FILE,
+    MANIFEST,
+    NODE_FILE,
+    STATE_FILE,
+    TRAIN_LOG,
+)
 from dflashops.remote.manifest import manifest_entries
 from dflashops.remote.shared import read_json, same_process
 
@@ -99,7 +107,7 @@ def session_name(run):
 
 def node_info(run_dir):
     """node.json (written by the launcher) with whether its processes are still those."""
-    node = read_json(os.path.join(run_dir, "node.json"))
+    node = read_json(os.path.join(run_dir, NODE_FILE))
     if not isinstance(node, dict):
         return None
     for key in ("launcher", "agent"):
@@ -434,7 +442,7 @@ def checkpoints(run_dir, verify):
 
 
 def exit_file(run_dir):
-    text = read_text(os.path.join(run_dir, "exit_code"), 64)
+    text = read_text(os.path.join(run_dir, EXIT_CODE_FILE), 64)
     try:
         return int(text.strip()) if text else None
     except ValueError:

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 
+from dflashops.remote.layout import NODE_FILE
+
 
 def proc_start(pid):
     """The start time of `pid`; None when it is gone (or a zombie)."""
@@ -47,7 +49,7 @@ def job_alive(session, job_dir, state_file=None):
             return True
     except OSError:
         pass
-    launcher = read_json(os.path.join(job_dir, "node.json")).get("launcher") or {}
+    launcher = read_json(os.path.join(job_dir, NODE_FILE)).get("launcher") or {}
     named = [(launcher.get("pid"), launcher.get("start"))]
     if state_file is not None:
         state = read_json(os.path.join(job_dir, state_file))

@@ -11,7 +11,7 @@ from pathlib import Path
 from dflashops import remote
 
 HERE = Path(remote.__file__).parent
-LIBRARY_IMPORT = re.compile(r"^from dflashops\.remote\.(\w+) import (.+)$", re.M)
+LIBRARY_IMPORT = re.compile(r"^from dflashops\.remote\.(\w+) import (\([^)]*\)|.+)$", re.M)
 
 
 def _defined(text: str) -> set[str]:
@@ -31,7 +31,7 @@ def test_every_name_a_helper_takes_from_a_library_is_defined_there():
             continue
         for library, names in LIBRARY_IMPORT.findall(path.read_text()):
             defined = _defined(remote.source(f"{library}.py"))
-            missing += [f"{path.name}: {library}.{n.strip()}" for n in names.split(",")
-                        if n.strip() not in defined]  # fmt: skip
+            taken = [n.strip() for n in names.strip("()").split(",") if n.strip()]
+            missing += [f"{path.name}: {library}.{n}" for n in taken if n not in defined]
         compile(remote.source(path.name), path.name, "exec")
     assert not missing

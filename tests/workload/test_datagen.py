@@ -241,14 +241,19 @@ def test_rerun_repeats_nothing_and_other_settings_are_refused(tf_run, corpus, ti
 
 def test_two_processes_make_the_same_set_once(tf_run, corpus, tiny_dense, tmp_path):
     """torchrun --nproc-per-node 2 (vLLM where it is, else transformers): the same
-    conversations as one process, each once, from both ranks."""
+    conversations as one process, each once, from both ranks. Each rank's engine core runs in
+    the rank's process (two engines in their own processes are four processes more on two
+    cores; the engine in its own process is test_vllm_stopped_with_its_process_group's)."""
     python = engines.vllm_python() or sys.executable
     torchrun = str(Path(python).with_name("torchrun"))
     out = tmp_path / "data"
     argv = datagen_argv("", corpus, tiny_dense / "target", out, "--chunk", "3")[1:]
     if python == sys.executable:
         argv += ["--engine", "transformers"]
-    r = run([torchrun, "--nproc-per-node", "2", "--standalone", *argv])
+    r = run(
+        [torchrun, "--nproc-per-node", "2", "--standalone", *argv],
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
     logs = r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, logs + "".join(p.read_text()[-2000:]
                                              for p in (out / "ranks").glob("*.log"))  # fmt: skip

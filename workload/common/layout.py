@@ -7,6 +7,7 @@ from __future__ import annotations
 RUN_CONFIG = "run.yaml"
 LOG_NAME = "train_log.jsonl"  # the metrics, one JSON object a line
 STATE_NAME = "state.json"  # pid, status, exit code
+RESOLVED_CONFIG = "resolved.yaml"  # the config with every default filled in, written at start
 AUDIT_NAME = "audit.json"  # the recipe audit
 PLAN_NAME = "plan.json"  # the memory and step-time plan
 RANKS_DIR = "ranks"  # every rank's rank_<R>.log (its output) and rank_<R>.json (a heartbeat)

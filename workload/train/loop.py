@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from workload.common.jsonfile import write_json_atomic
-from workload.common.layout import AUDIT_NAME, PLAN_NAME
+from workload.common.layout import AUDIT_NAME, PLAN_NAME, RESOLVED_CONFIG
 from workload.common.rank_files import Heartbeat, env_rank, process_start_ticks, redirect_output
 from workload.common.run_state import RunState
 from workload.common.stop_flag import StopFlag
@@ -150,7 +150,7 @@ def prepare(cfg: RunConfig, run_dir: Path, d: Dist, say) -> Run:
             say(f"recipe audit: {slower.line()}")
             items.append(slower)
         write_json_atomic(run_dir / AUDIT_NAME, audit_json(items))
-        dump(cfg, run_dir / "resolved.yaml")
+        dump(cfg, run_dir / RESOLVED_CONFIG)
         for line in memory.lines():
             say(f"memory plan: {line}")
         write_json_atomic(run_dir / PLAN_NAME, memory.to_json())

@@ -33,6 +33,7 @@ from dflashops import remote as helpers
 from dflashops.errors import NotFoundError, OpsError, TransferError, UsageError
 from dflashops.inventory import Target
 from dflashops.relay import relay
+from dflashops.remote import layout
 from dflashops.render import Stopwatch, duration
 from dflashops.runs.datagen.kind import DATAGEN, SETTINGS
 from dflashops.runs.lifecycle.claim import take_back
@@ -353,7 +354,7 @@ def copy_chunks(src: Machine, src_dir: str, chunks: list[str], dst: Machine, dst
 def finalize(machine: Machine, head: RunView) -> dict[str, Any]:
     """The generator's --finalize on node 0: every chunk checked against its record (size and
     sha256), the manifest written; complete, or an error naming what is missing."""
-    launch = json.loads(transfer.read_text(machine, posixpath.join(head.dir, "launch.json")))
+    launch = json.loads(transfer.read_text(machine, posixpath.join(head.dir, layout.LAUNCH_FILE)))
     doc = json.loads(transfer.read_text(machine, posixpath.join(head.dir, SETTINGS)))
     argv = [*doc["program"][head.target], "--finalize"]
     result = machine.run(argv, env={"PYTHONPATH": launch["code"]}, timeout=long(machine))

@@ -159,7 +159,7 @@ def read_result(session: Session, dest: Target, path: str) -> dict[str, Any]:
 def check_end(machine: Machine, job: dict[str, Any]) -> None:
     """The job's exit code as ours: an evaluator's refusal is one line, exit 2."""
     try:
-        code = int(transfer.read_text(machine, posixpath.join(job["dir"], "exit_code")))
+        code = int(transfer.read_text(machine, posixpath.join(job["dir"], layout.EXIT_CODE_FILE)))
     except (OpsError, ValueError):
         raise OpsError(f"{machine.name}: eval job {job['job']} ended without an exit code; "
                        f"see {job['dir']}/console.log") from None  # fmt: skip

@@ -17,6 +17,7 @@ import typer
 
 from dflashops import bundle, context
 from dflashops.errors import NotFoundError, UnreachableError, UsageError
+from dflashops.remote import layout
 from dflashops.ssh.session import Session
 
 CHECK_S = 60.0  # the deadline of the local check (it reads one YAML file)
@@ -45,7 +46,7 @@ def check_config(run: str, text: str) -> None:
     """run.yaml's text (with its --set header) checked offline: UsageError (exit 2) naming the
     key (and `did you mean`) for a bad one; a note when the check could not run here."""
     with tempfile.TemporaryDirectory(prefix="dflashops-dry-") as tmp:
-        path = Path(tmp) / "run.yaml"
+        path = Path(tmp) / layout.RUN_CONFIG
         path.write_text(text)
         env = {**os.environ, "PYTHONPATH": str(bundle.ROOT)}
         try:
@@ -96,10 +97,10 @@ def local_plan(run: str, text: str, argv: list[str], target_config: str) -> dict
     """workload.plan run here on run.yaml's text against the target model's config.json
     (`--target-config`): the plan, or None (said) where it cannot run here (no torch)."""
     with tempfile.TemporaryDirectory(prefix="dflashops-dry-") as tmp:
-        path = Path(tmp) / "run.yaml"
+        path = Path(tmp) / layout.RUN_CONFIG
         path.write_text(text)
         argv = [sys.executable, *argv[1:], "--target-config", target_config]
-        argv[argv.index("run.yaml")] = str(path)
+        argv[argv.index(layout.RUN_CONFIG)] = str(path)
         env = {**os.environ, "PYTHONPATH": str(bundle.ROOT)}
         try:
             done = subprocess.run(argv, capture_output=True, env=env, timeout=CHECK_S * 4,

@@ -13,6 +13,7 @@ from typing import Any
 
 from dflashops import context
 from dflashops.errors import OpsError
+from dflashops.remote import layout
 from dflashops.runs.evaluation.continuous import revive_server
 from dflashops.runs.evaluation.continuous_kind import FOLLOW
 from dflashops.runs.lifecycle import hold, kinds
@@ -133,7 +134,7 @@ def recorded_code(view: RunView) -> dict[str, str]:
     have none: they take the workload as it is now)."""
     out = {}
     for node in view.nodes or [view]:
-        text = (node.raw.get("files") or {}).get("launch.json")
+        text = (node.raw.get("files") or {}).get(layout.LAUNCH_FILE)
         try:
             code = json.loads(text).get("code") if text else None
         except ValueError:

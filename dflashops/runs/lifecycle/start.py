@@ -23,6 +23,7 @@ from typing import Any
 from dflashops import context, transfer
 from dflashops.errors import NotFoundError, OpsError, UnreachableError
 from dflashops.inventory import Target
+from dflashops.remote import layout
 from dflashops.remote import source as helper_source
 from dflashops.render import Stopwatch, duration
 from dflashops.runs.lifecycle.claim import claim, lease_kept, secrets_home, take_back
@@ -107,7 +108,7 @@ def node_files(placement: Placement, doc: dict[str, Any], files: dict[str, str])
     """launch.json, the launcher and its kind's helpers (written at every start), and `files`
     (the job's own, e.g. run.yaml: only at its first start)."""
     return {
-        "launch.json": json.dumps(doc, indent=2) + "\n",
+        layout.LAUNCH_FILE: json.dumps(doc, indent=2) + "\n",
         LAUNCHER: helper_source(LAUNCHER),
         **placement.kind.helpers(),
         **files,

@@ -12,6 +12,7 @@ import yaml
 
 from dflashops import bundle
 from dflashops.errors import NotFoundError, UsageError
+from dflashops.remote import layout
 from dflashops.runs.reading.view import RunView
 from dflashops.yamlfile import YamlFileError, load_located, load_value
 
@@ -59,7 +60,7 @@ def resolve_config(spec: str | None, sets: list[str], run: str) -> str:
 
 def parse_config(view: RunView, sets: list[str]) -> dict[str, Any]:
     """The run's run.yaml (the one pull-ckpt puts beside the checkpoint), with --set applied."""
-    text = (view.raw.get("files") or {}).get("run.yaml")
+    text = (view.raw.get("files") or {}).get(layout.RUN_CONFIG)
     if text is None:
         raise NotFoundError(f"{view.name}: no run.yaml in {view.target}:{view.dir}")
     try:

@@ -24,7 +24,7 @@ class Training(JobKind):
     stop_request = "save a checkpoint and stop"
 
     def argv(self, placement: Placement, node: Node, rundir: str, *, resume: bool) -> list[str]:
-        train = ["-m", "workload.train", "--config", "run.yaml", "--run-dir", rundir]
+        train = ["-m", "workload.train", "--config", layout.RUN_CONFIG, "--run-dir", rundir]
         return torchrun(placement, node) + train + (["--resume"] if resume else [])
 
     def details(self, view: RunView) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ from typing import Any
 from dflashops import context
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import Target
+from dflashops.remote import layout
 from dflashops.render import human_bytes
 from dflashops.runs.lifecycle.claim import sweep_abandoned, take_back, taken_error, warn_unread
 from dflashops.runs.lifecycle.placement import Node, Placement, place
@@ -61,7 +62,7 @@ def launch(
         show_plan(reader, placement, seen, text, code, force=True, target_config=target_config)
     planned: list[dict[str, Any]] = []
     made = start_job(
-        reader, writer, placement, code, seen.have_code, {"run.yaml": text}, values,
+        reader, writer, placement, code, seen.have_code, {layout.RUN_CONFIG: text}, values,
         check=lambda: planned.extend(check_plan(writer, placement, seen, code, force=force)),
     )  # fmt: skip
     if writer.dry_run:
@@ -202,7 +203,7 @@ def plan_argv(placement: Placement, node: Node, seen: Preflight) -> list[str]:
     """workload.plan for the run's nodes: their ranks, the smallest GPU's memory and the first
     GPU's name (the step time's peak), or the CPU."""
     gpu_mib = seen.gpu_memory_mib()
-    argv = [node.target.python, "-m", "workload.plan", "--config", "run.yaml"]
+    argv = [node.target.python, "-m", "workload.plan", "--config", layout.RUN_CONFIG]
     argv += ["--nproc", str(node.nproc), "--nnodes", str(len(placement.nodes))]
     argv += ["--device", "cuda" if gpu_mib else "cpu", "--json"]
     if gpu_mib:
@@ -294,8 +295,8 @@ def started_plan(reader: Session, placement: Placement) -> dict[str, Any] | None
         return None
     try:
         view = reread(reader.machine(placement.nodes[0].target), placement.run,
-                      records="none", files=["plan.json"])  # fmt: skip
-        return json.loads((view.raw.get("files") or {}).get("plan.json") or "null")
+                      records="none", files=[layout.PLAN_FILE])  # fmt: skip
+        return json.loads((view.raw.get("files") or {}).get(layout.PLAN_FILE) or "null")
     except (OpsError, ValueError):
         return None
 
@@ -376,7 +377,7 @@ def show_plan(
         )
         return
     argv = plan_argv(placement, node, seen)
-    argv[argv.index("run.yaml")] = "/dev/stdin"
+    argv[argv.index(layout.RUN_CONFIG)] = "/dev/stdin"
     result = machine.run(argv, env={"PYTHONPATH": code.path(node.target)}, stdin=text.encode())
     if result.ok:
         plan = json.loads(result.stdout)

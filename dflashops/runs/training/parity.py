@@ -12,6 +12,7 @@ from typing import Any
 from dflashops import engine_envs
 from dflashops.errors import NotFoundError, OpsError, UsageError
 from dflashops.inventory import Target
+from dflashops.remote import layout
 from dflashops.runs.datagen.job import long
 from dflashops.runs.lifecycle.snapshot import ensure_code, local_code
 from dflashops.runs.reading.probe import probe
@@ -31,10 +32,10 @@ def check_run(
     spec_tokens: int | None,
 ) -> dict[str, Any]:
     """{"run", "target", "on", "step", "mismatches": [{"key", "line"}], "facts"}."""
-    view = find(reader, run, host=host, records="none", files=["run.yaml"])
+    view = find(reader, run, host=host, records="none", files=[layout.RUN_CONFIG])
     home = reader.inventory.target(view.target)
     step = chosen_step(reader, view, step)
-    argv = ["--config", posixpath.join(view.dir, "run.yaml"), "--json"]
+    argv = ["--config", posixpath.join(view.dir, layout.RUN_CONFIG), "--json"]
     if step is not None:
         argv += ["--checkpoint", posixpath.join(view.dir, "checkpoints", f"step_{step}")]
     serving = ["--serving-defaults"]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dflashops import context
 from dflashops.errors import NotFoundError, OpsError
 from dflashops.remote import argv as helper_argv
+from dflashops.remote import layout
 from dflashops.runs.reading.view import RunView, tmux_session
 from dflashops.targets.base import Machine
 
@@ -61,7 +62,7 @@ class _Sinks:
 
 
 def console_path(view: RunView) -> str:
-    return posixpath.join(view.dir, "console.log")
+    return posixpath.join(view.dir, layout.CONSOLE_LOG)
 
 
 def stream_log(

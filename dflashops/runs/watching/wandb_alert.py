@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from dflashops.errors import OpsError
+from dflashops.remote import layout
 from dflashops.runs.lifecycle.control import control
 from dflashops.runs.reading.view import RunView
 from dflashops.runs.watching.alarms import Alert
@@ -29,7 +30,7 @@ TITLE_MAX = 63  # W&B takes titles under 64 characters
 
 def logs_to_wandb(view: RunView) -> bool:
     """Whether the run's run.yaml (read with the view) sends its metrics to W&B."""
-    text = (view.raw.get("files") or {}).get("run.yaml")
+    text = (view.raw.get("files") or {}).get(layout.RUN_CONFIG)
     try:
         data = yaml.safe_load(text) if text else None
     except yaml.YAMLError:
