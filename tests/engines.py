@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from workload.common.processes import pid_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = (
     ROOT / ".dflashops/workspace/dflashops/engines/vllm/bin/python",  # setup-dev.sh's
@@ -29,10 +31,10 @@ def building() -> bool:
     if BUILD_STATUS.exists():
         return False
     try:
-        os.kill(int(BUILD_PID.read_text()), 0)
+        pid = int(BUILD_PID.read_text())
     except (OSError, ValueError):
         return False
-    return True
+    return pid_alive(pid)
 
 
 def wait_for_the_build(timeout: float = 1200) -> str | None:
