@@ -107,8 +107,8 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(
             False,
             "--force",
-            help="Evaluate despite train-to-serve parity mismatches (the "
-            "result records them; see `dflashops check`).",
+            help="Evaluate despite train-to-serve parity mismatches (see `dflashops check`) or "
+            "prompts found verbatim in the training data (the result records them).",
         ),  # fmt: skip
         serve: bool = typer.Option(
             False,
@@ -136,6 +136,13 @@ def register(app: typer.Typer) -> None:
             "`engines:` name in hosts.yaml, e.g. vllm-0.31, or its python's absolute path), "
             "side by side: does a new engine version lower acceptance or speedup?",
         ),
+        repeat: int = typer.Option(
+            None,
+            "--repeat",
+            metavar="N",
+            help="--serve each concurrency's pass N times: each figure the mean, with its "
+            "spread (standard deviation).",
+        ),
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
@@ -148,6 +155,7 @@ def register(app: typer.Typer) -> None:
         chosen = [] if every is not None else chosen_steps(step, steps, follow)
         check_serve(serve, concurrency, vs, vs_engine, chosen, every, reference, check_real,
                     budgets, engine)  # fmt: skip
+        check_repeat(serve, repeat)
         if check_real is not None and check_real < 0:
             raise UsageError(f"--check-real {check_real}: a number of prompts, >= 0")
         dest = opts.inventory().target(on)
@@ -157,7 +165,7 @@ def register(app: typer.Typer) -> None:
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host, engine, force, serve, concurrency_levels(concurrency) if serve
-                      else None, parse_vs(vs), vs_engine)  # fmt: skip
+                      else None, parse_vs(vs), vs_engine, repeat or 1)  # fmt: skip
         if every is not None:
             return continuous(opts, opts.json, run, every, dest, extra)
         with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
@@ -193,6 +201,15 @@ def check_serve(serve: bool, concurrency: str | None, vs: str | None, vs_engine:
     if offline:
         raise UsageError(f"--serve: {', '.join(offline)} belong to the offline eval (--vs puts "
                          "another drafter beside it)")  # fmt: skip
+
+
+def check_repeat(serve: bool, repeat: int | None) -> None:
+    if repeat is None:
+        return
+    if not serve:
+        raise UsageError("--repeat: only with --serve")
+    if repeat < 1:
+        raise UsageError(f"--repeat {repeat}: a number of passes, >= 1")
 
 
 def chosen_steps(step: int | None, steps: str | None, follow: bool) -> list[int]:

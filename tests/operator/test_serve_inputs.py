@@ -31,6 +31,8 @@ def inv(tmp_path):
         (["--step", "2", "--serve", "--reference", "/x"], "--serve: --reference belong"),
         (["--step", "2", "--serve", "--engine", "sim"], "--serve: --engine sim belong"),
         (["--step", "2", "--vs-engine", "vllm-2"], "--vs-engine: only with --serve"),
+        (["--step", "2", "--repeat", "3"], "--repeat: only with --serve"),
+        (["--step", "2", "--serve", "--repeat", "0"], "--repeat 0: a number of passes, >= 1"),
         (
             ["--step", "2", "--serve", "--vs", "r:2", "--vs-engine", "vllm-2"],
             "--vs and --vs-engine: give one",
@@ -71,12 +73,18 @@ def test_a_second_engine_the_target_does_not_have_is_one_line(tmp_path):
     assert ran.code == 2 and "engines.trt-1: not an engine we run" in ran.err, ran.err
 
 
-def serving_result(speedups: dict[str, float]) -> dict:
-    """A stored serving result as workload.serve_bench writes it (the keys the readers use)."""
+H100 = {"device": "gpu", "gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "driver": "550.54.15",
+        "cuda": "12.8"}  # fmt: skip
+
+
+def serving_result(speedups: dict[str, float], hardware: dict | None = None) -> dict:
+    """A stored serving result as workload.serve_bench writes it (the keys the readers use),
+    measured on `hardware` (an H100 unless said)."""
     part = {"output_tokens_per_s": 100.0, "ttft_ms": {"p50": 1.0, "p99": 2.0},
             "tpot_ms": {"p50": 1.0, "p99": 2.0}}  # fmt: skip
     fingerprint = {"prompts_sha256": "ab" * 32, "max_new_tokens": 64, "block_size": 8,
-                   "engine": {"name": "vllm", "version": "0.32.0"}, "concurrency": [1, 16]}  # fmt: skip
+                   "engine": {"name": "vllm", "version": "0.32.0"}, "concurrency": [1, 16],
+                   "hardware": hardware or H100}  # fmt: skip
     return {
         "tau": 3.0, "per_position": [0.7], "n_prompts": 24, "max_new_tokens": 64,
         "engine": {"name": "vllm", "version": "0.32.0"}, "fingerprint": fingerprint,
@@ -147,3 +155,65 @@ def test_compare_tables_and_draws_the_speedup_per_concurrency(inv, tmp_path):
     assert panel.get_ylabel() == "speedup (serve)"
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in panel.get_lines()}
     assert lines["sa @16"] == [1.2, 1.5] and lines["sa @1"] == pytest.approx([1.1, 1.4])
+
+
+def test_results_on_other_hardware_are_marked_and_not_differenced(inv, tmp_path, capsys):
+    """An H200 stand-in beside H100 results (no GPU needed: the stored files say what they ran
+    on): compare --tau marks it ≠gpu with no gap; watch's margin does not weigh it against the
+    H100 baseline, and its stall rule does not count it among the H100 values; eval's table
+    puts a --vs result on other hardware beside, marked, with no difference."""
+    import json
+
+    from tests.operator.rundirs import make_run
+
+    h200 = {**H100, "gpu": "NVIDIA H200"}
+    for run, values, on_h200 in (("sa", (2.0, 2.1), False), ("sb", (1.9, 2.0), True)):
+        make_run(tmp_path / "ws", run, [{"step": s, "loss": 1 / s} for s in (100, 200)])
+        evals = tmp_path / "ws" / "evals" / run
+        evals.mkdir(parents=True)
+        for step, x in zip((100, 200), values, strict=True):
+            found = serving_result({"1": 1.0, "16": x}, h200 if on_h200 and step == 200 else None)
+            (evals / f"serve_{step}.json").write_text(json.dumps(found))
+
+    doc = json.loads(dflashops("--json", "compare", "sa", "sb", "--tau", inventory=inv,
+                               home=tmp_path).out)["tau"]  # fmt: skip
+    sb = doc["runs"][1]["values"]["speedup@16"]
+    assert sb["100"]["settings"] == [] and sb["200"]["settings"] == ["gpu"]
+    text = dflashops("compare", "sa", "sb", "--tau", "--metrics", "loss", inventory=inv,
+                     home=tmp_path).out  # fmt: skip
+    line = next(x for x in text.split("\nspeedup@16 ", 1)[1].splitlines() if x.startswith("sb"))
+    assert line.split() == ["sb", "1.9", "(-5%)", "2", "≠gpu"]  # no gap to sa's 2.1
+
+    def watch(*rule: str) -> str:
+        ran = dflashops("watch", "sa", "--metric", "speedup@16", *rule, "--once", inventory=inv,
+                        home=tmp_path)  # fmt: skip
+        assert ran.code == 0, ran.err
+        return ran.out
+
+    # step 200, sa's 2.1 against sb's 2.0 on an H200, is not a milestone; step 100 (both H100) is
+    assert "2 at step 100 is within 0.5 of sb's 1.9 (lead +0.1)" in watch(
+        "--vs", "sb", "--margin", "0.5"
+    )
+    (tmp_path / "ws" / "evals" / "sa" / "serve_200.json").write_text(
+        json.dumps(serving_result({"1": 1.0, "16": 1.0}, h200))
+    )
+    assert "alert" not in watch("--stall", "1")  # H200's 1.0 is not a fall from H100's 2.0
+
+    from dflashops.inventory import Target
+    from dflashops.runs.evaluation.serving_table import show_serve
+
+    mine = serving_result({"1": 1.5, "16": 2.4})
+    mine.update(vs={**serving_result({"1": 1.4, "16": 2.2}, h200), "checkpoint": "/ws/x/step_9"},
+                diff_refused=[f"hardware: {json.dumps(H100)} vs {json.dumps(h200)}"])  # fmt: skip
+    capsys.readouterr()
+    show_serve(
+        "sa",
+        100,
+        Target(name="local", kind="local", workspace="/ws", python="python3"),
+        "/o.json",
+        mine,
+    )
+    shown = capsys.readouterr().out
+    assert "x step_9 [other hardware]" in shown and "no difference computed" in shown
+    assert "x step_9 was measured on NVIDIA H200 x1 (driver 550.54.15, CUDA 12.8)" in shown
+    assert "on NVIDIA H100 80GB HBM3 x1 (driver 550.54.15, CUDA 12.8)" in shown

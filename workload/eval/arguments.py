@@ -50,6 +50,8 @@ def subject_parser(prog: str, description: str) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a vLLM engine or server argument, e.g. gpu_memory_utilization=0.85",
     )
-    p.add_argument("--force", action="store_true", help="despite train-to-serve parity mismatches")
+    p.add_argument("--force", action="store_true",
+                   help="despite train-to-serve parity mismatches or prompts found in the "
+                   "training data")  # fmt: skip
     p.add_argument("--out", required=True, type=Path, help="where to write the result JSON")
     return p

@@ -39,6 +39,7 @@ from workload.eval.inputs import (
     render_prompt,
     stop_ids_of,
 )
+from workload.eval.overlap import training_overlap
 from workload.eval.prompts import prompts_sha256
 from workload.eval.run_settings import RunSettings, chat_template_kwargs, load_run_settings
 from workload.eval.summary import (
@@ -114,6 +115,7 @@ class Evaluation:
         self.prompts_path = prompts_path(args, self.settings)
         self.prompt_set = prompt_set_of(self.prompts_path).head(args.max_prompts)
         self.prompts = self.prompt_set.items
+        self.overlap = training_overlap(self.prompts, self.settings.data_path, args.force)
         check_manifest(args.checkpoint, required=not args.allow_incomplete)
         if args.reference is not None:
             check_manifest(args.reference, required=False)  # z-lab's drafters have none
@@ -236,6 +238,7 @@ class Evaluation:
         result["budgets"] = self.budgets
         result["prompts_file"] = str(self.prompts_path.resolve())
         result["prompt_set"] = self.prompt_set.describe()
+        result["training_overlap"] = self.overlap
         result["prompts"] = records
         if len(self.subjects) > 1:
             result["reference"] = self.summary(self.subjects[1])

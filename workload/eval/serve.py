@@ -4,7 +4,8 @@ drafter as its DFlash speculator and without it, driven by vLLM's own benchmark 
     python -m workload.serve_bench --config RUN.yaml --checkpoint DIR [--vs DIR | --vs-result FILE
         | --vs-vllm-python PATH [--vs-engine-name NAME]] [--concurrency 1,4,16] [--prompts FILE] [--max-new-tokens N] [--max-prompts N]
         [--chat-template-kwargs JSON] [--set KEY=VALUE]... [--vllm-python PATH]
-        [--vllm-arg KEY=VALUE]... [--ready-timeout S] [--bench-timeout S] [--force] --out FILE.json
+        [--vllm-arg KEY=VALUE]... [--repeat N] [--ready-timeout S] [--bench-timeout S] [--force]
+        --out FILE.json
 
 Each subject in turn (the checkpoint, the --vs drafter, then the target alone; with
 --vs-vllm-python, the checkpoint and the target alone in each of two vLLM environments): a server
@@ -15,7 +16,19 @@ python) at each concurrency over all the prompts, then stopped (its process grou
 must be closed after) before the next starts: one accelerator holds one server at a time.
 The prompts are the offline eval's (workload/eval/prompts.py, rendered with the run's chat template
 and kwargs), sent as token ids, greedy, `ignore_eos` with the workload's stop ids, at most
---max-new-tokens each, as `eval --engine vllm` generates them.
+--max-new-tokens each, as `eval --engine vllm` generates them. The servers run without prefix
+caching (`--no-enable-prefix-caching`; `--vllm-arg enable_prefix_caching=true` turns it on, and
+the fingerprint's server_args say so): the same prompts go out at every concurrency and repeat,
+and with it the later passes' TTFT would be mostly cache hits. `--repeat N` runs every
+concurrency's pass N times (all concurrencies, then again), spec and plain alike: each figure is
+the mean over the repeats, with their standard deviation in `spread` and each repeat's figures in
+`by_repeat`. Fewer prompts than the highest concurrency is warned about (that pass never holds
+that many requests at once), in the result's `warnings` too. The prompts are checked against the
+run's training data first (workload/eval/overlap.py: refused above its share unless --force).
+
+The fingerprint names the hardware (workload/eval/hardware.py: GPU model, count, driver, the
+serving environment's CUDA; on a CPU its model and cores): a --vs-result measured on other
+hardware is put beside this one, not differenced.
 
 Acceptance comes from the server's spec-decode counters (/metrics, read by the client around
 each pass): per position accepted_per_pos / drafts, τ pooled as 1 + accepted / drafts (vLLM's
@@ -37,6 +50,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +74,7 @@ from workload.eval.fingerprint import (
     target_identity,
     template_sha256,
 )
+from workload.eval.hardware import hardware, with_cuda
 from workload.eval.inputs import (
     chat_template,
     check_manifest,
@@ -70,6 +85,7 @@ from workload.eval.inputs import (
     render_prompt,
     stop_ids_of,
 )
+from workload.eval.overlap import training_overlap
 from workload.eval.prompts import prompts_sha256
 from workload.eval.run_settings import chat_template_kwargs, load_run_settings
 from workload.eval.summary import say
@@ -101,6 +117,7 @@ class Subject:
     python: str  # the vLLM environment's python that serves it
     block_size: int = 0
     version: str = "unknown"  # vLLM's, as its client reports it
+    cuda: str | None = None  # the CUDA its environment's torch was built for, as the client says
     timing: dict[str, float] = field(default_factory=dict)
     passes: dict[str, dict] = field(default_factory=dict)
 
@@ -132,6 +149,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         if args.max_new_tokens < 1:
             raise EvalError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+        if args.repeat < 1:
+            raise EvalError(f"--repeat {args.repeat}: must be >= 1")
         self.args = args
         self.levels = concurrencies(args.concurrency)
         self.python = vllm_python(args.vllm_python)
@@ -141,6 +160,7 @@ class Bench:
         prompts_path = args.prompts or _default_prompts(args, self.settings.data_path)
         self.prompt_set = prompt_set_of(prompts_path).head(args.max_prompts)
         self.prompts = self.prompt_set.items
+        self.overlap = training_overlap(self.prompts, self.settings.data_path, args.force)
         check_manifest(args.checkpoint, required=True)
         self.subjects = subjects_of(args, self.python, self.vs_python)
         target = self.settings.target_path
@@ -153,6 +173,10 @@ class Bench:
                     for p in self.prompts]  # fmt: skip
         self.extra = engine_args(args.vllm_args)
         self.gpu = _gpu()
+        self.hardware = hardware(self.gpu)
+        self.warnings = few_prompts(len(self.prompts), self.levels)
+        for line in self.warnings:
+            say(f"serve: warning: {line}")
 
     def groups(self) -> dict[tuple[str, str], list[int]]:
         """Prompt indices by (category, length bucket)."""
@@ -173,6 +197,7 @@ class Bench:
             "seed": 0,
             "max_model_len": self.max_model_len(),
             "enforce_eager": not self.gpu,
+            "enable_prefix_caching": False,  # the same prompts at each concurrency and repeat
         }
         args.update(self.extra)
         return args
@@ -198,6 +223,15 @@ def subjects_of(args: argparse.Namespace, python: str, vs_python: str | None) ->
     for s in out:
         s.block_size = drafter_block_size(s.path) if s.path is not None else 0
     return out
+
+
+def few_prompts(n: int, levels: list[int]) -> list[str]:
+    """The warning when the highest concurrency outnumbers the prompts."""
+    if n >= levels[-1]:
+        return []
+    return [f"{n} prompts, fewer than the highest concurrency {levels[-1]}: that pass never holds "
+            f"more than {n} requests at once, so its figures are not those of concurrency "
+            f"{levels[-1]} (give at least {levels[-1]} prompts: --prompts, --max-prompts)"]  # fmt: skip
 
 
 def _default_prompts(args: argparse.Namespace, data: Path | None) -> Path:
@@ -235,7 +269,9 @@ def server_argv(bench: Bench, subject: Subject, port: int) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
-        elif value is not False and value is not None:
+        elif value is False:
+            argv.append("--no-" + flag[2:])  # vLLM's boolean options take --no-<name>
+        elif value is not None:
             argv += [flag, value if isinstance(value, str) else json.dumps(value)]
     if subject.path is not None:
         spec = {"method": "dflash", "model": str(subject.path.resolve()),
@@ -347,14 +383,20 @@ def passes_of(bench: Bench, subject: Subject) -> list[dict]:
     """Every concurrency over all prompts; a drafter also one pass per (category, length)
     group at the highest concurrency, where there are several groups."""
     everything = list(range(len(bench.prompts)))
-    out = [{"name": f"c{c}", "prompts": everything, "concurrency": c, "warmups": 1}
-           for c in bench.levels]  # fmt: skip
+    out = [{"name": pass_name(c, r), "prompts": everything, "concurrency": c,
+            "warmups": 1 if r == 0 else 0}
+           for r in range(bench.args.repeat) for c in bench.levels]  # fmt: skip
     groups = bench.groups()
     if subject.path is not None and len(groups) > 1:
         for k, ((category, bucket), indices) in enumerate(sorted(groups.items())):
             out.append({"name": f"group{k}", "prompts": indices, "concurrency": bench.levels[-1],
                         "warmups": 0, "category": category, "bucket": bucket})  # fmt: skip
     return out
+
+
+def pass_name(concurrency: int, repeat: int) -> str:
+    """'c4' (the first pass at concurrency 4), 'c4.2' (its second repeat), ..."""
+    return f"c{concurrency}" + (f".{repeat + 1}" if repeat else "")
 
 
 def request_of(bench: Bench, subject: Subject, url: str) -> dict:
@@ -420,6 +462,7 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path, lines: list[str]) -
 def keep(bench: Bench, subject: Subject, passes: list[dict], result: dict) -> None:
     subject.timing["passes_s"] = sum(p["wall_s"] for p in result["passes"].values())
     subject.version = result["version"]
+    subject.cuda = result.get("cuda")
     for p in passes:
         subject.passes[p["name"]] = {**result["passes"][p["name"]],
                                      **{k: p[k] for k in ("category", "bucket") if k in p}}  # fmt: skip
@@ -495,14 +538,44 @@ def acceptance(bench: Bench, s: Subject) -> dict:
 
 
 def serve_table(bench: Bench, spec: Subject, plain: Subject) -> dict:
+    """Per concurrency: spec and plain figures and speedup, each the mean over the repeats; with
+    more than one, `spread` (their standard deviation) and `by_repeat` (each repeat's)."""
     out = {}
     for c in bench.levels:
-        a, b = spec.passes[f"c{c}"], plain.passes[f"c{c}"]
-        rate_a, rate_b = a.get("output_throughput"), b.get("output_throughput")
-        entry = {"spec": {**figures(a), "tau": _tau_of(a)}, "plain": figures(b)}
-        entry["speedup"] = rate_a / rate_b if rate_a and rate_b else None
+        names = [pass_name(c, r) for r in range(bench.args.repeat)]
+        each = [one_repeat(spec.passes[n], plain.passes[n]) for n in names]
+        entry = {key: _mean_of([e[key] for e in each]) for key in ("spec", "plain", "speedup")}
+        entry["repeats"] = len(each)
+        if len(each) > 1:
+            entry["spread"] = {key: _spread_of([e[key] for e in each])
+                               for key in ("spec", "plain", "speedup")}  # fmt: skip
+            entry["by_repeat"] = each
         out[str(c)] = entry
     return out
+
+
+def one_repeat(a: dict, b: dict) -> dict:
+    rate_a, rate_b = a.get("output_throughput"), b.get("output_throughput")
+    return {"spec": {**figures(a), "tau": _tau_of(a)}, "plain": figures(b),
+            "speedup": rate_a / rate_b if rate_a and rate_b else None}  # fmt: skip
+
+
+def _mean_of(values: list) -> Any:
+    """The mean of numbers, key by key through dicts; None where any repeat has none."""
+    if isinstance(values[0], dict):
+        return {k: _mean_of([v.get(k) for v in values]) for k in values[0]}
+    if any(not isinstance(v, (int, float)) for v in values):
+        return None
+    return values[0] if len(set(values)) == 1 else statistics.fmean(values)
+
+
+def _spread_of(values: list) -> Any:
+    """The sample standard deviation, key by key, as _mean_of."""
+    if isinstance(values[0], dict):
+        return {k: _spread_of([v.get(k) for v in values]) for k in values[0]}
+    if any(not isinstance(v, (int, float)) for v in values):
+        return None
+    return statistics.stdev(values)
 
 
 def _tau_of(p: dict) -> float | None:
@@ -575,12 +648,21 @@ def attach_vs(result: dict, other: dict, axis: str = "drafter") -> None:
     fp = other.get("fingerprint") or {}
     mine = result["fingerprint"]
     if axis == "engine":
-        fp, mine = {**fp, "engine": None}, {**mine, "engine": None}
+        fp, mine = without_engine(fp), without_engine(mine)
     why = differences(mine, fp)
     if why:
         result["diff_refused"] = why
     else:
         result["diff"] = diff_of(result, other)
+
+
+def without_engine(fp: dict) -> dict:
+    """A fingerprint less what belongs to the engine environment: its name and version, and the
+    CUDA its torch was built for."""
+    out = {**fp, "engine": None}
+    if isinstance(fp.get("hardware"), dict):
+        out["hardware"] = {**fp["hardware"], "cuda": None}
+    return out
 
 
 def read_vs_result(path: Path) -> dict:
@@ -607,7 +689,12 @@ def fingerprint_of(bench: Bench, s: Subject) -> dict:
         engine={"name": "vllm", "version": s.version},
         dtype=bench.server_args()["dtype"],
     )
-    return {**fp, "concurrency": bench.levels, "server_args": bench.server_args()}
+    return {
+        **fp,
+        "concurrency": bench.levels,
+        "server_args": bench.server_args(),
+        "hardware": with_cuda(bench.hardware, s.cuda),
+    }
 
 
 def run(bench: Bench, out: Path) -> dict:
@@ -631,6 +718,10 @@ def run(bench: Bench, out: Path) -> dict:
     result.update(
         engine={"name": "vllm", "version": mine.version},
         engine_device="gpu" if bench.gpu else "cpu",
+        hardware=fp["hardware"],
+        repeat=bench.args.repeat,
+        warnings=bench.warnings,
+        training_overlap=bench.overlap,
         n_prompts=len(bench.prompts),
         max_new_tokens=bench.args.max_new_tokens,
         prompt_set=bench.prompt_set.describe(),
@@ -664,6 +755,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--vs-engine-name", default=None, metavar="NAME",
                    help="the second environment's name, as the result keeps it")  # fmt: skip
     p.add_argument("--concurrency", default="1,4,16", help="concurrencies, e.g. 1,4,16")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="each concurrency's pass N times: the mean and its spread")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=1800.0, metavar="S")
     p.add_argument("--bench-timeout", type=float, default=10800.0, metavar="S")
     args = p.parse_args(argv)

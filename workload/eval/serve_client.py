@@ -121,7 +121,9 @@ def await_server(url: str, timeout: float) -> None:
 def run(request: dict, out_dir: str) -> dict:
     """request: {"label", "base_url", "ready_timeout", "model", "tokenizer", "max_new_tokens", "extra_body",
     "prompts": [[ids]], "passes": [{"name", "prompts": [index], "concurrency", "warmups"}]};
-    result: {"version", "passes": {NAME: the client's figures}}."""
+    result: {"version", "cuda" (the CUDA its torch was built for; None on a CPU build), "passes":
+    {NAME: the client's figures}}."""
+    import torch
     import vllm
     import vllm.benchmarks.serve  # noqa: F401  (imported while the server starts)
 
@@ -135,7 +137,7 @@ def run(request: dict, out_dir: str) -> dict:
             f"output tokens/s at concurrency {p['concurrency']} ({len(p['prompts'])} requests, "
             f"{figures['wall_s']:.1f}s)"
         )
-    return {"version": vllm.__version__, "passes": passes}
+    return {"version": vllm.__version__, "cuda": torch.version.cuda, "passes": passes}
 
 
 def main(argv: list[str] | None = None) -> int:

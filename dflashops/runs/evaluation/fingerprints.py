@@ -1,7 +1,9 @@
 """The settings behind a τ (an eval result's `fingerprint`, CONTRACTS §6), compared.
 
 Two results are comparable when their fingerprints are equal, key by key, with the target
-compared by its digest (the same model copied to another path is the same target). A result
+compared by its digest (the same model copied to another path is the same target). A serving
+result's fingerprint names its hardware (GPU model and count, driver, CUDA; or the CPU): results
+on other hardware, or one that does not say (written before), differ there and are not compared. A result
 without a fingerprint (written before fingerprints) has unknown settings: it is comparable with
 nothing. `differs` names the keys that differ, as `evals`, `compare --tau` and the plot show them.
 """
@@ -22,6 +24,13 @@ SHORT = {
     "engine.name": "engine",
     "engine.version": "engine_version",
     "dtype": "dtype",
+    "hardware.device": "device",  # a serving result's machine (workload/eval/hardware.py)
+    "hardware.gpu": "gpu",
+    "hardware.gpu_count": "gpu_count",
+    "hardware.driver": "driver",
+    "hardware.cuda": "cuda",
+    "hardware.cpu": "cpu",
+    "hardware.cpu_count": "cpu_count",
 }
 IGNORED = {"target.path"}  # informational: where the target lies on that machine
 UNKNOWN = "no fingerprint"

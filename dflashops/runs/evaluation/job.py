@@ -52,13 +52,14 @@ class Extra:
     budgets: list[int] | None = None  # DDTree budgets besides the evaluator's
     host: str | None = None  # --host: the run's target where its name is on several
     engine: str = "auto"  # --engine: vllm where the target has it, else sim (the simulation)
-    force: bool = False  # --force: evaluate despite train-to-serve parity mismatches
+    force: bool = False  # --force: evaluate despite parity mismatches or training-data overlap
     serve: bool = (
         False  # --serve: the serving benchmark (runs/evaluation/serving.py) instead of the eval
     )
     concurrency: list[int] | None = None  # --serve's concurrencies
     vs: Vs | None = None  # --serve's second subject
     vs_engine: str | None = None  # --serve's second engine environment (a name or a python)
+    repeat: int = 1  # --serve's passes per concurrency (mean and spread)
 
 
 def start_eval(
@@ -75,7 +76,10 @@ def start_eval(
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
     vs_view = None
     if extra.serve:
-        base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest) + vs_engine
+        base = (
+            serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest, extra.repeat)
+            + vs_engine
+        )
         vs_view = pull_vs(reader, writer, extra.vs, dest)
     else:
         base += engine

@@ -77,11 +77,12 @@ def parse_vs(text: str | None) -> Vs | None:
 
 
 def serve_argv(base: list[str], python: str, levels: list[int], vs: Vs | None,
-               dest: Target) -> list[str]:  # fmt: skip
+               dest: Target, repeat: int = 1) -> list[str]:  # fmt: skip
     """The evaluator's argv (eval_argv's) made the serving benchmark's."""
     argv = list(base)
     argv[argv.index("workload.eval")] = "workload.serve_bench"
     argv += ["--vllm-python", python, "--concurrency", ",".join(map(str, levels))]
+    argv += ["--repeat", str(repeat)] if repeat > 1 else []
     if vs is not None:
         argv += ["--vs-result" if vs.is_result else "--vs", vs.on(dest)]
     return argv
