@@ -275,4 +275,3 @@ def server_group(ws: Path) -> list[tuple[int, int]]:
     port = int(re.search(r"--port (\d+)", server[2]).group(1))
     rest = [(int(r[0]), 0) for r in rows if r[1] == server[0] and r[0] != server[0]]
     return [(int(server[0]), port), *rest]
-
