@@ -27,6 +27,7 @@ from workload.eval.serve import (
     bucket_of,
     few_prompts,
     main,
+    passes_of,
     serve_table,
     server_argv,
 )
@@ -146,6 +147,10 @@ def test_repeats_give_the_mean_and_the_spread():
     bench.args.repeat = 1
     single = serve_table(bench, spec, plain)["1"]
     assert single["repeats"] == 1 and single["speedup"] == 3.0 and "spread" not in single
+    bench.args.repeat, bench.prompts = 2, ["p0", "p1"]
+    bench.groups = lambda: {("chat", "<1k"): [0, 1]}
+    sent = [(p["name"], p["concurrency"], p["warmups"]) for p in passes_of(bench, spec)]
+    assert sent == [("c1", 1, 1), ("c4", 4, 1), ("c1.2", 1, 0), ("c4.2", 4, 0)]
 
 
 def test_the_servers_run_without_prefix_caching():
