@@ -167,6 +167,9 @@ def details(view: RunView) -> list[tuple[str, str]]:
     if st.get("pid"):
         rows.append(("pid", str(st["pid"])))
     rows += node_rows(view)
+    lived = view.status.get("history") or []
+    if len(lived) > 1:  # it moved, or changed its number of processes
+        rows.append(("lived", "; ".join(lived_cell(h) for h in lived)))
     ranks = view.ranks
     if ranks:
         rows.append(("ranks", ranks_cell(ranks)))
@@ -179,6 +182,13 @@ def details(view: RunView) -> list[tuple[str, str]]:
     if view.note:
         rows.append(("note", view.note))
     return rows + kinds.by_where(view.where).details(view)  # a run's: wandb, checkpoints
+
+
+def lived_cell(entry: dict[str, Any]) -> str:
+    """'ct200 x2, ct201 x2 from step 0': where the run ran from a step on."""
+    where = ", ".join(f"{t} x{n}" for t, n in zip(entry.get("targets") or [],
+                                                   entry.get("nproc") or [], strict=False))  # fmt: skip
+    return f"{where} from step {entry.get('from_step', 0)}"
 
 
 def eval_rows(view: RunView, evaluated: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -240,6 +240,7 @@ class RunView:
             "wandb_url": self.status.get("wandb_url"),
             "warnings": self.warnings,
             "nodes": [node_summary(v) for v in (self.nodes or [self])],
+            "history": self.status.get("history") or [],
             "ranks": [rank_summary(r) for r in self.ranks],
             **(self.kind.summary(self) if self.kind is not None else {}),
         }
