@@ -195,8 +195,21 @@ def first_step_line(run: Run, since: float) -> str:
     how = "compiled" if flex_compiled(run.device) else "run eagerly"
     return (
         f"first step: {seconds:.1f}s, with flex attention and block masks {how} for "
-        f"{shapes} shape(s) (one per layer kind; later steps reuse them)"
+        f"{shapes} shape(s) (one per layer kind; later steps reuse them){cache_note()}"
     )
+
+
+def cache_note() -> str:
+    """'; compile cache: 4 graph(s) from the cache, 0 compiled' (TORCHINDUCTOR_CACHE_DIR,
+    which launch puts in the workspace), or '' when nothing went through inductor."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    if not hits + misses:
+        return ""
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
+    return f"; compile cache ({where}): {hits} graph(s) from the cache, {misses} compiled"
 
 
 def _train(
