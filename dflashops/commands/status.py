@@ -19,7 +19,7 @@ from dflashops.runs.evaluation.results import latest_eval
 from dflashops.runs.lifecycle import kinds
 from dflashops.runs.reading.failure import trainer_lines
 from dflashops.runs.reading.survey import Survey, find, resolve, survey
-from dflashops.runs.reading.view import VALUE_RULE, RunView, tmux_session
+from dflashops.runs.reading.view import VALUE_RULE, RunView, lived_text, tmux_session
 from dflashops.runs.watching.status_follow import follow_run
 from dflashops.runs.watching.status_tables import (
     history_table,
@@ -167,9 +167,8 @@ def details(view: RunView) -> list[tuple[str, str]]:
     if st.get("pid"):
         rows.append(("pid", str(st["pid"])))
     rows += node_rows(view)
-    lived = view.status.get("history") or []
-    if len(lived) > 1:  # it moved, or changed its number of processes
-        rows.append(("lived", "; ".join(lived_cell(h) for h in lived)))
+    if len(view.status.get("history") or []) > 1:  # it moved, or changed its processes
+        rows.append(("lived", lived_text(view)))
     ranks = view.ranks
     if ranks:
         rows.append(("ranks", ranks_cell(ranks)))
@@ -182,13 +181,6 @@ def details(view: RunView) -> list[tuple[str, str]]:
     if view.note:
         rows.append(("note", view.note))
     return rows + kinds.by_where(view.where).details(view)  # a run's: wandb, checkpoints
-
-
-def lived_cell(entry: dict[str, Any]) -> str:
-    """'ct200 x2, ct201 x2 from step 0': where the run ran from a step on."""
-    where = ", ".join(f"{t} x{n}" for t, n in zip(entry.get("targets") or [],
-                                                   entry.get("nproc") or [], strict=False))  # fmt: skip
-    return f"{where} from step {entry.get('from_step', 0)}"
 
 
 def eval_rows(view: RunView, evaluated: dict[str, Any] | None) -> list[tuple[str, str]]:

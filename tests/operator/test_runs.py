@@ -316,6 +316,8 @@ def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
         (["train"], [1], 0), (["train"], [2], moved)]  # fmt: skip
     shown = cli("status", "r-stop")
     assert f"lived:       train x1 from step 0; train x2 from step {moved}" in shown.out, shown.out
+    diffed = cli("diff", "r-stop", "--all")
+    assert diffed.code == 0 and f"train x1 from step 0; train x2 from step {moved}" in diffed.out
     line = next(json.loads(x) for x in log_file.read_text().splitlines() if "resumed_at" in x)
     assert (line["from_world_size"], line["world_size"], line["grad_accum"]) == (1, 2, 1)
 
