@@ -17,6 +17,7 @@ from dflashops.errors import (
     NoAnswerError,
     NotFoundError,
     OpsError,
+    UnreachableError,
     UsageError,
 )
 from dflashops.inventory import Endpoint, Inventory, Target
@@ -76,6 +77,7 @@ def register(app: typer.Typer) -> None:
         if ctx.invoked_subcommand is not None:
             return
         opts = context.begin(ctx, json_out)
+        context.note(f"inventory: {opts.inventory().path}")
         host_rows, target_rows = survey(opts.session(), opts.inventory())
         if opts.json:
             opts.emit(
@@ -87,6 +89,8 @@ def register(app: typer.Typer) -> None:
             )
         elif not opts.dry_run:
             render(host_rows, target_rows)
+        for line in gpu_entries(opts.inventory(), target_rows):
+            context.note(line)
         if any(not r.reachable for r in host_rows) or any(
             r.state in ("unreachable", NO_ANSWER) for r in target_rows
         ):
@@ -106,7 +110,10 @@ def register(app: typer.Typer) -> None:
         session = opts.session()
         endpoint = session.endpoint(host)
         not_a_typo(session, host, endpoint)
-        pin_key(session, endpoint, yes)
+        try:
+            pin_key(session, endpoint, yes)
+        except UnreachableError as exc:
+            raise not_in_inventory(session.inventory, host, exc) from None
 
     app.add_typer(group, name="hosts")
 
@@ -214,6 +221,26 @@ def holders(found: Probe) -> tuple[dict[int, str], dict[int, list[str]]]:
     return by_pid, by_local
 
 
+def gpu_entries(inventory: Inventory, rows: list[TargetRow]) -> list[str]:
+    """For each target whose GPUs nvidia-smi showed and the inventory does not say (or says
+    otherwise): the entry that lets an offline plan (`--dry-run launch`) count on them."""
+    out = []
+    for row in rows:
+        found = [g for g in row.devices or [] if isinstance(g.get("memory_total_mib"), int)]
+        if not found:
+            continue
+        target = inventory.targets[row.name]
+        model = found[0].get("name")
+        gib = round(min(g["memory_total_mib"] for g in found) / 1024, 1)
+        said = (target.gpus, target.gpu_model, target.gpu_memory_gib)
+        if said == (len(found), model, gib):
+            continue
+        entry = f"gpus: {len(found)}, gpu_model: {model}, gpu_memory_gib: {gib}"
+        out.append(f"{row.name}: nvidia-smi shows {len(found)} x {model} ({gib} GiB); "
+                   f"say so in {inventory.path}, targets.{row.name}: {{{entry}}}")  # fmt: skip
+    return out
+
+
 def _error_row(target: Target, error: OpsError) -> TargetRow:
     state = "unreachable" if error.code == ExitCode.UNREACHABLE else "error"
     if error.code == ExitCode.NOT_FOUND:
@@ -309,7 +336,19 @@ def not_a_typo(session, host: str, endpoint: Endpoint) -> None:  # noqa: ANN001
         return
     hint = did_you_mean(host, names)
     if hint:
-        raise NotFoundError(f"{host}: not a host of the inventory{hint}")
+        raise NotFoundError(f"{host}: not a host of {inventory.path}{hint}")
+
+
+def not_in_inventory(inventory: Inventory, host: str, exc: UnreachableError) -> OpsError:
+    """A name that DNS cannot resolve either, when the inventory does not hold it: said with
+    the file read (exit 4); any other failure to reach it as it was."""
+    if host in inventory.hosts or "cannot resolve" not in exc.message:
+        return exc
+    known = ", ".join(sorted(inventory.hosts)) or "none"
+    return NotFoundError(
+        f"{host}: not a host of {inventory.path} (hosts: {known}), nor an ~/.ssh/config alias, "
+        f"and DNS cannot resolve it; describe it under hosts: in that file"
+    )
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001

@@ -411,11 +411,11 @@ def test_a_run_being_changed_is_refused_at_once(here):
 
 
 def test_no_runs_names_the_workspace_it_read_and_makes_none(tmp_path):
-    """A copy of the shipped hosts.yaml in another folder: `local`'s relative workspace is
+    """A copy of the shipped demo-hosts.yaml in another folder: `local`'s relative workspace is
     beside that file; `status` says so, and a read creates no workspace there."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    shipped = REPO / "hosts.yaml"
+    shipped = REPO / "demo-hosts.yaml"
     (elsewhere / "hosts.yaml").write_text(shipped.read_text())
     ran = dflashops("status", inventory=elsewhere / "hosts.yaml", cwd=tmp_path, home=tmp_path)
     assert ran.code == 0, ran.err

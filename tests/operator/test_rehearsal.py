@@ -125,12 +125,12 @@ def test_eval_pull_datagen_and_the_others_rehearsed_say_what_needs_a_host(
 def test_trusting_a_typo_says_it_is_not_in_the_inventory(inventory, host, tmp_path):
     ran = run(inventory, tmp_path, "hosts", "trust", "pve2", "--yes")
     assert ran.code == 4, ran.err
-    assert ran.err == "dflashops: error: pve2: not a host of the inventory (did you mean 'pve1'?)\n"
+    assert ran.err == f"dflashops: error: pve2: not a host of {inventory} (did you mean 'pve1'?)\n"
     assert host.accepted == 0
 
 
 def test_the_shipped_inventory_cites_the_contract_it_ships_with():
-    head = (ROOT / "hosts.yaml").read_text().splitlines()[0]
+    head = (ROOT / "demo-hosts.yaml").read_text().splitlines()[0]
     assert "docs/contracts.md" in head and "../shared" not in head
     assert (ROOT / "docs" / "contracts.md").is_file()
 
