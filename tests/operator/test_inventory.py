@@ -277,8 +277,11 @@ def test_plain_addresses_users_and_aliases_are_taken(tmp_path):
 
 
 def test_a_target_says_its_gpus_model_and_memory(tmp_path):
-    text = GOOD.replace("ADDRESS", "10.1.2.6").replace("PORT", "22").replace(
-        "gpus: 8}", "gpus: 8, gpu_model: NVIDIA H200, gpu_memory_gib: 139.8}")
+    text = (
+        GOOD.replace("ADDRESS", "10.1.2.6")
+        .replace("PORT", "22")
+        .replace("gpus: 8}", "gpus: 8, gpu_model: NVIDIA H200, gpu_memory_gib: 139.8}")
+    )
     ct = load_inventory(write(tmp_path, text)).targets["ct200"]
     assert (ct.gpus, ct.gpu_model, ct.gpu_memory_gib) == (8, "NVIDIA H200", 139.8)
     bad = write(tmp_path, text.replace("139.8", "lots"))

@@ -394,7 +394,9 @@ def test_alpaca_records_are_prompts(tmp_path):
     first = parse_line(json.dumps(rows[0]).encode(), "x:1")
     assert first == [{"role": "user", "content": "Add two numbers.\n\na=1, b=2"},
                      {"role": "assistant", "content": "a + b"}]  # fmt: skip
-    assert parse_line(json.dumps(rows[1]).encode(), "x:2") == [{"role": "user", "content": "Say hi."}]
+    assert parse_line(json.dumps(rows[1]).encode(), "x:2") == [
+        {"role": "user", "content": "Say hi."}
+    ]
 
 
 def test_a_run_refuses_bad_input_before_any_engine(tiny_dense, tmp_path):

@@ -129,7 +129,9 @@ def _from_alpaca(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
         raise InputError(f'{where}: "instruction" is empty: nothing to ask the target')
     ask = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
     asked = [{"role": "user", "content": ask}]
-    return asked + ([{"role": "assistant", "content": record["output"]}] if record.get("output") else [])
+    return asked + (
+        [{"role": "assistant", "content": record["output"]}] if record.get("output") else []
+    )
 
 
 def parse_line(raw: bytes, where: str) -> list[dict[str, Any]] | None:
