@@ -424,6 +424,18 @@ def test_no_runs_names_the_workspace_it_read_and_makes_none(tmp_path):
     assert not (elsewhere / ".dflashops").exists()
 
 
+def test_the_token_store_beside_a_dataset_is_not_a_job(tmp_path):
+    """Training on a datagen dataset leaves the token store beside it (<ws>/data/.tokens/):
+    `status` does not list it as a job (it did, `.tokens  unknown  no state.json`)."""
+    ws = tmp_path / "ws"
+    (ws / "data" / ".tokens" / "abc").mkdir(parents=True)
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(f"version: 1\ntargets:\n  local: {{kind: local, workspace: {ws}}}\n")
+    ran = dflashops("status", "--all", inventory=inv, cwd=tmp_path, home=tmp_path)
+    assert ran.code == 0, ran.err
+    assert ".tokens" not in ran.out and ran.out.startswith("no runs"), ran.out
+
+
 def test_compare_refuses_a_metric_no_run_logged(here):
     make_run(here.ws, "cmp13")
     ran = here.cli("compare", "cmp13", "--metrics", "accuracy,loss", timeout=30)
