@@ -17,10 +17,9 @@ from dflashops.errors import (
     NoAnswerError,
     NotFoundError,
     OpsError,
-    UnreachableError,
     UsageError,
 )
-from dflashops.inventory import Endpoint, Inventory, Target
+from dflashops.inventory import Endpoint, Inventory, Target, parse_jump
 from dflashops.runs.reading import probe as runs_probe
 from dflashops.runs.reading.probe import Probe
 from dflashops.ssh.config import resolve
@@ -110,10 +109,7 @@ def register(app: typer.Typer) -> None:
         session = opts.session()
         endpoint = session.endpoint(host)
         not_a_typo(session, host, endpoint)
-        try:
-            pin_key(session, endpoint, yes)
-        except UnreachableError as exc:
-            raise not_in_inventory(session.inventory, host, exc) from None
+        pin_key(session, endpoint, yes)
 
     app.add_typer(group, name="hosts")
 
@@ -332,23 +328,22 @@ def not_a_typo(session, host: str, endpoint: Endpoint) -> None:  # noqa: ANN001
     names = [*inventory.hosts, *(t.name for t in inventory.targets.values() if t.kind == "ssh")]
     if host in names or any(c in host for c in "@:,.") or endpoint.user or endpoint.port:
         return
-    if resolve(endpoint).hostname != host:  # an ~/.ssh/config alias
+    if resolve(endpoint).hostname != host or host in jump_hosts(inventory):  # ssh knows it
         return
     hint = did_you_mean(host, names)
     if hint:
         raise NotFoundError(f"{host}: not a host of {inventory.path}{hint}")
-
-
-def not_in_inventory(inventory: Inventory, host: str, exc: UnreachableError) -> OpsError:
-    """A name that DNS cannot resolve either, when the inventory does not hold it: said with
-    the file read (exit 4); any other failure to reach it as it was."""
-    if host in inventory.hosts or "cannot resolve" not in exc.message:
-        return exc
     known = ", ".join(sorted(inventory.hosts)) or "none"
-    return NotFoundError(
-        f"{host}: not a host of {inventory.path} (hosts: {known}), nor an ~/.ssh/config alias, "
-        f"and DNS cannot resolve it; describe it under hosts: in that file"
+    raise NotFoundError(
+        f"{host}: not a host of {inventory.path} (hosts: {known}), nor an ~/.ssh/config alias; "
+        f"describe it under hosts: in that file (or give root@{host} for a name DNS resolves)"
     )
+
+
+def jump_hosts(inventory: Inventory) -> set[str]:
+    """Every host named in a `jump` of the inventory (what a refusal may ask to trust)."""
+    endpoints = [*inventory.hosts.values(), *(t.endpoint for t in inventory.targets.values())]
+    return {hop.host for e in endpoints if e and e.jump for hop in parse_jump(e.jump)}
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001
