@@ -23,7 +23,10 @@ def register(app: typer.Typer) -> None:
         repo: str = typer.Argument(..., metavar="REPO", help="A hub model, e.g. Qwen/Qwen3-8B."),
         revision: str = typer.Option("main", "--revision", metavar="REV", help="Branch or commit."),
         to: str = typer.Option(
-            None, "--to", metavar="PATH", help="Where in the target (default <workspace>/hf/REPO)."
+            None,
+            "--to",
+            metavar="PATH",
+            help="Where in the target (default <workspace>/hf/ORG/NAME).",
         ),
         secrets: list[str] = typer.Option(
             None,
@@ -34,8 +37,10 @@ def register(app: typer.Typer) -> None:
         ),
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
-        """Download a hub model inside the target, resumable, verified against the hub's hashes."""
+        """Download a hub model inside the target, verified against the hub's hashes: progress
+        on stderr; it gives up once nothing moved for 30 s (the global --timeout)."""
         opts = context.begin(ctx, json_out)
+        hub.check_repo(repo)
         token = _token(secrets or [])
         machine = opts.session().machine(target)
         dest = to or hub.default_dest(machine.target.workspace, repo)

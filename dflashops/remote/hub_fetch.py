@@ -37,6 +37,7 @@ CHUNK = 8 << 20  # hashed at a time
 PIECE = 1 << 20  # written at a time by huggingface_hub
 EVERY_S = 5.0  # a progress line at most this often (and at least 3 in a deadline)
 GIVE_UP = 0.8  # of the deadline without movement: we stop first, cleanly
+SHOWN = 64 << 10  # less moved since the last line is not worth one (it still counts as life)
 
 
 class Stop(Exception):
@@ -59,10 +60,12 @@ class Meter:
         self.lock = threading.Lock()
         self.fetched = self.hashed = 0
         self.at_work = {}  # name -> "fetching" | "checking"
+        self.latest = {}  # kind -> the file that last began it
 
     def start(self, name, kind):
         with self.lock:
             self.at_work[name] = kind
+            self.latest[kind] = name
 
     def fetched_file(self, name, size):
         with self.lock:
@@ -91,6 +94,14 @@ class Meter:
     def now(self):
         with self.lock:
             return self.fetched, self.hashed, dict(self.at_work)
+
+    def named(self, kind):
+        """The files at work of a kind ("a and 2 more"), else the last one that was."""
+        with self.lock:
+            names = sorted(n for n, k in self.at_work.items() if k == kind)
+            if not names:
+                return self.latest.get(kind, "files")
+        return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def partial_files(dest):
@@ -167,11 +178,11 @@ class Watch:
     """The main thread's loop while workers fetch or hash: a line when something moved, and
     Stop(3) once nothing moved for GIVE_UP of the deadline."""
 
-    def __init__(self, meter, deadline, total, silent):
-        self.meter, self.total, self.silent = meter, total, silent
+    def __init__(self, meter, deadline, totals, silent):
+        self.meter, self.totals, self.silent = meter, totals, silent  # totals: (fetch, hash)
         self.every = max(0.2, min(EVERY_S, deadline / 3))
         self.give_up = deadline * GIVE_UP
-        self.last = self.said_at = self.moved()
+        self.first = self.last = self.said_at = self.moved()
         self.since = self.said = time.monotonic()
 
     def moved(self):
@@ -201,23 +212,13 @@ class Watch:
 
     def report(self, moved, now):
         span = now - self.said
-        (fetched, hashed), (was_fetched, was_hashed) = moved, self.said_at
-        at_work = self.meter.now()[2]
-        if fetched != was_fetched:
-            rate = (fetched - was_fetched) / span / 1e6
-            say(f"fetching {named(at_work, 'fetching')}: {gib(fetched)} of {gib(self.total)}, "
-                f"{rate:.1f} MB/s")  # fmt: skip
-        if hashed != was_hashed:
-            rate = (hashed - was_hashed) / span / 1e6
-            say(f"checking {named(at_work, 'checking')}: {gib(hashed)} hashed, {rate:.1f} MB/s")
+        for i, kind, verb in ((0, "fetching", "fetched"), (1, "checking", "hashed")):
+            step = moved[i] - self.said_at[i]
+            if step >= SHOWN:
+                done = moved[i] - self.first[i]
+                say(f"{kind} {self.meter.named(kind)}: {gib(done)} of {gib(self.totals[i])} "
+                    f"{verb}, {step / span / 1e6:.1f} MB/s")  # fmt: skip
         self.said, self.said_at = now, moved
-
-
-def named(at_work, kind):
-    names = sorted(n for n, k in at_work.items() if k == kind)
-    if not names:
-        return "files"
-    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def lock(dest):
@@ -324,6 +325,7 @@ def run(hub, req, meter, pool):
         say(f"removed the partial files of a run that was cut off ({gib(swept)})")
     commit, every_file = listing(hub, req, token)
     entries = chosen(req, commit, every_file)
+    say(f"{req['repo']}@{commit[:12]}: {len(entries)} file(s), {gib(sum(e[1] for e in entries))}")
     stale, extra = settle(dest, req, commit, [e[0] for e in every_file], [e[0] for e in entries])
     deadline = float(req.get("deadline") or 30)
     present = [e for e in entries if os.path.isfile(os.path.join(dest, e[0]))]
@@ -331,7 +333,8 @@ def run(hub, req, meter, pool):
         say(f"checking the {len(present)} file(s) already in {dest}")
     began = time.monotonic()
     checks = {pool.submit(matches, dest, e, meter): e for e in present}
-    Watch(meter, deadline, 0, "no byte of the files there hashed").wait(checks)
+    there = sum(e[1] for e in present)
+    Watch(meter, deadline, (0, there), "no byte of the files there hashed").wait(checks)
     checked_s, began = time.monotonic() - began, time.monotonic()
     good = {checks[f][0] for f in checks if f.result()}
     todo = [e for e in entries if e[0] not in good]
@@ -341,7 +344,7 @@ def run(hub, req, meter, pool):
     if todo:
         say(f"fetching {len(todo)} file(s), {gib(fetch_bytes)}, of {req['repo']}@{commit[:12]}")
     jobs = {pool.submit(fetch_one, hub, req, token, commit, e, meter): e for e in todo}
-    Watch(meter, deadline, fetch_bytes, "nothing came from the hub").wait(jobs)
+    Watch(meter, deadline, (fetch_bytes,) * 2, "nothing came from the hub").wait(jobs)
     bad = sorted(jobs[f][0] for f in jobs if not f.result())
     seconds = {"check": round(checked_s, 3), "fetch": round(time.monotonic() - began, 3)}
     fetched, hashed, _ = meter.now()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from dflashops.errors import NoAnswerError, NotFoundError, OpsError, Unreachable
 from dflashops.targets.base import Machine
 
 HUB_DIR = "hf"  # <workspace>/hf/ORG/NAME: a repository's default place in a target
+REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*\Z")  # the hub's: ORG/NAME
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,12 @@ class HubFetch:
     token: str | None = None
     repo_type: str = "model"  # or "dataset"
     files: tuple[str, ...] | None = None  # these files only (None: the whole repository)
+
+
+def check_repo(repo: str) -> str:
+    if not REPO_ID.match(repo) or ".." in repo:
+        raise UsageError(f"{repo}: not a hub repository id; give ORG/NAME, e.g. Qwen/Qwen3-8B")
+    return repo
 
 
 def default_dest(workspace: str, repo: str) -> str:
