@@ -48,8 +48,9 @@ def pointer(sha: str, size: int) -> bytes:
 class Repo:
     """One repository at its newest commit: files, which are LFS, their hashes (once)."""
 
-    def __init__(self, files: dict[str, Data], lfs: set[str], commit: str) -> None:
-        self.files, self.lfs, self.commit = dict(files), set(lfs), commit
+    def __init__(self, files: dict[str, Data], lfs: set[str], commit: str, kind: str) -> None:
+        self.files, self.lfs, self.commit, self.kind = dict(files), set(lfs), commit, kind
+        self.prefix = "" if kind == "model" else f"{kind}s/"  # the hub's URLs: datasets/REPO
         self.served: dict[str, Data] = dict(files)  # what GET sends (tests may spoil one)
         self.etags = {}
         self.siblings = []
@@ -87,10 +88,12 @@ class Hub:
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def publish(self, repo: str, files: dict[str, Data], lfs: set[str], commit: str) -> None:
+    def publish(
+        self, repo: str, files: dict[str, Data], lfs: set[str], commit: str, kind: str = "model"
+    ) -> None:
         """REPO's main branch now at `commit` with these files (a new repository, or a new
-        commit of one)."""
-        self.repos[repo] = Repo(files, lfs, commit)
+        commit of one); `kind` "dataset" for a dataset's."""
+        self.repos[repo] = Repo(files, lfs, commit, kind)
 
     @property
     def served(self) -> dict[str, Data]:
@@ -163,15 +166,15 @@ class Hub:
 
             def _api(self) -> tuple[str, bool] | None:
                 """(repo, is a tree listing) of an API path of a repository we hold."""
-                for repo in hub.repos:
-                    api = f"/api/models/{repo}/"
+                for repo, held in hub.repos.items():
+                    api = f"/api/{held.kind}s/{repo}/"
                     if self.path.startswith((api + "revision/", api + "tree/")):
                         return repo, self.path.startswith(api + "tree/")
                 return None
 
             def _file(self) -> tuple[Repo, str] | None:
                 for repo, held in hub.repos.items():
-                    head = f"/{repo}/resolve/"
+                    head = f"/{held.prefix}{repo}/resolve/"
                     if self.path.startswith(head):
                         rev, _, name = self.path[len(head) :].partition("/")
                         if rev in (held.commit, "main") and name in held.files:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dflashops import remote
 from tests.operator.cli import dflashops
 from tests.operator.hub_standin import COMMIT, Hub
 
@@ -214,3 +216,32 @@ def test_without_the_token_the_hub_refuses_in_one_line(hub, inventory, tmp_path)
     assert ran.err.strip().splitlines()[-1].startswith(f"dflashops: error: here: {REPO}: ")
     assert "Traceback" not in ran.err
     assert not (tmp_path / "ws" / "hf" / "org" / "tiny-model").exists()  # nothing left behind
+
+
+def test_the_helper_fetches_named_files_of_a_dataset(hub, tmp_path):
+    """remote/hub_fetch.py's own interface, as other verbs call it (runs/readiness/hub.py): a
+    dataset's repository, only the files named; a name the listing lacks is exit 4."""
+    rows = b'{"messages": [{"role": "user", "content": "hi"}]}\n'
+    files = {"data/prompts.jsonl": rows, "data/other.jsonl": b"{}\n", "README.md": b"# d\n"}
+    hub.publish("org/prompts", files, set(), "d" * 40, kind="dataset")
+    argv = [sys.executable, *remote.argv("hub_fetch.py")[1:]]
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")}
+    dest = tmp_path / "prompts"
+
+    def helper(*names: str) -> subprocess.CompletedProcess:
+        request = {"repo": "org/prompts", "repo_type": "dataset", "revision": "main",
+                   "dest": str(dest), "token": TOKEN, "files": list(names), "deadline": 30}  # fmt: skip
+        return subprocess.run(argv, input=json.dumps(request).encode(), capture_output=True,
+                              env=env, timeout=120)  # fmt: skip
+
+    ran = helper("data/prompts.jsonl")
+    assert ran.returncode == 0, ran.stderr
+    done = json.loads(ran.stdout)
+    assert (done["commit"], done["files"], done["bad"]) == ("d" * 40, 1, [])
+    assert (dest / "data" / "prompts.jsonl").read_bytes() == rows
+    assert sorted(p.name for p in dest.iterdir()) == [".cache", "data"]
+    missing = helper("data/nothing.jsonl")
+    assert missing.returncode == 4
+    assert missing.stderr.decode().strip().splitlines()[-1] == (
+        "org/prompts@dddddddddddd has no data/nothing.jsonl"
+    )
