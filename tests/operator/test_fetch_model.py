@@ -70,6 +70,7 @@ def fetch(inventory: Path, *args: str, repo: str = REPO, before: tuple[str, ...]
                      inventory=inventory, env={"DFO_HUB_TOKEN": TOKEN}, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow  # ~45 s: the transfer must outlast the default deadline
 def test_a_transfer_far_longer_than_the_deadline_goes_on_while_bytes_move(tmp_path):
     block = os.urandom(1 << 20)
     big = tmp_path / "big.safetensors"
