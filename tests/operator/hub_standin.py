@@ -82,6 +82,7 @@ class Hub:
         self.publish(repo, files, lfs, COMMIT)
         self.ranges: list[tuple[str, str | None]] = []
         self.stall_once: set[str] = set()  # files whose first GET stops halfway and hangs
+        self.hang_listing = False  # the repository info never answered (until release)
         self.release = threading.Event()
         self.auth: list[str | None] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -197,6 +198,9 @@ class Hub:
                 if not self._allowed():
                     return
                 repo, tree = api
+                if hub.hang_listing:
+                    hub.release.wait(60)
+                    return
                 body = json.dumps(hub.tree(repo) if tree else hub.info(repo)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")

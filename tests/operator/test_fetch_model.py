@@ -126,6 +126,16 @@ def test_a_stalled_try_then_a_rerun_leave_no_partial_file(hub, inventory, tmp_pa
     assert len(hub.ranges) == sent  # nothing downloaded twice
 
 
+def test_a_hub_that_never_answers_is_named_as_such(hub, inventory):
+    hub.hang_listing = True
+    ran = fetch(inventory, before=("--timeout", "4"))
+    assert ran.code == 3, ran.err
+    assert ran.err.strip().splitlines()[-1] == (
+        f"dflashops: error: here: {REPO}: nothing moved for 4 s (no byte from the hub, no file "
+        "hashed); the next run removes what was partial (--timeout SECONDS waits longer)"
+    )
+
+
 def test_a_spoiled_file_is_removed_and_the_next_run_fetches_it_again(hub, inventory, tmp_path):
     dest = tmp_path / "ws" / "hf" / "org" / "tiny-model"
     hub.served["model.safetensors"] = WEIGHTS[:-1] + bytes([WEIGHTS[-1] ^ 1])
