@@ -33,12 +33,11 @@ def register(app: typer.Typer) -> None:
             "--secret",
             metavar="NAME",
             help="The hub token: NAME from your environment (e.g. HF_TOKEN), sent on the "
-            "helper's stdin, never on a command line. Once.",
+            "helper's stdin, never on a command line (one: the hub takes one token).",
         ),
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
-        """Download a hub model inside the target, verified against the hub's hashes: progress
-        on stderr; it gives up once nothing moved for 30 s (the global --timeout)."""
+        """Download a hub model inside the target, verified against the hub's hashes."""
         opts = context.begin(ctx, json_out)
         hub.check_repo(repo)
         token = _token(secrets or [])
