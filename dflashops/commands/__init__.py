@@ -69,6 +69,9 @@ VERBS: dict[str, Verb] = {
     "pull-ckpt": Verb(
         "pull_ckpt", "Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."
     ),
+    "export": Verb(
+        "export", "Export a checkpoint for serving: vLLM and SGLang load the directory as it is."
+    ),
     "eval": Verb(
         "eval_cmd",
         "Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position.",

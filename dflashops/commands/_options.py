@@ -35,6 +35,7 @@ COMMAND_TIMEOUT_S = {
             "launch",
             "resume",
             "pull-ckpt",
+            "export",
             "eval",
             "archive",
             "datagen",

@@ -25,6 +25,12 @@ PLAN_FILE = "plan.json"  # the trainer's memory and step-time plan, the link it 
 LAUNCH_FILE = "launch.json"  # what the launcher runs, written at every start
 NODE_FILE = "node.json"  # the launcher's and the torchrun agent's processes (pid, start)
 EXIT_CODE_FILE = "exit_code"  # the job's exit code, written by its launcher as it ends
+TRAINING_STATE = "training_state.pt"  # a checkpoint's optimizer state: only a resume reads it
+OPTIMIZER_DIR = "optimizer"  # under zero1, checkpoint/optimizer/rank_<R>.pt: the same
+# an export (`dflashops export`): the checkpoint's drafter files with these beside them
+CHAT_TEMPLATE = "chat_template.jinja"  # the chat template it was trained with
+MODEL_CARD = "README.md"  # what it is, what it measured, how to serve it
+TOKENIZER_CONFIG = "tokenizer_config.json"  # a target's: its chat_template when no .jinja
 
 
 def step_name(step):
