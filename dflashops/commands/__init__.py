@@ -38,6 +38,10 @@ VERBS: dict[str, Verb] = {
         "fetch_model",
         "Download a hub model inside the target, resumable, verified against the hub's hashes.",
     ),
+    "fetch-prompts": Verb(
+        "fetch_prompts",
+        "Download benchmark prompt sets inside the target, verified: files for eval --prompts.",
+    ),
     "launch": Verb(
         "launch", "Start a training run in a detached tmux session on one target or several."
     ),

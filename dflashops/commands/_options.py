@@ -36,6 +36,7 @@ COMMAND_TIMEOUT_S = {
             "resume",
             "pull-ckpt",
             "export",
+            "fetch-prompts",
             "eval",
             "archive",
             "datagen",

@@ -1,8 +1,10 @@
 # A hub model downloaded inside the target by the target's python with huggingface_hub
 # (resumable: an interrupted file goes on from its .incomplete part), then every file checked
 # against the hub's hashes (LFS files by sha256, the others by their git blob id).
-# stdin: {"repo", "revision", "dest", "token" (or null)}; the token never is on a command line.
-# stdout: {"commit", "files", "bytes", "bad": [names that do not match]}. Exit 3: not there.
+# stdin: {"repo", "revision", "dest", "token" (or null)}; the token never is on a command line;
+# optional "repo_type" ("dataset": fetch-prompts) and "allow" (patterns: only those files).
+# stdout: {"commit", "files", "bytes", "bad": [names that do not match], "names"}. Exit 3: not there.
+import fnmatch
 import hashlib
 import json
 import os
@@ -32,11 +34,13 @@ def main():
         print(f"no huggingface_hub in {sys.executable}", file=sys.stderr)
         sys.exit(4)
     token = req.get("token") or False
+    kind, allow = req.get("repo_type") or "model", req.get("allow")
     try:
-        info = HfApi().model_info(
-            req["repo"], revision=req["revision"], files_metadata=True, token=token
+        info = HfApi().repo_info(
+            req["repo"], repo_type=kind, revision=req["revision"], files_metadata=True, token=token
         )
-        snapshot_download(req["repo"], revision=info.sha, local_dir=req["dest"], token=token)
+        snapshot_download(req["repo"], repo_type=kind, revision=info.sha, local_dir=req["dest"],
+                          token=token, allow_patterns=allow)  # fmt: skip
     except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
         sys.exit(3)
@@ -44,14 +48,18 @@ def main():
         print(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(1)
     bad, size = [], 0
-    for s in info.siblings:
+    siblings = [s for s in info.siblings
+                if not allow or any(fnmatch.fnmatch(s.rfilename, p) for p in allow)]  # fmt: skip
+    for s in siblings:
         path = os.path.join(req["dest"], s.rfilename)
         want = s.lfs.sha256 if s.lfs else s.blob_id
         if not os.path.isfile(path) or digest(path, bool(s.lfs)) != want:
             bad.append(s.rfilename)
         else:
             size += os.path.getsize(path)
-    print(json.dumps({"commit": info.sha, "files": len(info.siblings), "bytes": size, "bad": bad}))
+    names = [s.rfilename for s in siblings]
+    print(json.dumps({"commit": info.sha, "files": len(siblings), "bytes": size, "bad": bad,
+                      "names": names}))  # fmt: skip
 
 
 main()
