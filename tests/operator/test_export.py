@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.operator.cli import dflashops
+from tests.operator.ckpt_copies import BIG, SHARDS, big_checkpoint, stop_mid_transfer
+from tests.operator.cli import dflashops, start
 from tests.workload.conftest import FIXTURE_BUILDS, cached_tiny
 from tests.workload.drafters import STEPS, trained_drafter
 
@@ -114,3 +115,40 @@ def test_into_a_target_and_refusals(bed):
     ran = cli(bed, "export", RUN, "--step", "7", "--to", str(bed["home"] / "x"))
     assert ran.code == 4 and f"complete steps: {STEPS}" in ran.err
     assert not (bed["home"] / "x").exists()
+
+
+@pytest.mark.testbed
+def test_from_one_container_into_another_cut_short_and_resumed(testbed, make_container, tmp_path):
+    """On the fake Proxmox bed (real sshd, pct, ns containers): the export of a run on a pve1
+    container into a pve2 container, stopped with Ctrl-C once the small files verified there,
+    then run again: only what had not verified is sent, and the export is placed whole."""
+    src, dst = make_container("pve1"), make_container("pve2")
+    inv = testbed.write_inventory(tmp_path / "pair.yaml", {"src": src, "dst": dst})
+    home = tmp_path / "home"
+    home.mkdir()
+    source = big_checkpoint(src, run=RUN, step=4)
+    (source.parent.parent / "run.yaml").write_text(
+        "target: {path: /workspace/hf/t}\ndrafter: {block_size: 16}\n"
+        "data: {path: /workspace/data/d, chat_template: '{{ messages }}'}\n"
+    )
+    exports = dst.host_path("/workspace/exports")
+    dst.host.set_faults(slow_exec_stdin_after=12 << 20)  # the big file takes 12 s or more
+    try:
+        proc = start("export", RUN, "--step", "4", "--to", "dst:exports/ex", inventory=inv,
+                     home=home)  # fmt: skip
+        code, err, _ = stop_mid_transfer(proc, exports / ".partial-ex", lambda: proc.send_signal(2))
+    finally:
+        dst.host.set_faults()
+    assert code == 130 and "Traceback" not in err, err
+    assert not (exports / "ex").exists()  # nothing that looks complete
+    again = dflashops("--json", "export", RUN, "--step", "4", "--to", "dst:exports/ex",
+                      inventory=inv, home=home)  # fmt: skip
+    assert again.code == 0, again.err
+    done = json.loads(again.out)
+    assert done["copied"] and done["kept_files"] == 3  # config.json and the two shards
+    out = exports / "ex"
+    for name in ("config.json", BIG, *SHARDS):
+        assert sha256(out / name) == sha256(source / name)
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert "--speculative-num-draft-tokens 16" in (out / "README.md").read_text()
+    assert sorted(p.name for p in exports.iterdir()) == ["ex"]
