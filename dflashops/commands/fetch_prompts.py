@@ -11,6 +11,7 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.remote.layout import PROMPTS
 from dflashops.render import human_bytes
 from dflashops.runs.evaluation.prompt_sets import SETS, check_sets, fetch_set
 
@@ -37,7 +38,7 @@ def register(app: typer.Typer) -> None:
         opts = context.begin(ctx, json_out)
         check_sets(sets)
         machine = opts.session().machine(target)
-        root = to or posixpath.join(machine.target.workspace, "prompts")
+        root = to or posixpath.join(machine.target.workspace, PROMPTS)
         token = next(iter(_options.secret_values(secrets or []).values()), None)
         done = [fetch_set(machine, name, root, token) for name in dict.fromkeys(sets)]
         if opts.dry_run:

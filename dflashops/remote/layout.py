@@ -13,6 +13,7 @@ RUNS = "runs"  # <ws>/runs/RUN: a training run
 ARCHIVE = "archive"  # <ws>/archive/RUN: an archived run
 CKPTS = "ckpts"  # <ws>/ckpts/RUN/step_N: a checkpoint copied in by pull-ckpt
 EVALS = "evals"  # <ws>/evals/RUN/: eval results, eval jobs, continuous evals
+PROMPTS = "prompts"  # <ws>/prompts/SET/: benchmark prompts fetched by fetch-prompts
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints/step_N
 MANIFEST = "MANIFEST.sha256"  # a checkpoint's, written last (CONTRACTS §4)
 STATE_FILE = "state.json"  # a job's state: pid, tmux, times, exit code
