@@ -2,7 +2,8 @@
 `local` target): the directory a server loads (the drafter's files without the optimizer state,
 the chat template it was trained with, a model card), verified against a manifest of its own and
 placed whole; exporting again is free; a directory that holds anything else is refused and left
-as it was. Serving the export in vLLM is tests/operator/test_serve.py's."""
+as it was; and across two containers of the test bed, cut short and resumed. Serving the
+export in vLLM is tests/operator/test_serve.py's."""
 
 from __future__ import annotations
 
