@@ -38,6 +38,10 @@ VERBS: dict[str, Verb] = {
         "fetch_model",
         "Download a hub model inside the target, verified against the hub's hashes.",
     ),
+    "fetch-prompts": Verb(
+        "fetch_prompts",
+        "Download benchmark prompt sets inside the target, verified: files for eval --prompts.",
+    ),
     "launch": Verb(
         "launch", "Start a training run in a detached tmux session on one target or several."
     ),
@@ -68,6 +72,9 @@ VERBS: dict[str, Verb] = {
     ),
     "pull-ckpt": Verb(
         "pull_ckpt", "Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."
+    ),
+    "export": Verb(
+        "export", "Export a checkpoint for serving: vLLM and SGLang load the directory as it is."
     ),
     "eval": Verb(
         "eval_cmd",

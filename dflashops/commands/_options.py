@@ -38,6 +38,8 @@ COMMAND_TIMEOUT_S = {
             "launch",
             "resume",
             "pull-ckpt",
+            "export",
+            "fetch-prompts",
             "eval",
             "archive",
             "datagen",

@@ -51,7 +51,7 @@ import urllib.parse
 import urllib.request
 
 from dflashops.remote.evallock import one_evaluation
-from dflashops.remote.layout import MANIFEST, STATE_FILE
+from dflashops.remote.layout import MANIFEST, OPTIMIZER_DIR, STATE_FILE, TRAINING_STATE
 from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
@@ -194,7 +194,7 @@ def bounds(text):
 def resume_only(name):
     """A file only a resumed trainer reads (its optimizer state): never copied for an
     evaluation, so that what is kept of each scored step is its weights and config."""
-    return name == "training_state.pt" or name.startswith("optimizer/")
+    return name == TRAINING_STATE or name.startswith(OPTIMIZER_DIR + "/")
 
 
 def pull(server, job, step):

@@ -4,8 +4,9 @@
 # the operator's deadline counts: silence means that nothing moves).
 #
 # stdin: {"repo", "revision", "dest", "token" (or null), "deadline" (seconds),
-#         "repo_type" ("model" or "dataset", default model), "files" (names, or null: all)}
-# stdout: {"repo", "commit", "files", "bytes", "fetched", "checked", "bad", "removed", "extra",
+#         "repo_type" ("model" or "dataset", default model), "files" (names or fnmatch
+#         patterns, or null: all)}
+# stdout: {"repo", "commit", "files", "names", "bytes", "fetched", "checked", "bad", "removed", "extra",
 #          "seconds": {"check": of the files already there, "fetch": of the others, hashed too}}
 # Exit 0 with "bad" naming the files that did not match (removed, with the hub's record of
 # them: the next run fetches them again); 1 failed; 2 DEST holds another repository;
@@ -20,6 +21,7 @@
 import concurrent.futures
 import contextlib
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -294,14 +296,14 @@ def listing(hub, req, token):
 
 
 def chosen(req, commit, entries):
-    """The entries of the files asked for (all when none are named)."""
+    """The entries of the files asked for, by name or fnmatch pattern (all when none are)."""
     wanted = req.get("files")
     if not wanted:
         return entries
-    missing = sorted(set(wanted) - {e[0] for e in entries})
+    missing = sorted(w for w in wanted if not any(fnmatch.fnmatchcase(e[0], w) for e in entries))
     if missing:
         raise Stop(4, f"{req['repo']}@{commit[:12]} has no {', '.join(missing)}")
-    return [e for e in entries if e[0] in set(wanted)]
+    return [e for e in entries if any(fnmatch.fnmatchcase(e[0], w) for w in wanted)]
 
 
 def fetch_one(hub, req, token, commit, entry, meter):
@@ -350,6 +352,7 @@ def run(hub, req, meter, pool):
     fetched, hashed, _ = meter.now()
     size = sum(e[1] for e in entries if e[0] not in bad)
     return {"repo": req["repo"], "commit": commit, "files": len(entries), "bytes": size,
+            "names": [e[0] for e in entries],
             "fetched": fetched, "checked": hashed, "bad": bad, "removed": stale,
             "extra": extra, "seconds": seconds}  # fmt: skip
 
