@@ -18,7 +18,7 @@ step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtim
 directory gone (archived) has ended; GET /manifest?step=N: {"manifest": its MANIFEST.sha256,
 "sizes": {name: bytes}} (each file's bound); GET /file?step=N&name=REL: one file the manifest
 lists (nothing else is ever served); POST /bye: the follower is done, the server ends. It also
-ends on SIGTERM, and once the run has ended and the follower asked nothing for `linger` seconds
+ends on SIGTERM or SIGHUP, and once the run has ended and the follower asked nothing for `linger` seconds
 (a request without the token counts for nothing). A connection has HEAD_S to send a request
 that proves the token, and strangers' connections never take the follower's slots (Door);
 then each read and write has a 60 s deadline.
@@ -328,7 +328,8 @@ def main():
         return 2
     run, seen, bye = Run(conf["run_dir"]), [time.monotonic()], threading.Event()
     server = Door((conf["address"], 0), handler(run, token, seen, bye, Nonces()))
-    signal.signal(signal.SIGTERM, lambda *_: bye.set())
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its tmux session killed (a stop)
+        signal.signal(sig, lambda *_: bye.set())
     port = server.server_address[1]
     write_json(os.path.join(serve_dir, STATE_FILE), {
         "status": "running", "pid": os.getpid(), "pid_start": proc_start(os.getpid()),

@@ -39,9 +39,21 @@ def wait_for(what: str, check, timeout: float = 60):
     raise AssertionError(f"not within {timeout:.0f} s: {what}")
 
 
+SKEWED = """\
+import runpy, sys, time
+real, skew = time.time, float(sys.argv.pop(1))
+time.time = lambda: real() + skew
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @contextlib.contextmanager
-def serving(run: Path, where: Path, linger: float) -> Iterator[tuple[str, Path, subprocess.Popen]]:
-    """The checkpoint server of `run` (token TOKEN) in `where`; (base URL, serve dir, process)."""
+def serving(
+    run: Path, where: Path, linger: float, skew: float = 0
+) -> Iterator[tuple[str, Path, subprocess.Popen]]:
+    """The checkpoint server of `run` (token TOKEN) in `where`, its clock `skew` seconds off
+    ours (the target's clock set wrong); (base URL, serve dir, process)."""
     serve = where / "serve"
     serve.mkdir()
     token_file = where / "token.json"
@@ -50,7 +62,8 @@ def serving(run: Path, where: Path, linger: float) -> Iterator[tuple[str, Path, 
             "linger": linger}  # fmt: skip
     (serve / "serve.json").write_text(json.dumps(conf))
     server = REPO / "dflashops" / "remote" / "ckpt_server.py"
-    proc = subprocess.Popen([sys.executable, str(server), str(serve)], cwd=REPO,
+    skewed = ["-c", SKEWED, str(skew)] if skew else []
+    proc = subprocess.Popen([sys.executable, *skewed, str(server), str(serve)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     try:
         state = wait_for("the port", lambda: json.loads((serve / "state.json").read_text())

@@ -202,3 +202,12 @@ def test_the_answer_to_a_request_out_of_its_window_tells_the_servers_time_signed
     assert abs(int(stamp) - time.time()) < 5
     digest = hashlib.sha256(body).hexdigest()
     assert headers["X-Proof"] == answer_mac(TOKEN, nonce, 403, stamp, digest)
+
+
+def test_a_follower_whose_clock_is_off_asks_again_at_the_servers_time(tmp_path):
+    ws = tmp_path / "ws"
+    run = make_run(ws, RUN, ckpts=(10,))
+    with serving(run, tmp_path, linger=60, skew=WINDOW_S + 600) as (base, _serve, _proc):
+        ran = follow(follower_job(ws, tmp_path, RUN, int(base.rsplit(":", 1)[1])), timeout=60)
+    assert ran.returncode == 0 and state_of(tmp_path / "job")["done"] == [10], ran.stdout[-3000:]
+    assert ran.stdout.count("out of the time window") == 1, ran.stdout  # once, then in it

@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -306,6 +307,37 @@ def test_a_stopped_follower_takes_its_server_down_with_it(cli, ws, tmp_path):
     wait_for("the server gone", lambda: json.loads((serve / "state.json").read_text())
              .get("status") == "finished", 20)  # fmt: skip
     assert not list((ws / "dflashops" / "secrets").glob("ckpt-*"))
+
+
+def test_a_follower_resumed_beside_an_older_server_gets_a_server_of_today(cli, ws, tmp_path):
+    """Issue 35: the follower is written anew at a resume; a server still up from an older
+    dflashops speaks another protocol, so it is replaced (before, the two never agreed)."""
+    run = ended_run(ws, tmp_path)
+    state = json.loads((run / "state.json").read_text())
+    (run / "state.json").write_text(json.dumps({**state, "status": "running", "exit_code": None}))
+    ran = cli("eval", RUN, "--every", "10", "--on", "local",
+              "--prompts", str(tmp_path / "prompts.jsonl"))  # fmt: skip
+    assert ran.code == 0, ran.err
+    wait_for("steps 10 and 20 scored", lambda: follow_state(ws).get("done") == [10, 20])
+    (job,) = (ws / "evals" / RUN / "follow").glob("*")
+    os.kill(follow_state(ws)["pid"], signal.SIGKILL)  # gone without a goodbye: the server stays
+    wait_for("the follower gone", lambda: follow_state(ws).get("status") != "running", 30)
+    old = ws / "evals" / RUN / "serve" / job.name
+    program = old / "ckpt_server.py"
+    program.write_text(program.read_text() + "# as an older dflashops wrote it\n")
+    name = f"follow-{RUN}-{job.name}"
+    resumed = cli("resume", name)
+    assert resumed.code == 0, resumed.err
+    assert "ran an older program (another protocol); started again" in resumed.err, resumed.err
+    serve_id = json.loads((job / "job.json").read_text())["serve_id"]
+    wait_for("the follower asking the new server", lambda: follow_state(ws).get("status")
+             == "running" and follow_state(ws).get("server") is not None, 30)  # fmt: skip
+    time.sleep(3)  # a few listings: none refused
+    assert "not proven" not in (job / "console.log").read_text()
+    assert cli("stop", name).code == 0
+    for where in (old, ws / "evals" / RUN / "serve" / serve_id):
+        wait_for(f"{where.name} gone", lambda w=where: json.loads((w / "state.json").read_text())
+                 .get("status") == "finished", 20)  # fmt: skip
 
 
 @pytest.fixture
