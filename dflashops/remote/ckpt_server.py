@@ -18,10 +18,10 @@ step_N directory with its MANIFEST.sha256), "landed": {step: its manifest's mtim
 directory gone (archived) has ended; GET /manifest?step=N: {"manifest": its MANIFEST.sha256,
 "sizes": {name: bytes}} (each file's bound); GET /file?step=N&name=REL: one file the manifest
 lists (nothing else is ever served); POST /bye: the follower is done, the server ends. It also
-ends on SIGTERM or SIGHUP, and once the run has ended and the follower asked nothing for `linger` seconds
-(a request without the token counts for nothing). A connection has HEAD_S to send a request
-that proves the token, and strangers' connections never take the follower's slots (Door);
-then each read and write has a 60 s deadline.
+ends on SIGTERM or SIGHUP, and once the run has ended and the follower asked nothing for
+`linger` seconds (a request without the token counts for nothing). A connection has HEAD_S in
+all to send a request that proves the token, and strangers' connections never take the
+follower's slots (Door); then each read and write has a 60 s deadline.
 """
 
 import contextlib

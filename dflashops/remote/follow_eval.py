@@ -17,14 +17,14 @@ evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a
 ended and its last checkpoint is scored, it tells the server goodbye and finishes; stopped or
 failed, it tells it goodbye too (a resume gets a new server).
 
-Every request has a deadline, and is signed with the token the two share (remote/ckpt_proof.py);
-each answer must prove the token over its status, time and body, a file's body is checked
+Every request has a deadline and is signed with the token the two share (remote/ckpt_proof.py);
+each answer must prove the token over its status, time and body, and a file's body is checked
 against the digest of the signed manifest as it lands: what a relay between the two changes is
 refused and nothing of it kept. Every request (the listing, a manifest, a file) whose answer
 does not come or is not proven is asked again every `poll` seconds for up to an hour before
-the job fails; a file whose body is not its manifest's is fetched ATTEMPTS times. While it copies and evaluates a step it asks the server's
-listing every `poll` seconds too: a server whose run has ended waits only so long (its linger)
-for a follower that has gone quiet. A resume after the server has gone starts a new one
+the job fails; a file whose body is not its manifest's is fetched ATTEMPTS times. While it
+copies and evaluates a step it asks the server's listing every `poll` seconds too: a server
+whose run has ended waits only so long (its linger) for a follower that has gone quiet. A resume after the server has gone starts a new one
 (runs/evaluation/continuous.py) and gives its port and token in job.json, which the follower reads as it
 starts (and notes in state.json's "server"). It keeps to the contract of every job's program
 (dflashops/runs/lifecycle/job_kind.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
