@@ -217,9 +217,11 @@ def revive_server(reader: Session, writer: Session, follower: RunView) -> None:
     port = start_server(writer.machine(source), trained, address, serve_id, token)
     secret = token_path(dest, run, serve_id, "follow")
     write_secrets(writer.machine(dest), secret, {"token": token})
+    old_token = plan.get("token_file")
     plan.update(server={"address": address, "port": port}, token_file=secret, serve_id=serve_id)
     write_run_files(writer.machine(dest), follower.dir,
                     {"job.json": json.dumps(plan, indent=2) + "\n"})  # fmt: skip
+    _forget_token(writer.machine(dest), old_token)
     context.note(f"{source.name}: the checkpoint server of {run} {why}; started again "
                  f"at {address}:{port} for {follower.name}")  # fmt: skip
 
@@ -231,6 +233,13 @@ def _runs_today(machine: Machine, where: str) -> bool:
         return transfer.read_text(machine, posixpath.join(where, SERVER)) == helper_source(SERVER)
     except OpsError:
         return False
+
+
+def _forget_token(machine: Machine, path: Any) -> None:
+    """The token file of a server replaced (a follower killed before it could delete it)."""
+    home = secrets_home(machine.target) + "/"
+    if isinstance(path, str) and path.startswith(home) and "/" not in path[len(home) :]:
+        machine.run(["rm", "-f", "--", path])
 
 
 def _has_token(machine: Machine, path: Any) -> bool:
