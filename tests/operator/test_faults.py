@@ -31,6 +31,7 @@ from tests.operator.ckpt_serving import (
     follower_job,
     serving,
     signed,
+    wait_for,
 )
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import make_run
@@ -76,16 +77,6 @@ def cli(inventory):
         return dflashops(*args, inventory=inventory, env=env, **kw)
 
     return run
-
-
-def wait_for(what: str, check, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.3)
-    raise AssertionError(f"not within {timeout:.0f} s: {what}")
 
 
 def ended_run(ws: Path, tmp_path: Path) -> Path:
