@@ -120,14 +120,21 @@ def follower_job(ws: Path, where: Path, run: str, port: int, token: str = TOKEN)
     return job
 
 
+def start_follower(job: Path) -> subprocess.Popen:
+    """The follower program on `job`, its output piped."""
+    follower = REPO / "dflashops" / "remote" / "follow_eval.py"
+    return subprocess.Popen([sys.executable, str(follower), str(job)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+
+
 def follow(job: Path, timeout: float) -> subprocess.CompletedProcess:
     """The follower program on `job`, to its end (returncode None: still trying at `timeout`)."""
-    follower = REPO / "dflashops" / "remote" / "follow_eval.py"
+    proc = start_follower(job)
     try:
-        return subprocess.run([sys.executable, str(follower), str(job)], capture_output=True,
-                              text=True, timeout=timeout, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        return subprocess.CompletedProcess(exc.cmd, None, out, err)
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, None, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -28,6 +28,7 @@ from tests.operator.ckpt_serving import (
     follower_job,
     serving,
     signed,
+    start_follower,
     status_of,
     wait_for,
 )
@@ -37,6 +38,7 @@ RUN = "b-run"
 RELAY = Path(__file__).with_name("relay.py")
 FORGED = b"forged weights "
 HEAD_S = 10  # remote/ckpt_server.py's: the time a connection has to prove the token
+LORIS_S = 30  # how long the slow loris tries to hold its connection
 
 
 @contextlib.contextmanager
@@ -56,6 +58,14 @@ def relayed(upstream: int, rules: list[dict], where: Path) -> Iterator[tuple[int
 
 def state_of(job: Path) -> dict:
     return json.loads((job / "state.json").read_text())
+
+
+def read_state(job: Path) -> dict:
+    """state.json, or {} while there is none."""
+    try:
+        return state_of(job)
+    except (OSError, ValueError):
+        return {}
 
 
 def test_a_relay_that_rewrites_answers_is_refused_and_nothing_it_sent_is_kept(tmp_path):
@@ -108,34 +118,40 @@ def hold_connections(port: int, count: int, stop: threading.Event) -> None:
         sock.close()
 
 
-def closed(sock: socket.socket) -> bool:
-    readable, _, _ = select.select([sock], [], [], 0)
-    if readable and not sock.recv(1):
-        sock.close()
-        return True
-    return False
+def closed(sock: socket.socket, wait: float = 0) -> bool:
+    """Whether the server closed the connection (a reset included); then it is closed here."""
+    readable, _, _ = select.select([sock], [], [], wait)
+    try:
+        if not readable or sock.recv(1):
+            return False
+    except OSError:
+        pass
+    sock.close()
+    return True
 
 
 def slow_loris(port: int, lasted: list[float]) -> None:
-    """A request sent a byte every 2 s (each read well within any per-read deadline); how
-    long the server let it hold its connection, in `lasted`."""
+    """A request sent a byte every 2 s (each read well within any per-read deadline), for up
+    to LORIS_S; how long the server let it hold its connection, in `lasted`."""
     started = time.monotonic()
     text = b"GET /list HTTP/1.0\r\n" + b"X-Pad: " + b"a" * 100
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        for byte in text:
-            try:
-                sock.send(bytes([byte]))
-            except OSError:
-                break
-            readable, _, _ = select.select([sock], [], [], 2)
-            if readable and not sock.recv(1):
-                break
+    sock = socket.create_connection(("127.0.0.1", port))
+    for byte in text:
+        if time.monotonic() - started > LORIS_S:
+            break
+        try:
+            sock.send(bytes([byte]))
+        except OSError:
+            break
+        if closed(sock, wait=2):
+            break
+    sock.close()
     lasted.append(time.monotonic() - started)
 
 
 def test_idle_connections_do_not_stop_the_follower_and_a_slow_loris_is_cut(tmp_path):
     ws = tmp_path / "ws"
-    run = make_run(ws, RUN, ckpts=(10,))
+    run = make_run(ws, RUN, ckpts=(10,), status="running")  # no goodbye: the server stays up
     lasted: list[float] = []
     with serving(run, tmp_path, linger=60) as (base, _serve, proc):
         port = int(base.rsplit(":", 1)[1])
@@ -144,16 +160,24 @@ def test_idle_connections_do_not_stop_the_follower_and_a_slow_loris_is_cut(tmp_p
         stop = threading.Event()
         holder = threading.Thread(target=hold_connections, args=(port, 20, stop))
         holder.start()
+        follower = None
         try:
             wait_for("the idle connections held (a thread each)",
                      lambda: len(os.listdir(f"/proc/{proc.pid}/task")) >= 15, 30)  # fmt: skip
-            ran = follow(follower_job(ws, tmp_path, RUN, port), timeout=60)
+            follower = start_follower(follower_job(ws, tmp_path, RUN, port))
+            job = tmp_path / "job"
+            wait_for("step 10 scored with 20 idle connections held",
+                     lambda: 10 in (read_state(job).get("done") or []), 60)  # fmt: skip
+            loris.join(timeout=LORIS_S + 5)
         finally:
+            if follower is not None:
+                follower.terminate()
+                out, _err = follower.communicate(timeout=30)
             stop.set()
             holder.join()
             loris.join()
-    assert ran.returncode == 0 and state_of(tmp_path / "job")["done"] == [10], ran.stdout[-3000:]
-    assert lasted and lasted[0] <= HEAD_S + 3, lasted  # not the ~240 s its bytes would take
+    assert follower.returncode == 0 and read_state(job)["status"] == "stopped", out[-3000:]
+    assert lasted and lasted[0] <= HEAD_S + 3, lasted  # its bytes would take ~250 s
 
 
 def test_a_request_is_taken_once_and_only_within_its_time_window(tmp_path):
