@@ -145,7 +145,7 @@ def json_object(text: str | None, flag: str) -> dict[str, Any] | None:
     except json.JSONDecodeError as exc:
         raise UsageError(f"{flag} {text}: not JSON ({exc.msg})") from None
     if not isinstance(value, dict):
-        raise UsageError(f'{flag} {text}: a JSON object, e.g. \'{{"enable_thinking": false}}\'')
+        raise UsageError(f"{flag} {text}: a JSON object, e.g. '{{\"enable_thinking\": false}}'")
     return value
 
 
@@ -161,5 +161,5 @@ SERVE_CHAT_TEMPLATE_KWARGS_OPTION = typer.Option(
     "--serve-chat-template-kwargs",
     metavar="JSON",
     help="The kwargs the engine renders with (vLLM's --default-chat-template-kwargs), e.g. "
-    '\'{"enable_thinking": false}\' (default: none).',
+    "'{\"enable_thinking\": false}' (default: none).",
 )

@@ -13,7 +13,6 @@ combined on the first target (`datagen NAME --collect` does that for a detached 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 

@@ -68,7 +68,7 @@ def test_a_thinking_off_run_passes_when_served_as_it_trained_and_fails_otherwise
     (line,) = ran.out.splitlines()
     assert line.startswith('v1 step 10: chat template kwargs: training renders with '
                            '{"enable_thinking": false} (run config ')  # fmt: skip
-    assert 'serving with {} (enable_thinking not given: the template\'s default) ' in line
+    assert "serving with {} (enable_thinking not given: the template's default) " in line
     assert f"(--serve-chat-template {template} (the rest the engine's default))" in line
     assert "assumed: --serve-chat-template-kwargs not given: compared as {}" in ran.err
 

@@ -278,9 +278,11 @@ def mismatches(facts: dict[str, Any]) -> list[Mismatch]:
     return out
 
 
-ENGINE_DEFAULTS = ("the engine's defaults: the target tokenizer's template and no kwargs, unless "
-                   "served with --chat-template and --default-chat-template-kwargs (say how you "
-                   "serve: check --serve-chat-template, --serve-chat-template-kwargs)")
+ENGINE_DEFAULTS = (
+    "the engine's defaults: the target tokenizer's template and no kwargs, unless "
+    "served with --chat-template and --default-chat-template-kwargs (say how you "
+    "serve: check --serve-chat-template, --serve-chat-template-kwargs)"
+)
 
 
 def _serving_side(serving: dict[str, Any], own: str | None) -> tuple | None:
@@ -290,7 +292,7 @@ def _serving_side(serving: dict[str, Any], own: str | None) -> tuple | None:
         return None
     kwargs = serving.get("chat_template_kwargs")
     said = [f"--serve-chat-template {serving['chat_template_file']}"
-            if serving.get("chat_template") else "", 
+            if serving.get("chat_template") else "",
             "--serve-chat-template-kwargs" if kwargs is not None else ""]  # fmt: skip
     where = ", ".join(x for x in said if x) or ENGINE_DEFAULTS
     if any(said) and not all(said):
@@ -512,27 +514,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serving-defaults", action="store_true",
                    help="compare serving too: what is not said below as the engine's default "
                    "(its own template, no kwargs)")  # fmt: skip
-    p.add_argument("--serve-chat-template", metavar="FILE",
-                   help="the template the engine serves with (vLLM's --chat-template)")
-    p.add_argument("--serve-chat-template-kwargs", metavar="JSON",
-                   help="the kwargs it renders with (vLLM's --default-chat-template-kwargs)")
+    p.add_argument(
+        "--serve-chat-template",
+        metavar="FILE",
+        help="the template the engine serves with (vLLM's --chat-template)",
+    )
+    p.add_argument(
+        "--serve-chat-template-kwargs",
+        metavar="JSON",
+        help="the kwargs it renders with (vLLM's --default-chat-template-kwargs)",
+    )
     p.add_argument("--given", help="facts gathered elsewhere (a JSON file, - for stdin)")
     p.add_argument("--gather-only", action="store_true", help="print the facts, compare nothing")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = p.parse_args(argv)
-    args.eval_kwargs = _json_arg("--eval-kwargs", args.eval_kwargs)
-    args.serve_chat_template_kwargs = _json_arg("--serve-chat-template-kwargs",
+    args.eval_kwargs = json_object("--eval-kwargs", args.eval_kwargs)
+    args.serve_chat_template_kwargs = json_object("--serve-chat-template-kwargs",
                                                 args.serve_chat_template_kwargs)  # fmt: skip
     if args.serve_chat_template is not None or args.serve_chat_template_kwargs is not None:
         args.serving_defaults = True
     given = sys.stdin.read() if args.given == "-" else None
     if args.given not in (None, "-"):
         given = Path(args.given).read_text(encoding="utf-8")
-    args.given_facts = _json_arg("--given", given) or {}
+    args.given_facts = json_object("--given", given) or {}
     return args
 
 
-def _json_arg(name: str, text: str | None) -> dict | None:
+def json_object(name: str, text: str | None) -> dict | None:
     if text is None:
         return None
     try:
@@ -551,14 +559,54 @@ def before_eval(config: Path, checkpoint: Path, kwargs: str | None, overrides: S
     the engine (probing it costs an import of vLLM). `serving` ({"chat_template": FILE|None,
     "chat_template_kwargs": JSON|None}): a server's settings, compared instead of the kwargs."""
     sliding = "sliding_attention" in (checkpoint_facts(checkpoint).get("layer_types") or [])
-    given: dict[str, Any] = {"eval_kwargs": _json_arg("--chat-template-kwargs", kwargs)}
+    given: dict[str, Any] = {"eval_kwargs": json_object("--chat-template-kwargs", kwargs)}
     if serving is not None:
         given = {"serving_defaults": True, "serve_chat_template": serving.get("chat_template"),
-                 "serve_chat_template_kwargs": _json_arg("--serve-chat-template-kwargs",
+                 "serve_chat_template_kwargs": json_object("--serve-chat-template-kwargs",
                                                          serving.get("chat_template_kwargs"))}  # fmt: skip
     args = _here(config, overrides, checkpoint=checkpoint,
                  vllm_python=vllm_python if sliding else None, **given)  # fmt: skip
     return [m["line"] for m in check(args)["mismatches"]]
+
+
+def trained_apart(config: Path, other: Path, overrides: Sequence[str]) -> str | None:
+    """Whether two runs were trained for different chat settings (by what they render for the
+    probe conversation under the first run's target), said in one line; None: alike."""
+    mine = run_facts(config, overrides)
+    theirs = run_facts(other, [f"target.path={mine['target_path']}"] if mine["target_path"] else [])
+    target = target_facts(mine["target_path"])
+    if target is None or not (mine["chat_template"] or target["chat_template"]):
+        return None
+    tokenizer = _tokenizer(target["path"])
+    a = _render(tokenizer, mine["chat_template"] or target["chat_template"],
+                mine["chat_template_kwargs"])  # fmt: skip
+    b = _render(tokenizer, theirs["chat_template"] or target["chat_template"],
+                theirs["chat_template_kwargs"])  # fmt: skip
+    if a == b:
+        return None
+    return (f"trained chat settings: {config} renders with "
+            f"{_said(mine['chat_template_kwargs'], theirs['chat_template_kwargs'])}, {other} "
+            f"with {_said(theirs['chat_template_kwargs'], mine['chat_template_kwargs'])}; "
+            f"their serving prompts differ: ...{_tail(a)!r} vs ...{_tail(b)!r}")  # fmt: skip
+
+
+def before_vs(config: Path, vs: Path, vs_config: Path | None, overrides: Sequence[str],
+              vllm_python: str | None, serving: dict) -> dict:  # fmt: skip
+    """The --vs drafter of a serving benchmark checked as the first one is, against the same
+    serving, on the first run's target; and whether the two were trained for different chat
+    settings. {"config", "mismatches", "apart"}, or {"unknown": why} without its run config
+    (a published drafter: beside it, or in the directory above, as pull-ckpt leaves it)."""
+    if vs_config is None:
+        vs_config = next((p for p in (vs / "run.yaml", vs.parent / "run.yaml") if p.is_file()),
+                         None)  # fmt: skip
+    if vs_config is None:
+        return {"unknown": f"--vs {vs}: no run config beside it: the chat settings it was "
+                "trained for are not known, nor checked"}  # fmt: skip
+    target = run_facts(config, overrides)["target_path"]
+    same = [f"target.path={target}"] if target else []
+    lines = before_eval(vs_config, vs, None, same, vllm_python, serving)
+    return {"config": str(vs_config), "mismatches": lines,
+            "apart": trained_apart(config, vs_config, overrides)}  # fmt: skip
 
 
 def before_launch(config: Path, overrides: Sequence[str]) -> list[str]:
