@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workload.common.layout import DATASET_MANIFEST
+from workload.common.layout import DATASET_MANIFEST, RUN_CONFIG
 from workload.eval.errors import EvalError
 from workload.eval.run_settings import load_run_settings
 
@@ -597,7 +597,7 @@ def before_vs(config: Path, vs: Path, vs_config: Path | None, overrides: Sequenc
     settings. {"config", "mismatches", "apart"}, or {"unknown": why} without its run config
     (a published drafter: beside it, or in the directory above, as pull-ckpt leaves it)."""
     if vs_config is None:
-        vs_config = next((p for p in (vs / "run.yaml", vs.parent / "run.yaml") if p.is_file()),
+        vs_config = next((p for p in (vs / RUN_CONFIG, vs.parent / RUN_CONFIG) if p.is_file()),
                          None)  # fmt: skip
     if vs_config is None:
         return {"unknown": f"--vs {vs}: no run config beside it: the chat settings it was "
