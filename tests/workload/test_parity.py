@@ -187,7 +187,7 @@ def test_an_ab_of_drafters_trained_for_other_chat_settings_is_named(run, tmp_pat
     """`eval --serve --vs`: the second drafter (its run.yaml above it, as pull-ckpt leaves it)
     is checked against the same serving, and the two runs' chat settings against each other;
     a drafter without a run config is said to be unknown."""
-    other = tmp_path / "other"
+    other = tmp_path / "elsewhere" / "other"
     (other / "step_3").mkdir(parents=True)
     cfg = yaml.safe_load(run["config"].read_text())
     write_checkpoint_config(other / "step_3", cfg["drafter"])

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workload.common.layout import DATASET_MANIFEST, RUN_CONFIG
+from workload.common.layout import DATASET_MANIFEST, RESOLVED_CONFIG, RUN_CONFIG
 from workload.eval.errors import EvalError
 from workload.eval.run_settings import load_run_settings
 
@@ -595,10 +595,12 @@ def before_vs(config: Path, vs: Path, vs_config: Path | None, overrides: Sequenc
     """The --vs drafter of a serving benchmark checked as the first one is, against the same
     serving, on the first run's target; and whether the two were trained for different chat
     settings. {"config", "mismatches", "apart"}, or {"unknown": why} without its run config
-    (a published drafter: beside it, or in the directory above, as pull-ckpt leaves it)."""
+    (a published drafter): its run.yaml (or the trainer's resolved.yaml) beside it, above it
+    (as pull-ckpt leaves it) or in its run directory (RUN/checkpoints/step_N)."""
     if vs_config is None:
-        vs_config = next((p for p in (vs / RUN_CONFIG, vs.parent / RUN_CONFIG) if p.is_file()),
-                         None)  # fmt: skip
+        places = [d / n for d in (vs, vs.parent, vs.parent.parent)
+                  for n in (RUN_CONFIG, RESOLVED_CONFIG)]  # fmt: skip
+        vs_config = next((p for p in places if p.is_file()), None)
     if vs_config is None:
         return {"unknown": f"--vs {vs}: no run config beside it: the chat settings it was "
                 "trained for are not known, nor checked"}  # fmt: skip
