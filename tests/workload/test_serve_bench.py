@@ -19,12 +19,13 @@ from workload.eval.errors import EvalError
 from workload.eval.inputs import parity_check
 from workload.eval.serve import attach_vs, bucket_of
 
-# vLLM's own server parser, given the server's argv: what it makes of our chat options
+# vLLM's own server parser and checks, given the server's argv: what it makes of our chat options
 PARSED = """
 import json, sys
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+validate_parsed_serve_args(a)  # the server's own checks before it loads (the template's)
 print(json.dumps({"chat_template": a.chat_template, "kwargs": a.default_chat_template_kwargs}))
 """
 
