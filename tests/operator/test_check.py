@@ -137,13 +137,17 @@ def test_serving_with_the_engines_defaults_is_named_then_a_consistent_run_passes
 
 
 def test_on_an_eval_target_the_facts_of_both_sides_meet(bed):
-    _, cli = bed
-    ran = cli("--json", "check", "v1", "--on", "evalbox", "--num-speculative-tokens", "15")
+    """The template file is read here and compared there (as text with the facts)."""
+    run, cli = bed
+    ran = cli("--json", "check", "v1", "--on", "evalbox", "--num-speculative-tokens", "15",
+              "--serve-chat-template", str(run / "thinking.jinja"),
+              "--serve-chat-template-kwargs", '{"enable_thinking": false}')  # fmt: skip
     assert ran.code == 2, ran.err
     doc = json.loads(ran.out)
     assert (doc["target"], doc["on"], doc["step"]) == ("local", "evalbox", 10)
     keys = [m["key"] for m in doc["mismatches"]]
-    assert keys == ["chat_template", "block_size"]
+    assert keys == ["block_size"]
+    assert doc["facts"]["serving"]["chat_template_file"] == str(run / "thinking.jinja")
     assert doc["facts"]["checkpoint"]["block_size"] == 8  # gathered on local, compared on evalbox
 
 

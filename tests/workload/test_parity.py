@@ -5,6 +5,7 @@ wrong is named with both sides."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -207,3 +208,21 @@ def test_an_ab_of_drafters_trained_for_other_chat_settings_is_named(run, tmp_pat
     found = parity.before_vs(run["config"], other / "step_3", None, [], None, serving)
     assert found == {"unknown": f"--vs {other / 'step_3'}: no run config beside it: the chat "
                      "settings it was trained for are not known, nor checked"}  # fmt: skip
+
+
+def test_an_eval_result_measured_with_other_chat_settings_than_serving_is_named(run, tmp_path,
+                                                                               capsys):  # fmt: skip
+    """The checkpoint's stored eval result (its fingerprint) rendered with thinking on; it is
+    served with thinking off, as it trained: its tau is not what will be served."""
+    template = tmp_path / "thinking.jinja"
+    result = tmp_path / "step_10.json"
+    result.write_text(json.dumps({"fingerprint": {
+        "chat_template_kwargs": {"enable_thinking": True},
+        "chat_template_sha256": hashlib.sha256(THINKING.encode()).hexdigest()}}))  # fmt: skip
+    code, lines = check(run, "--serve-chat-template", str(template), "--serve-chat-template-kwargs",
+                        '{"enable_thinking": false}', "--eval-result", str(result),
+                        "--eval-result", str(tmp_path / "serve_10.json"), capsys=capsys)  # fmt: skip
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith('chat template kwargs: eval renders with {"enable_thinking": true} '
+                               f"(the eval result {result}), serving with "
+                               '{"enable_thinking": false} (--serve-chat-template ')  # fmt: skip
