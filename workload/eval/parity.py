@@ -79,14 +79,19 @@ try:
 except Exception as exc:
     out["layers_unknown"] = f"no per-layer attention resolver ({type(exc).__name__}: {exc})"
 else:
-    config = PretrainedConfig(**{**cfg, "num_hidden_layers": len(cfg.get("layer_types") or [])})
     try:
-        with set_current_vllm_config(VllmConfig()):
-            out["windows"] = [_resolve_layer_attention(config, i)[0]
-                              for i in range(config.num_hidden_layers)]
+        engine_config = VllmConfig()
     except Exception as exc:
-        out["refused"] = f"{type(exc).__name__}: {exc}"
-    out["of"] = "drafter" if given else "probe"
+        out["layers_unknown"] = f"its default config does not build here ({type(exc).__name__}: {exc})"
+    else:
+        config = PretrainedConfig(**{**cfg, "num_hidden_layers": len(cfg.get("layer_types") or [])})
+        try:
+            with set_current_vllm_config(engine_config):
+                out["windows"] = [_resolve_layer_attention(config, i)[0]
+                                  for i in range(config.num_hidden_layers)]
+        except Exception as exc:
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+        out["of"] = "drafter" if given else "probe"
 print(json.dumps(out))
 """
 # the drafter's config.json keys the engine's resolver reads
