@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job end to end on the `local` target of the shipped hosts.yaml, on CPU:
+# The main job end to end on the `local` target of the shipped demo-hosts.yaml, on CPU:
 # install tmux and python3-venv where missing, set up .venv, build a tiny target model, train a drafter for it, watch it, compare it with a
 # deliberately wrong run (the soft KL loss of the old runs), diff their configs, pull the last
 # checkpoint and evaluate its acceptance length (tau). About 10 minutes on 2 cores.
@@ -30,7 +30,7 @@ if [ "${DEMO_SKIP_SETUP:-0}" != 1 ]; then
 fi
 # The local target runs `python3`: the venv's, once its bin/ leads PATH.
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1
-dflashops() { python -m dflashops.cli --inventory hosts.yaml "$@"; }
+dflashops() { python -m dflashops.cli --inventory demo-hosts.yaml "$@"; }
 
 say "2/9 the inventory: one target, this machine"
 dflashops hosts
@@ -92,7 +92,7 @@ print("6-7 on Qwen3-8B (GSM8K, block 16).")
 say "done in $(( SECONDS - T0 ))s: runs live in .dflashops/workspace/runs/, the evals in .dflashops/workspace/evals/"
 cat <<'NEXT'
 Next, on your own servers (README: "Your servers, step by step"):
-  dflashops hosts trust pve1                        # pin your Proxmox host's key (after describing it in hosts.yaml)
+  dflashops hosts trust pve1                        # pin your Proxmox host's key (after describing it in ~/.config/dflashops/hosts.yaml)
   dflashops doctor ct200 --config qwen36-27b        # what the container lacks, one line each
   dflashops --dry-run launch v1 --host ct200 --config qwen36-27b --set target.path=... --set data.path=...
 NEXT

@@ -36,7 +36,7 @@ VERBS: dict[str, Verb] = {
     ),
     "fetch-model": Verb(
         "fetch_model",
-        "Download a hub model inside the target, resumable, verified against the hub's hashes.",
+        "Download a hub model inside the target, verified against the hub's hashes.",
     ),
     "launch": Verb(
         "launch", "Start a training run in a detached tmux session on one target or several."

@@ -26,9 +26,12 @@ SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # commands answer in well under a second, so their deadline is short. Where calls move data
 # or do long steps, the deadline is one of progress (nothing moved for that long) and a
 # target may hash a large file back from disk in between. cli.py gives it to the Context;
-# other commands' deadline is targets.base.DEFAULT_TIMEOUT_S.
+# other commands' deadline is targets.base.DEFAULT_TIMEOUT_S. fetch-model's helper says
+# something every few seconds while bytes arrive or are hashed, so its deadline is one of
+# silence: nothing moved for that long (the helper stops itself at 80% of it, cleanly).
 COMMAND_TIMEOUT_S = {
     "hosts": 15.0,
+    "fetch-model": 30.0,
     **dict.fromkeys(
         (
             "push",

@@ -47,7 +47,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--prompts",
             metavar="FILE",
-            help="A local JSONL file of conversations (messages, or ShareGPT conversations).",
+            help="A local JSONL file of conversations (messages, ShareGPT conversations, or Alpaca "
+            "instruction/input/output records).",
         ),  # fmt: skip
         model: str = typer.Option(
             None, "--target", metavar="PATH", help="The target model's directory on the targets."
