@@ -59,8 +59,9 @@ VERBS: dict[str, Verb] = {
     "check": Verb(
         "check",
         "Train-to-serve parity: the chat template and kwargs of the run's data, its training, "
-        "its eval and the serving engine's defaults; the drafter's block size, mask token, taps, "
-        "layer types and dtype against the target and the engine. Exit 2 on any mismatch.",
+        "its eval results and serving (as said, else the engine's defaults); the drafter's "
+        "block size, mask token, taps, layers, layer types and dtype against the target and "
+        "the engine. Exit 2 on any mismatch.",
     ),
     "compare": Verb(
         "compare", "Compare runs' metrics at the same steps, across targets and archives."

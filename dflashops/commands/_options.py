@@ -10,9 +10,11 @@ argument never is: shell completion (complete.py) marks each command's own.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from typing import Any
 
 import typer
 
@@ -137,3 +139,32 @@ def check_interval(seconds: float, least: float = 1.0) -> float:
             f"--interval {seconds}: a number of seconds, {least:g}..{MAX_INTERVAL_S:g}"
         )
     return seconds
+
+
+def json_object(text: str | None, flag: str) -> dict[str, Any] | None:
+    """A JSON object option (--chat-template-kwargs and its kin); None when not given."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag} {text}: not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} {text}: a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
+SERVE_CHAT_TEMPLATE_OPTION = typer.Option(
+    None,
+    "--serve-chat-template",
+    metavar="FILE",
+    help="The chat template the engine serves with (vLLM's --chat-template): a file here, or "
+    "an absolute path on the target (default: the target tokenizer's own).",
+)
+SERVE_CHAT_TEMPLATE_KWARGS_OPTION = typer.Option(
+    None,
+    "--serve-chat-template-kwargs",
+    metavar="JSON",
+    help="The kwargs the engine renders with (vLLM's --default-chat-template-kwargs), e.g. "
+    "'{\"enable_thinking\": false}' (default: none).",
+)
