@@ -8,7 +8,8 @@ shown; other keys only when the runs differ (all of them with --all).
 
 Each run's dataset is shown under its name: data.path and, for a dataset made by `datagen`
 (CONTRACTS §7), what its manifest says made it (target, engine, temperature, chat template
-kwargs); those become rows `dataset.*` of the table, compared as the config's keys are.
+kwargs); those become rows `dataset.*` of the table, compared as the config's keys are, and
+so does where each run has lived (`run.lived`: targets, processes each, from which step).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dflashops.remote import layout
 from dflashops.render import console, styled, table
 from dflashops.runs.datagen.job import dataset_of
 from dflashops.runs.reading.survey import pick, survey
-from dflashops.runs.reading.view import RunView, check_name
+from dflashops.runs.reading.view import RunView, check_name, lived_text
 from dflashops.tables import Col
 
 FILES = [layout.RESOLVED_CONFIG, layout.RUN_CONFIG, layout.AUDIT_FILE]
@@ -57,6 +58,7 @@ def register(app: typer.Typer) -> None:
         datasets = {v.name: read_dataset(session, v, configs[v.name][0]) for v in views}
         for v in views:
             configs[v.name][0].update(dataset_rows(datasets[v.name]))
+            configs[v.name][0]["run.lived"] = lived_text(v) or UNSET
         audits = {v.name: read_audit(v) for v in views}
         rows = build_rows(views, configs, audits, all_)
         if opts.json:

@@ -12,6 +12,7 @@ import copy
 import io
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,11 @@ from types import SimpleNamespace
 import pytest
 
 from tests.workload.conftest import FIXTURE_BUILDS, cached_tiny
+from tests.workload.drafters import STEPS, trained_drafter
+from tests.workload.test_parity import THINKING
+from workload.eval import serve
 from workload.eval.errors import EvalError
+from workload.eval.inputs import parity_check
 from workload.eval.overlap import training_overlap
 from workload.eval.serve import (
     Subject,
@@ -35,6 +40,16 @@ from workload.eval.serve import (
 H100 = {"device": "gpu", "gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "driver": "550.54.15",
         "cuda": "12.8"}  # fmt: skip
 H200 = {**H100, "gpu": "NVIDIA H200"}  # a stored result's stand-in: no GPU needed
+
+# vLLM's own server parser and checks, given the server's argv: what it makes of our chat options
+PARSED = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+validate_parsed_serve_args(a)  # the server's own checks before it loads (the template's)
+print(json.dumps({"chat_template": a.chat_template, "kwargs": a.default_chat_template_kwargs}))
+"""
 
 
 def result(tokens_per_s: float, tau: float, prompts: str = "p1") -> dict:
@@ -156,7 +171,8 @@ def test_repeats_give_the_mean_and_the_spread():
 def test_the_servers_run_without_prefix_caching():
     """False is said to vLLM (--no-NAME), not dropped: its own default keeps prefix caching on."""
     args = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False}
-    bench = SimpleNamespace(settings=SimpleNamespace(target_path=Path("/t")),
+    bench = SimpleNamespace(settings=SimpleNamespace(target_path=Path("/t")), kwargs={},
+                            args=SimpleNamespace(serve_chat_template=None),
                             server_args=lambda: args)  # fmt: skip
     argv = server_argv(bench, Subject("plain", None, "python"), 8000)
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
@@ -237,3 +253,27 @@ def test_bad_input_is_one_line(tmp_path, args, said):
     assert code == 2, err
     assert said in err.strip().splitlines()[-1]
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.slow
+def test_what_is_benchmarked_is_what_is_checked(tiny_dense, vllm_python, tmp_path):
+    """--serve-chat-template(-kwargs): the server is started with them, in the words vLLM's own
+    parser reads; the prompts are rendered with them; and the parity check compares them with
+    training's (the tiny run trains on its tokenizer's template: refused)."""
+    ckpt = trained_drafter(tiny_dense) / "checkpoints" / f"step_{STEPS}"
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING)
+    args = serve.parse_args(["--config", str(tiny_dense / "run.yaml"), "--checkpoint", str(ckpt),
+                             "--out", str(tmp_path / "o.json"), "--vllm-python", vllm_python,
+                             "--max-prompts", "2", "--serve-chat-template", str(template),
+                             "--serve-chat-template-kwargs", '{"enable_thinking": false}'])  # fmt: skip
+    bench = serve.Bench(args)
+    assert bench.tokenizer.decode(bench.ids[0]).endswith("<think>\n\n</think>\n\n")
+    argv = serve.server_argv(bench, bench.subjects[0], 8000)
+    done = subprocess.run([vllm_python, "-c", PARSED, *argv[3:]], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed == {"chat_template": str(template), "kwargs": {"enable_thinking": False}}
+    with pytest.raises(EvalError, match="parity: chat template: training renders with {} "):
+        parity_check(args)
