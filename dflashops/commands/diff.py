@@ -8,7 +8,9 @@ shown; other keys only when the runs differ (all of them with --all).
 
 Each run's dataset is shown under its name: data.path and, for a dataset made by `datagen`
 (CONTRACTS §7), what its manifest says made it (target, engine, temperature, chat template
-kwargs); those become rows `dataset.*` of the table, compared as the config's keys are.
+kwargs); those become rows `dataset.*` of the table, compared as the config's keys are. Under
+it, what the run's token store lost to data.max_length (turns cut, the share of supervised
+tokens past it: the trainer's audit item `dataset.lost`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dflashops.tables import Col
 FILES = [layout.RESOLVED_CONFIG, layout.RUN_CONFIG, layout.AUDIT_FILE]
 MARKS = {"peer": "~", "info": "*", "warn": "!", "error": "!!"}  # the least severe first
 UNSET = "(unset)"
+LOST_KEY = "dataset.lost"  # the trainer's audit item: what the token store lost to max_length
 
 
 def register(app: typer.Typer) -> None:
@@ -55,9 +58,10 @@ def register(app: typer.Typer) -> None:
         views = pick(session, found, names, host=host)
         configs = {v.name: read_config(v) for v in views}
         datasets = {v.name: read_dataset(session, v, configs[v.name][0]) for v in views}
-        for v in views:
-            configs[v.name][0].update(dataset_rows(datasets[v.name]))
         audits = {v.name: read_audit(v) for v in views}
+        for v in views:
+            datasets[v.name]["store"] = store_report(audits[v.name])
+            configs[v.name][0].update(dataset_rows(datasets[v.name]))
         rows = build_rows(views, configs, audits, all_)
         if opts.json:
             opts.emit(
@@ -89,10 +93,21 @@ def read_dataset(session: Any, view: RunView, config: dict[str, Any]) -> dict[st
     return {"path": path, "datagen": dataset_of(machine, full)}
 
 
+def store_report(audit: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """What the run's token store lost to data.max_length (the trainer's audit item
+    `dataset.lost`): {"lost": "2.1%", "note": "3 turns cut at max_length 4096, ..."}."""
+    item = audit.get(LOST_KEY)
+    if item is None:
+        return None
+    return {"lost": item.get("value"), "note": item.get("note")}
+
+
 def dataset_rows(dataset: dict[str, Any]) -> dict[str, Any]:
+    store = dataset.get("store")
+    lost = {LOST_KEY: store["lost"]} if store else {}
     made = dataset.get("datagen")
     if not made:
-        return {}
+        return lost
     target = made.get("target") or {}
     engine = made.get("engine") or {}
     return {"dataset.target": target.get("path"), "dataset.target_digest": target.get("digest"),
@@ -100,7 +115,7 @@ def dataset_rows(dataset: dict[str, Any]) -> dict[str, Any]:
             "dataset.temperature": made.get("temperature"),
             "dataset.max_new_tokens": made.get("max_new_tokens"),
             "dataset.cut": cut_share(made),
-            "dataset.chat_template_kwargs": made.get("chat_template_kwargs")}  # fmt: skip
+            "dataset.chat_template_kwargs": made.get("chat_template_kwargs"), **lost}  # fmt: skip
 
 
 def cut_share(made: dict[str, Any]) -> str | None:
@@ -114,6 +129,12 @@ def cut_share(made: dict[str, Any]) -> str | None:
 
 
 def dataset_line(dataset: dict[str, Any]) -> str:
+    store = dataset.get("store")
+    tokens = f"\n  tokens: {store['note']}" if store else ""
+    return made_line(dataset) + tokens
+
+
+def made_line(dataset: dict[str, Any]) -> str:
     made = dataset.get("datagen")
     if not made:
         return f"  data: {dataset.get('path') or '(unset)'}"
