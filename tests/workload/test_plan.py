@@ -294,7 +294,7 @@ def test_qwen36_27b_on_eight_gpus(capsys):
     none_opt = plans["none", "null"]["per_rank"]["optimizer"]
     assert none_opt / 8 <= p["per_rank"]["optimizer"] < none_opt / 7
     kept = plans["zero1", "false"]["per_rank"]["activations"]
-    assert p["per_rank"]["activations"] < kept / 3
+    assert p["per_rank"]["activations"] < kept / 2  # at 8192 the target's forward is the peak
 
 
 def test_the_27b_templates_length_is_one_epoch_of_the_corpus_and_its_time(capsys, tmp_path):
@@ -349,8 +349,10 @@ def test_qwen36_27b_on_two_nodes_pays_at_100_gbe_not_at_25(capsys):
     fp32 gradients plus zero1's fp32 broadcast over both nodes; at 25 GbE the second node
     still makes a step slower than one node at twice the accumulation, and the plan names the
     grad_accum that pays; at 100 GbE it pays as it is."""
+    # rows of 4096 tokens (the template trains 8192): the step these numbers were stated for
     base = ["--config", str(RUN_27B), "--target-config", str(TARGET_27B), "--nproc", "8",
-            "--nnodes", "2", "--gpu", "h200", "--json"]  # fmt: skip
+            "--nnodes", "2", "--gpu", "h200", "--set", "data.max_length=4096",
+            "--json"]  # fmt: skip
     plans = {}
     for gbps in (25, 100):
         code, out, err = run_plan(capsys, *base, "--link-gbps", str(gbps))
