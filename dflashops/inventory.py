@@ -36,7 +36,9 @@ ADDRESS_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._:-]{0,252}\Z")  # an IP addre
 USER_RE = re.compile(r"^[0-9A-Za-z_][0-9A-Za-z._-]{0,63}\Z")
 NOT_AN_ADDRESS = "is not an IP address or host name (letters, digits, '.', '_', '-', ':')"
 NOT_A_USER = "is not a user name (letters, digits, '.', '_', '-')"
-TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *DEFAULTS, *CONNECTION_KEYS)
+GPU_KEYS = ("gpu_model", "gpu_memory_gib")  # what the GPUs are, for plans made offline
+TARGET_KEYS = ("kind", "host", "vmid", "role", "gpus", *GPU_KEYS, *DEFAULTS, *CONNECTION_KEYS)
+DEMO_INVENTORY = "demo-hosts.yaml"  # the clone's inventory of `local` only (never looked up)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class Target:
     vmid: int | None = None
     address: str | None = None  # where other targets reach it (a run over several targets)
     engines: dict[str, str] = field(default_factory=dict)  # engine -> its environment's python
+    gpu_model: str | None = None  # as nvidia-smi names it: "NVIDIA H200"
+    gpu_memory_gib: float | None = None  # one GPU's memory
 
     @property
     def host(self) -> str | None:
@@ -139,23 +143,26 @@ class Inventory:
 
 
 def find_inventory(explicit: str | None) -> Path:
-    """The lookup order of contract section 1."""
+    """The lookup order of contract section 1; the path found, absolute (errors name it)."""
     if explicit:
-        path = Path(explicit)
+        path = Path(explicit).expanduser().absolute()
         if not path.is_file():
-            raise InventoryError(f"{explicit}: no such inventory file (given with --inventory)")
+            raise InventoryError(f"{path}: no such inventory file (given with --inventory)")
         return path
     env = os.environ.get("DFLASHOPS_INVENTORY")
     if env:
-        if not Path(env).is_file():
-            raise InventoryError(f"{env}: no such inventory file (from $DFLASHOPS_INVENTORY)")
-        return Path(env)
+        path = Path(env).expanduser().absolute()
+        if not path.is_file():
+            raise InventoryError(f"{path}: no such inventory file (from $DFLASHOPS_INVENTORY)")
+        return path
     for candidate in (Path("hosts.yaml"), Path.home() / ".config" / "dflashops" / "hosts.yaml"):
         if candidate.is_file():
-            return candidate
+            return candidate.absolute()
     raise InventoryError(
-        "no inventory: give --inventory PATH, set $DFLASHOPS_INVENTORY, or create ./hosts.yaml "
-        "or ~/.config/dflashops/hosts.yaml (see the README)"
+        f"no inventory: neither {Path('hosts.yaml').absolute()} nor "
+        f"{Path.home() / '.config' / 'dflashops' / 'hosts.yaml'} exists; create the second "
+        f"(see the README), or give --inventory PATH or $DFLASHOPS_INVENTORY (a clone's "
+        f"{DEMO_INVENTORY} has the demo's `local` target)"
     )
 
 
@@ -190,7 +197,7 @@ class _Parser:
         if version != 1:
             raise self.fail("version", f"{version!r} is not supported; write 'version: 1'")
         defaults = self.section(data, "defaults")
-        self.check_keys("defaults", defaults, tuple(DEFAULTS) + CONNECTION_KEYS[1:])
+        self.check_keys("defaults", defaults, tuple(DEFAULTS) + GPU_KEYS + CONNECTION_KEYS[1:])
         hosts = {
             name: self.endpoint(f"hosts.{name}", name, spec, defaults)
             for name, spec in self.named_sections(data, "hosts")
@@ -295,6 +302,7 @@ class _Parser:
             role=self.roles(f"{key}.role", spec.get("role", list(ROLES))),
             gpus=self.optional_int(f"{key}.gpus", spec.get("gpus"), 0, 1024),
             engines=self.engines(src("engines"), merged["engines"], kind),
+            **self.gpu_kind(key, spec, defaults),
         )
         if kind == "pct":
             return Target(**common, **self.pct_placement(key, spec, hosts))
@@ -304,6 +312,19 @@ class _Parser:
             if extra in spec:
                 raise self.fail(f"{key}.{extra}", "not allowed for kind: local")
         return Target(**common)
+
+    def gpu_kind(self, key: str, spec: dict, defaults: dict) -> dict[str, Any]:
+        """gpu_model and gpu_memory_gib: the target's, else the defaults'."""
+        model = spec.get("gpu_model", defaults.get("gpu_model"))
+        memory = spec.get("gpu_memory_gib", defaults.get("gpu_memory_gib"))
+        where = {k: f"{key}.{k}" if k in spec else f"defaults.{k}" for k in GPU_KEYS}
+        if memory is not None and (type(memory) not in (int, float) or not 0 < memory <= 4096):
+            raise self.fail(where["gpu_memory_gib"], f"expected one GPU's memory in GiB (e.g. "
+                            f"139.8, as `dflashops hosts` shows it), got {memory!r}")  # fmt: skip
+        return {
+            "gpu_model": None if model is None else self.text(where["gpu_model"], model),
+            "gpu_memory_gib": None if memory is None else float(memory),
+        }
 
     def pct_placement(self, key: str, spec: dict, hosts: dict[str, Endpoint]) -> dict:
         for extra in CONNECTION_KEYS:

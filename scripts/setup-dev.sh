@@ -35,7 +35,7 @@ if [ "${DFLASHOPS_SKIP_VLLM:-0}" != 1 ]; then
   rm -f "$vllm_status" .dflashops/setup-vllm.pid
   # shellcheck disable=SC2016  # expanded by the inner shell
   setsid sh -c 'out=$1; shift; "$@" >"$0" 2>&1; echo $? >"$out.part"; mv "$out.part" "$out"' \
-    "$vllm_log" "$vllm_status" "$VENV/bin/python" -m dflashops.cli --inventory hosts.yaml setup \
+    "$vllm_log" "$vllm_status" "$VENV/bin/python" -m dflashops.cli --inventory demo-hosts.yaml setup \
     local --no-install --engine vllm ${TORCH_INDEX:+--torch-index "$TORCH_INDEX"} </dev/null &
   vllm_pid=$!
   echo "$vllm_pid" >.dflashops/setup-vllm.pid

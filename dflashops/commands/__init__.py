@@ -36,7 +36,11 @@ VERBS: dict[str, Verb] = {
     ),
     "fetch-model": Verb(
         "fetch_model",
-        "Download a hub model inside the target, resumable, verified against the hub's hashes.",
+        "Download a hub model inside the target, verified against the hub's hashes.",
+    ),
+    "fetch-prompts": Verb(
+        "fetch_prompts",
+        "Download benchmark prompt sets inside the target, verified: files for eval --prompts.",
     ),
     "launch": Verb(
         "launch", "Start a training run in a detached tmux session on one target or several."
@@ -55,8 +59,9 @@ VERBS: dict[str, Verb] = {
     "check": Verb(
         "check",
         "Train-to-serve parity: the chat template and kwargs of the run's data, its training, "
-        "its eval and the serving engine's defaults; the drafter's block size, mask token, taps, "
-        "layer types and dtype against the target and the engine. Exit 2 on any mismatch.",
+        "its eval results and serving (as said, else the engine's defaults); the drafter's "
+        "block size, mask token, taps, layers, layer types and dtype against the target and "
+        "the engine. Exit 2 on any mismatch.",
     ),
     "compare": Verb(
         "compare", "Compare runs' metrics at the same steps, across targets and archives."
@@ -68,6 +73,9 @@ VERBS: dict[str, Verb] = {
     ),
     "pull-ckpt": Verb(
         "pull_ckpt", "Copy a run's checkpoint to <ws>/ckpts/RUN/step_STEP on TARGET, verified."
+    ),
+    "export": Verb(
+        "export", "Export a checkpoint for serving: vLLM and SGLang load the directory as it is."
     ),
     "eval": Verb(
         "eval_cmd",

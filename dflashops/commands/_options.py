@@ -10,9 +10,11 @@ argument never is: shell completion (complete.py) marks each command's own.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from typing import Any
 
 import typer
 
@@ -24,9 +26,12 @@ SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # commands answer in well under a second, so their deadline is short. Where calls move data
 # or do long steps, the deadline is one of progress (nothing moved for that long) and a
 # target may hash a large file back from disk in between. cli.py gives it to the Context;
-# other commands' deadline is targets.base.DEFAULT_TIMEOUT_S.
+# other commands' deadline is targets.base.DEFAULT_TIMEOUT_S. fetch-model's helper says
+# something every few seconds while bytes arrive or are hashed, so its deadline is one of
+# silence: nothing moved for that long (the helper stops itself at 80% of it, cleanly).
 COMMAND_TIMEOUT_S = {
     "hosts": 15.0,
+    "fetch-model": 30.0,
     **dict.fromkeys(
         (
             "push",
@@ -35,6 +40,8 @@ COMMAND_TIMEOUT_S = {
             "launch",
             "resume",
             "pull-ckpt",
+            "export",
+            "fetch-prompts",
             "eval",
             "archive",
             "datagen",
@@ -132,3 +139,32 @@ def check_interval(seconds: float, least: float = 1.0) -> float:
             f"--interval {seconds}: a number of seconds, {least:g}..{MAX_INTERVAL_S:g}"
         )
     return seconds
+
+
+def json_object(text: str | None, flag: str) -> dict[str, Any] | None:
+    """A JSON object option (--chat-template-kwargs and its kin); None when not given."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag} {text}: not JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} {text}: a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
+SERVE_CHAT_TEMPLATE_OPTION = typer.Option(
+    None,
+    "--serve-chat-template",
+    metavar="FILE",
+    help="The chat template the engine serves with (vLLM's --chat-template): a file here, or "
+    "an absolute path on the target (default: the target tokenizer's own).",
+)
+SERVE_CHAT_TEMPLATE_KWARGS_OPTION = typer.Option(
+    None,
+    "--serve-chat-template-kwargs",
+    metavar="JSON",
+    help="The kwargs the engine renders with (vLLM's --default-chat-template-kwargs), e.g. "
+    "'{\"enable_thinking\": false}' (default: none).",
+)

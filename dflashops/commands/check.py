@@ -1,4 +1,6 @@
-"""`check RUN [--on TARGET] [--step N]`: train-to-serve parity of a run, one line per mismatch."""
+"""`check RUN [--on TARGET] [--step N] [--serve-chat-template FILE] [--serve-chat-template-kwargs
+JSON] [--num-speculative-tokens N]`: train-to-serve parity of a run against how it is served
+(the engine's defaults where not said), one line per mismatch."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dflashops import context
 from dflashops.commands import _options
 from dflashops.errors import ExitCode
 from dflashops.render import console
+from dflashops.runs.evaluation.serving import ServingChat
 from dflashops.runs.training.parity import check_run
 
 
@@ -31,23 +34,29 @@ def register(app: typer.Typer) -> None:
             "--num-speculative-tokens",
             min=1,
             metavar="N",
-            help="What the engine will be asked for (compared with the drafter's block size).",
+            help="What the engine will be asked for (compared with the drafter's block size; "
+            "default: block - 1, as eval --serve asks).",
         ),  # fmt: skip
+        serve_template: str = _options.SERVE_CHAT_TEMPLATE_OPTION,
+        serve_kwargs: str = _options.SERVE_CHAT_TEMPLATE_KWARGS_OPTION,
         host: str = _options.HOST_OPTION,
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """Train-to-serve parity: the chat template and kwargs of the run's data, its training,
-        its eval and the serving engine's defaults; the drafter's block size, mask token,
-        taps, layer types and dtype against the target and the engine. Exit 2 on any mismatch."""
+        its eval results and serving (as said, else the engine's defaults); the drafter's
+        block size, mask token, taps, layers, layer types and dtype against the target and
+        the engine. Exit 2 on any mismatch."""
         opts = context.begin(ctx, json_out)
+        chat = ServingChat(serve_template, _options.json_object(serve_kwargs,
+                                                                "--serve-chat-template-kwargs"))  # fmt: skip
         session = opts.session()
         dest = opts.inventory().target(on) if on is not None else None
         doc = check_run(session, session, run, on=dest, step=step, host=host,
-                        spec_tokens=spec_tokens)  # fmt: skip
+                        spec_tokens=spec_tokens, chat=chat)  # fmt: skip
         if opts.dry_run:
             opts.dry_run_done(run=run)
             return
-        keys = ("run", "target", "on", "step", "mismatches", "facts")
+        keys = ("run", "target", "on", "step", "mismatches", "assumed", "notes", "facts")
         opts.answer({k: doc[k] for k in keys}, lambda: show(doc))
         if doc["mismatches"]:
             raise typer.Exit(int(ExitCode.USAGE))
@@ -56,6 +65,8 @@ def register(app: typer.Typer) -> None:
 def show(doc: dict) -> None:
     for note in doc.get("notes") or []:
         context.note(f"{doc['run']}: not checked: {note}")
+    for said in doc.get("assumed") or []:
+        context.note(f"{doc['run']}: assumed: {said}")
     out = console()
     step = f" step {doc['step']}" if doc["step"] is not None else " (no checkpoint yet)"
     for m in doc["mismatches"]:

@@ -13,7 +13,6 @@ combined on the first target (`datagen NAME --collect` does that for a detached 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--prompts",
             metavar="FILE",
-            help="A local JSONL file of conversations (messages, or ShareGPT conversations).",
+            help="A local JSONL file of conversations (messages, ShareGPT conversations, or Alpaca "
+            "instruction/input/output records).",
         ),  # fmt: skip
         model: str = typer.Option(
             None, "--target", metavar="PATH", help="The target model's directory on the targets."
@@ -116,8 +116,9 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"{option} is required (or --collect NAME)")
         if engine is not None and engine not in ("vllm", "transformers"):
             raise UsageError(f"--engine {engine}: vllm or transformers")
-        req = Request(prompts, model, engine, max_new_tokens, temperature,
-                      template_kwargs(chat_template_kwargs), chunk, tensor_parallel_size, nproc)  # fmt: skip
+        kwargs = _options.json_object(chat_template_kwargs, "--chat-template-kwargs") or {}
+        req = Request(prompts, model, engine, max_new_tokens, temperature, kwargs, chunk,
+                      tensor_parallel_size, nproc)  # fmt: skip
         inventory = opts.inventory()
         targets = [inventory.target(t) for t in _options.parse_hosts(host)]
         with opts.sessions() as (reader, writer):
@@ -131,17 +132,6 @@ def register(app: typer.Typer) -> None:
                 return report(opts, opts.json, name, view.target, view.dir, view.state, None)
             manifest = follow(reader, writer, view)
         report(opts, opts.json, name, view.target, view.dir, "finished", manifest)
-
-
-def template_kwargs(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--chat-template-kwargs {text}: not JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise UsageError(f'--chat-template-kwargs {text}: a JSON object, e.g. '
-                         '\'{"enable_thinking": false}\'')  # fmt: skip
-    return value
 
 
 def report(

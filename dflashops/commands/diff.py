@@ -8,9 +8,10 @@ shown; other keys only when the runs differ (all of them with --all).
 
 Each run's dataset is shown under its name: data.path and, for a dataset made by `datagen`
 (CONTRACTS §7), what its manifest says made it (target, engine, temperature, chat template
-kwargs); those become rows `dataset.*` of the table, compared as the config's keys are. Under
-it, what the run's token store lost to data.max_length (turns cut, the share of supervised
-tokens past it: the trainer's audit item `dataset.lost`).
+kwargs); those become rows `dataset.*` of the table, compared as the config's keys are, and
+so does where each run has lived (`run.lived`: targets, processes each, from which step). Under
+the data line, what the run's token store lost to data.max_length (turns cut, the share of
+supervised tokens past it: the trainer's audit item `dataset.lost`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dflashops.remote import layout
 from dflashops.render import console, styled, table
 from dflashops.runs.datagen.job import dataset_of
 from dflashops.runs.reading.survey import pick, survey
-from dflashops.runs.reading.view import RunView, check_name
+from dflashops.runs.reading.view import RunView, check_name, lived_text
 from dflashops.tables import Col
 
 FILES = [layout.RESOLVED_CONFIG, layout.RUN_CONFIG, layout.AUDIT_FILE]
@@ -62,6 +63,7 @@ def register(app: typer.Typer) -> None:
         for v in views:
             datasets[v.name]["store"] = store_report(audits[v.name])
             configs[v.name][0].update(dataset_rows(datasets[v.name]))
+            configs[v.name][0]["run.lived"] = lived_text(v) or UNSET
         rows = build_rows(views, configs, audits, all_)
         if opts.json:
             opts.emit(

@@ -33,7 +33,12 @@ from dflashops.runs.evaluation.continuous_cli import continuous
 from dflashops.runs.evaluation.job import Extra, newest_job, read_result, start_eval
 from dflashops.runs.evaluation.job import follow as follow_job
 from dflashops.runs.evaluation.results import engine_note, gap, real_rounds
-from dflashops.runs.evaluation.serving import concurrency_levels, parse_vs, serve_result_path
+from dflashops.runs.evaluation.serving import (
+    ServingChat,
+    concurrency_levels,
+    parse_vs,
+    serve_result_path,
+)
 from dflashops.runs.evaluation.serving_table import show_serve
 from dflashops.runs.lifecycle.rehearse import unread_is_said
 from dflashops.runs.reading.view import check_name, eval_result_path
@@ -136,6 +141,8 @@ def register(app: typer.Typer) -> None:
             "`engines:` name in hosts.yaml, e.g. vllm-0.31, or its python's absolute path), "
             "side by side: does a new engine version lower acceptance or speedup?",
         ),
+        serve_template: str = _options.SERVE_CHAT_TEMPLATE_OPTION,
+        serve_kwargs: str = _options.SERVE_CHAT_TEMPLATE_KWARGS_OPTION,
         json_out: bool = _options.json_option("Print the result JSON."),
     ) -> None:
         """Evaluate a run's checkpoints on a target, as a job: tau, DDTree tau, per position."""
@@ -147,7 +154,9 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--every and --step/--steps: give one")
         chosen = [] if every is not None else chosen_steps(step, steps, follow)
         check_serve(serve, concurrency, vs, vs_engine, chosen, every, reference, check_real,
-                    budgets, engine)  # fmt: skip
+                    budgets, engine, serve_template, serve_kwargs)  # fmt: skip
+        chat = ServingChat(serve_template, _options.json_object(serve_kwargs,
+                                                                "--serve-chat-template-kwargs"))  # fmt: skip
         if check_real is not None and check_real < 0:
             raise UsageError(f"--check-real {check_real}: a number of prompts, >= 0")
         dest = opts.inventory().target(on)
@@ -157,7 +166,7 @@ def register(app: typer.Typer) -> None:
         more = _options.parse_steps(budgets, "--budgets", least=1, example="128,256")
         extra = Extra(prompts, reference, max_new_tokens, max_prompts, sets or [], check_real, more,
                       host, engine, force, serve, concurrency_levels(concurrency) if serve
-                      else None, parse_vs(vs), vs_engine)  # fmt: skip
+                      else None, parse_vs(vs), vs_engine, chat)  # fmt: skip
         if every is not None:
             return continuous(opts, opts.json, run, every, dest, extra)
         with opts.sessions() as (reader, writer), unread_is_said(reader, f"run {run}"):
@@ -172,12 +181,16 @@ def register(app: typer.Typer) -> None:
 
 def check_serve(serve: bool, concurrency: str | None, vs: str | None, vs_engine: str | None,
                 chosen: list[int], every: int | None, reference: str | None,
-                check_real: int | None, budgets: str | None, engine: str) -> None:  # fmt: skip
+                check_real: int | None, budgets: str | None, engine: str,
+                serve_template: str | None = None, serve_kwargs: str | None = None) -> None:  # fmt: skip
     """--serve takes one --step, one side-by-side axis, and none of the offline eval's own
     options."""
     if not serve:
         given = [n for n, v in (("--concurrency", concurrency), ("--vs", vs),
-                                ("--vs-engine", vs_engine)) if v is not None]  # fmt: skip
+                                ("--vs-engine", vs_engine),
+                                ("--serve-chat-template", serve_template),
+                                ("--serve-chat-template-kwargs", serve_kwargs))
+                 if v is not None]  # fmt: skip
         if given:
             raise UsageError(f"{', '.join(given)}: only with --serve")
         return

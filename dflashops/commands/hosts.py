@@ -19,7 +19,7 @@ from dflashops.errors import (
     OpsError,
     UsageError,
 )
-from dflashops.inventory import Endpoint, Inventory, Target
+from dflashops.inventory import Endpoint, Inventory, Target, parse_jump
 from dflashops.runs.reading import probe as runs_probe
 from dflashops.runs.reading.probe import Probe
 from dflashops.ssh.config import resolve
@@ -76,6 +76,7 @@ def register(app: typer.Typer) -> None:
         if ctx.invoked_subcommand is not None:
             return
         opts = context.begin(ctx, json_out)
+        context.note(f"inventory: {opts.inventory().path}")
         host_rows, target_rows = survey(opts.session(), opts.inventory())
         if opts.json:
             opts.emit(
@@ -87,6 +88,8 @@ def register(app: typer.Typer) -> None:
             )
         elif not opts.dry_run:
             render(host_rows, target_rows)
+        for line in gpu_entries(opts.inventory(), target_rows):
+            context.note(line)
         if any(not r.reachable for r in host_rows) or any(
             r.state in ("unreachable", NO_ANSWER) for r in target_rows
         ):
@@ -214,6 +217,26 @@ def holders(found: Probe) -> tuple[dict[int, str], dict[int, list[str]]]:
     return by_pid, by_local
 
 
+def gpu_entries(inventory: Inventory, rows: list[TargetRow]) -> list[str]:
+    """For each target whose GPUs nvidia-smi showed and the inventory does not say (or says
+    otherwise): the entry that lets an offline plan (`--dry-run launch`) count on them."""
+    out = []
+    for row in rows:
+        found = [g for g in row.devices or [] if isinstance(g.get("memory_total_mib"), int)]
+        if not found:
+            continue
+        target = inventory.targets[row.name]
+        model = found[0].get("name")
+        gib = round(min(g["memory_total_mib"] for g in found) / 1024, 1)
+        said = (target.gpus, target.gpu_model, target.gpu_memory_gib)
+        if said == (len(found), model, gib):
+            continue
+        entry = f"gpus: {len(found)}, gpu_model: {model}, gpu_memory_gib: {gib}"
+        out.append(f"{row.name}: nvidia-smi shows {len(found)} x {model} ({gib} GiB); "
+                   f"say so in {inventory.path}, targets.{row.name}: {{{entry}}}")  # fmt: skip
+    return out
+
+
 def _error_row(target: Target, error: OpsError) -> TargetRow:
     state = "unreachable" if error.code == ExitCode.UNREACHABLE else "error"
     if error.code == ExitCode.NOT_FOUND:
@@ -305,11 +328,22 @@ def not_a_typo(session, host: str, endpoint: Endpoint) -> None:  # noqa: ANN001
     names = [*inventory.hosts, *(t.name for t in inventory.targets.values() if t.kind == "ssh")]
     if host in names or any(c in host for c in "@:,.") or endpoint.user or endpoint.port:
         return
-    if resolve(endpoint).hostname != host:  # an ~/.ssh/config alias
+    if resolve(endpoint).hostname != host or host in jump_hosts(inventory):  # ssh knows it
         return
     hint = did_you_mean(host, names)
     if hint:
-        raise NotFoundError(f"{host}: not a host of the inventory{hint}")
+        raise NotFoundError(f"{host}: not a host of {inventory.path}{hint}")
+    known = ", ".join(sorted(inventory.hosts)) or "none"
+    raise NotFoundError(
+        f"{host}: not a host of {inventory.path} (hosts: {known}), nor an ~/.ssh/config alias; "
+        f"describe it under hosts: in that file (or give root@{host} for a name DNS resolves)"
+    )
+
+
+def jump_hosts(inventory: Inventory) -> set[str]:
+    """Every host named in a `jump` of the inventory (what a refusal may ask to trust)."""
+    endpoints = [*inventory.hosts.values(), *(t.endpoint for t in inventory.targets.values())]
+    return {hop.host for e in endpoints if e and e.jump for hop in parse_jump(e.jump)}
 
 
 def pin_key(session, endpoint: Endpoint, yes: bool) -> None:  # noqa: ANN001

@@ -17,7 +17,7 @@ from dflashops.commands import _options
 from dflashops.errors import UsageError
 from dflashops.runs.evaluation.continuous_cli import with_launch
 from dflashops.runs.evaluation.job import Extra
-from dflashops.runs.lifecycle.rehearse import check_config
+from dflashops.runs.lifecycle.rehearse import check_config, template_target_config
 from dflashops.runs.reading.view import check_name
 from dflashops.runs.training.config import resolve_config
 from dflashops.runs.training.launch import launch as start_run
@@ -112,6 +112,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError("--target-config goes with --dry-run (a launch reads the target's)")
         if opts.dry_run:
             check_config(run, text)
+            target_config = target_config or template_target_config(run, config)
         values = _options.secret_values(secrets or [])
         inventory = opts.inventory()
         targets = [inventory.target(name) for name in _options.parse_hosts(host)]

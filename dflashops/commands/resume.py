@@ -1,6 +1,7 @@
 """`resume RUN`: start a stopped or failed run again from its newest complete checkpoint, on all
-its nodes with the same number of processes each (the same world size), through the same
-launcher as `launch` (the trainer's --resume). The run keeps the code it ran unless
+its nodes with the same number of processes each, or `--nproc N` each (another world size: the
+trainer reshards and keeps the global batch), through the same launcher as `launch` (the
+trainer's --resume). The run keeps the code it ran unless
 `--update-code` takes the workload as it is now; secrets are asked for again (--secret)."""
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def register(app: typer.Typer) -> None:
             "--update-code",
             help="Run the workload as it is now, not the snapshot the run started with.",
         ),
+        nproc: int = typer.Option(
+            None,
+            "--nproc",
+            min=1,
+            metavar="N",
+            help="Processes per target from now on (default: as before); the trainer keeps "
+            "the global batch by scaling optim.grad_accum where a whole number does.",
+        ),
         secrets: list[str] = _options.SECRETS_OPTION,
         follow: bool = _options.FOLLOW_OPTION,
         wait: float = _options.WAIT_OPTION,
@@ -41,7 +50,7 @@ def register(app: typer.Typer) -> None:
             view = find(reader, run, host=host, checkpoints=True, records="none",
                         files=[layout.LAUNCH_FILE])  # fmt: skip
             started = start_again(reader, writer, view, values, update_code=update_code,
-                                  wait=wait)  # fmt: skip
+                                  wait=wait, nproc=nproc)  # fmt: skip
             if started is None:
                 opts.dry_run_done(run=run, target=view.target, dir=view.dir,
                                   from_step=max(view.complete_steps()))  # fmt: skip

@@ -45,8 +45,10 @@ def register(app: typer.Typer) -> None:
             None,
             "--torch-index",
             metavar="URL",
-            help="Where the CPU engine's torch comes from (e.g. "
-            "https://download.pytorch.org/whl/cpu; default: the target's pip configuration).",
+            help="Where torch comes from, for the venv and the engine's environment: a build for "
+            "the driver's CUDA (https://download.pytorch.org/whl/cu126 for a driver older than "
+            "the newest torch's CUDA; .../whl/cpu on a CPU machine). Default: the target's pip "
+            "configuration.",
         ),
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
@@ -65,7 +67,7 @@ def register(app: typer.Typer) -> None:
         report: dict = {"target": target, "packages": prepare.install_packages(machine, facts)}
         report["python"] = ensure_python(machine)
         if not no_install:
-            install(machine, reqs, wheels)
+            install(machine, reqs, wheels, torch_index)
             report["installed_from"] = "wheels" if wheels else "index"
             report["gpu_extras"] = install_gpu_extras(machine, facts, wheels)
         report["sync"] = sync_workload(machine)
@@ -131,7 +133,9 @@ def ensure_python(machine: Machine) -> str:
     return again.text.strip() or "?"
 
 
-def install(machine: Machine, requirements: Path, wheels: Path | None) -> None:
+def install(
+    machine: Machine, requirements: Path, wheels: Path | None, torch_index: str | None = None
+) -> None:
     remote_reqs = home(machine, "requirements.txt")
     transfer.put(machine, requirements, remote_reqs)
     pip = [machine.target.python, "-m", "pip", "install", "--disable-pip-version-check"]
@@ -142,6 +146,14 @@ def install(machine: Machine, requirements: Path, wheels: Path | None) -> None:
         with progress(f"{machine.name}: wheels", size) as advance:
             transfer.sync(machine, wheels, remote_wheels, progress=advance)
         pip += ["--no-index", "--find-links", remote_wheels]
+    if torch_index and wheels is None:  # first: the requirements then keep that torch
+        context.note(f"{machine.name}: pip install torch from {torch_index}")
+        got = machine.run([*pip, "--index-url", torch_index, "torch"],
+                          stdout=context.stream_sink(sys.stderr),
+                          stderr=context.stream_sink(sys.stderr))  # fmt: skip
+        if not got.ok:
+            raise OpsError(f"{machine.name}: pip install torch from {torch_index} failed: "
+                           f"{got.error_text}")  # fmt: skip
     context.note(f"{machine.name}: pip install -r {requirements.name}")
     result = machine.run(
         [*pip, "-r", remote_reqs],

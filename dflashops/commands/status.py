@@ -19,7 +19,7 @@ from dflashops.runs.evaluation.results import latest_eval
 from dflashops.runs.lifecycle import kinds
 from dflashops.runs.reading.failure import trainer_lines
 from dflashops.runs.reading.survey import Survey, find, resolve, survey
-from dflashops.runs.reading.view import VALUE_RULE, RunView, tmux_session
+from dflashops.runs.reading.view import VALUE_RULE, RunView, lived_text, tmux_session
 from dflashops.runs.watching.status_follow import follow_run
 from dflashops.runs.watching.status_tables import (
     history_table,
@@ -167,6 +167,8 @@ def details(view: RunView) -> list[tuple[str, str]]:
     if st.get("pid"):
         rows.append(("pid", str(st["pid"])))
     rows += node_rows(view)
+    if len(view.status.get("history") or []) > 1:  # it moved, or changed its processes
+        rows.append(("lived", lived_text(view)))
     ranks = view.ranks
     if ranks:
         rows.append(("ranks", ranks_cell(ranks)))

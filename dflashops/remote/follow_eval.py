@@ -17,10 +17,14 @@ evaluations at once there), its result <ws>/evals/RUN/step_N.json. A step with a
 ended and its last checkpoint is scored, it tells the server goodbye and finishes; stopped or
 failed, it tells it goodbye too (a resume gets a new server).
 
-Every request has a deadline; a server out of reach is asked again (every `poll` seconds) for
-up to an hour before the job fails. While it copies and evaluates a step it asks the server's
-listing every `poll` seconds too: a server whose run has ended waits only so long (its linger)
-for a follower that has gone quiet. A resume after the server has gone starts a new one
+Every request has a deadline and is signed with the token the two share (remote/ckpt_proof.py);
+each answer must prove the token over its status, time and body, and a file's body is checked
+against the digest of the signed manifest as it lands: what a relay between the two changes is
+refused and nothing of it kept. Every request (the listing, a manifest, a file) whose answer
+does not come or is not proven is asked again every `poll` seconds for up to an hour before
+the job fails; a file whose body is not its manifest's is fetched ATTEMPTS times. While it
+copies and evaluates a step it asks the server's listing every `poll` seconds too: a server
+whose run has ended waits only so long (its linger) for a follower that has gone quiet. A resume after the server has gone starts a new one
 (runs/evaluation/continuous.py) and gives its port and token in job.json, which the follower reads as it
 starts (and notes in state.json's "server"). It keeps to the contract of every job's program
 (dflashops/runs/lifecycle/job_kind.py): state.json's "status", "pid", "pid_start"; SIGTERM stops it (the
@@ -35,7 +39,6 @@ run has ended and nothing is left).
 import contextlib
 import fcntl
 import hashlib
-import hmac
 import http.client
 import json
 import os
@@ -50,15 +53,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from dflashops.remote.ckpt_proof import HEX, answer_mac, request_mac, same_mac, stamp_of
 from dflashops.remote.evallock import one_evaluation
-from dflashops.remote.layout import MANIFEST, STATE_FILE
+from dflashops.remote.layout import MANIFEST, OPTIMIZER_DIR, STATE_FILE, TRAINING_STATE
 from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
 from dflashops.remote.shared import proc_start, read_json, write_json
 
 DEADLINE = 60  # seconds for each request to the server (connect, and each read)
 UNREACHABLE_FOR = 3600  # seconds the server may be out of reach before the job fails
-ATTEMPTS = 3  # tries of one file's copy (a reset or a short body is a blip)
+ATTEMPTS = 3  # tries of one file whose body is not its manifest's (and of the goodbye)
 RETRY_S = 2  # between two tries
+MAX_ANSWER = 16 << 20  # bytes of an answer that is not a checkpoint file
 
 
 def say(text):
@@ -68,12 +73,16 @@ def say(text):
 
 
 class Gone(Exception):
-    """The server has no such checkpoint (any more)."""
+    """The server has no such checkpoint (any more): its own signed answer."""
 
 
 class Forged(OSError):
-    """An answer from something that does not hold the token (a blip to the listing, a failed
-    try to a file's copy: never trusted, never written past its bound)."""
+    """An answer that the server holding the token did not give as it came (its status, time,
+    digest or body): a blip, asked again, and nothing of it kept."""
+
+
+class Stopped(Exception):
+    """A stop came while the server was being asked again."""
 
 
 class Server:
@@ -83,40 +92,65 @@ class Server:
         token = read_json(job["token_file"]).get("token")
         if not token:
             raise SystemExit(f"follow: error: no token in {job['token_file']}")
-        self.token = token  # never sent: each request is signed with it (ckpt_server.py)
+        self.token = token  # never sent: each request is signed with it (ckpt_proof.py)
+        self.offset = 0.0  # the server's clock less ours, as its signed answers tell
 
     def open(self, path, method="GET", **query):
-        """The answer to one request, from a server that proved it holds the token."""
+        """The answer to one request, which the server holding the token signed; its body
+        still to be read against the signed digest (answer.headers["X-Digest"])."""
         target = path + ("?" + urllib.parse.urlencode(query) if query else "")
-        nonce = secrets.token_hex(16)
-        mac = self.sign(f"request {nonce} {method} {target}")
+        nonce, stamp = secrets.token_hex(16), str(int(time.time() + self.offset))
+        mac = request_mac(self.token, nonce, stamp, method, target)
         request = urllib.request.Request(self.base + target, method=method, headers={
-            "X-Nonce": nonce, "Authorization": f"DFO {mac}"})  # fmt: skip
+            "X-Nonce": nonce, "X-Time": stamp, "Authorization": f"DFO {mac}"})  # fmt: skip
         try:
             answer = urllib.request.urlopen(request, timeout=DEADLINE)
         except urllib.error.HTTPError as exc:
-            self.check(exc.headers, nonce)
-            if exc.code == 404:
-                raise Gone(path) from None
-            raise
+            answer = exc
         try:
-            self.check(answer.headers, nonce)
+            self.check(answer, nonce)
         except BaseException:
             answer.close()
             raise
-        return answer
+        if answer.status == 200:
+            return answer
+        text = body(answer, answer.headers["X-Digest"])
+        answer.close()
+        if answer.status == 404:
+            raise Gone(path)
+        raise OSError(f"{self.base} answered {answer.status}: "
+                      f"{text.decode(errors='replace').strip()[:200]}")  # fmt: skip
 
-    def sign(self, text):
-        return hmac.new(self.token.encode(), text.encode(), hashlib.sha256).hexdigest()
+    def check(self, answer, nonce):
+        """The answer's status, time and digest are the server's for this request; its clock
+        noted (a request it found out of its time window is then asked again in it)."""
+        headers = answer.headers or {}
+        stamp, digest = headers.get("X-Time"), headers.get("X-Digest") or ""
+        want = answer_mac(self.token, nonce, answer.status, stamp, digest)
+        proven = stamp_of(stamp) is not None and HEX.match(digest)
+        if not (proven and same_mac(headers.get("X-Proof"), want)):
+            where = f"{self.base}{path_of(answer)}"
+            raise Forged(f"{where} answered without proving it holds the token (its status, "
+                         "time or body not as the server signed them); not trusted")  # fmt: skip
+        self.offset = stamp_of(stamp) - time.time()
 
-    def check(self, headers, nonce):
-        want = self.sign(f"answer {nonce}")
-        if not hmac.compare_digest(want, (headers or {}).get("X-Proof") or ""):
-            raise Forged(f"{self.base} answered without proving it holds the token")
+    def get(self, path, method="GET", **query):
+        """A whole answer (never a checkpoint file), its body the one the server signed."""
+        with self.open(path, method, **query) as answer:
+            return body(answer, answer.headers["X-Digest"])
 
-    def get(self, path, **query):
-        with self.open(path, **query) as answer:
-            return answer.read()
+
+def path_of(answer):
+    return urllib.parse.urlsplit(answer.url or "").path or "a request"
+
+
+def body(answer, digest):
+    """An answer's body (at most MAX_ANSWER bytes) when its sha256 is the signed one."""
+    data = answer.read(MAX_ANSWER + 1)
+    if len(data) > MAX_ANSWER or hashlib.sha256(data).hexdigest() != digest:
+        raise Forged(f"the answer to {path_of(answer)} is not the body the server signed; "
+                     "not trusted")  # fmt: skip
+    return data
 
 
 @contextlib.contextmanager
@@ -126,7 +160,7 @@ def kept_alive(server, every):
 
     def ask():
         while not done.wait(every):
-            with contextlib.suppress(OSError, ValueError, Gone):
+            with contextlib.suppress(OSError, ValueError, Gone, http.client.HTTPException):
                 server.get("/list")
 
     thread = threading.Thread(target=ask, daemon=True)
@@ -144,48 +178,48 @@ def update(job_dir, **keys):
 
 def fetch_file(server, step, name, digest, path, size):
     """One file into `path` (through path.part), hashed as it lands, never more than `size`
-    bytes (its manifest's bound); True when it verifies."""
+    bytes (its signed manifest's bound); None when it verifies, else what is wrong with it
+    (nothing of it kept). A cut copy raises (a blip)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = path + ".part"
-    with server.open("/file", step=step, name=name) as answer, open(part, "wb") as out:
-        left = size + 1
-        while left > 0 and (chunk := answer.read(min(1 << 20, left))):
-            out.write(chunk)
-            left -= len(chunk)
-    if left <= 0:
-        os.unlink(part)
-        raise Forged(f"{name}: more than its {size} bytes")
-    if file_sha256(part) != digest:
-        os.unlink(part)
-        return False
-    os.replace(part, path)
-    return True
-
-
-def fetch_retried(server, step, name, digest, path, size):
-    """fetch_file, tried again after a blip (a reset connection, a short or garbled body) up
-    to ATTEMPTS times; a checkpoint gone (Gone) is not a blip."""
-    for attempt in range(1, ATTEMPTS + 1):
-        try:
-            if fetch_file(server, step, name, digest, path, size):
-                return
-            problem = f"its sha256 differs from {MANIFEST}"
-        except (OSError, http.client.HTTPException) as exc:
-            problem = f"the copy was cut ({exc!r})"
+    hashed = hashlib.sha256()
+    try:
+        with server.open("/file", step=step, name=name) as answer, open(part, "wb") as out:
+            if answer.headers["X-Digest"] != digest:
+                return f"the server's copy is not the one its {MANIFEST} lists (changed?)"
+            left = size + 1
+            while left > 0 and (chunk := answer.read(min(1 << 20, left))):
+                out.write(chunk)
+                hashed.update(chunk)
+                left -= len(chunk)
+        if left <= 0:
+            return f"more than its {size} bytes"
+        if hashed.hexdigest() != digest:
+            return f"its sha256 differs from {MANIFEST}"
+        os.replace(part, path)
+        return None
+    finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path + ".part")
+            os.unlink(part)
+
+
+def fetch_checked(server, step, name, digest, path, size, patiently):
+    """fetch_file, asked again (patiently: a blip, as the listing is) after a cut copy, and up
+    to ATTEMPTS times for a body that is not the manifest's; a checkpoint gone (Gone) is not
+    a blip."""
+    for attempt in range(1, ATTEMPTS + 1):
+        what = f"step {step}: {name}"
+        problem = patiently(what, lambda: fetch_file(server, step, name, digest, path, size))
+        if problem is None:
+            return
         if attempt < ATTEMPTS:
-            say(f"step {step}: {name}: {problem}; trying again ({attempt}/{ATTEMPTS})")
+            say(f"{what}: {problem}; not kept; trying again ({attempt}/{ATTEMPTS})")
             time.sleep(RETRY_S)
     raise ValueError(f"step_{step}/{name}: {problem} ({ATTEMPTS} tries)")
 
 
-def bounds(text):
-    """{name: bytes} from /manifest's X-Sizes; {} when it is missing or malformed."""
-    try:
-        sizes = json.loads(text or "{}")
-    except ValueError:
-        return {}
+def bounds(sizes):
+    """{name: bytes} from /manifest's "sizes"; {} when it is malformed."""
     if not isinstance(sizes, dict):
         return {}
     return {n: v for n, v in sizes.items() if isinstance(v, int) and v >= 0}
@@ -194,18 +228,19 @@ def bounds(text):
 def resume_only(name):
     """A file only a resumed trainer reads (its optimizer state): never copied for an
     evaluation, so that what is kept of each scored step is its weights and config."""
-    return name == "training_state.pt" or name.startswith("optimizer/")
+    return name == TRAINING_STATE or name.startswith(OPTIMIZER_DIR + "/")
 
 
-def pull(server, job, step):
+def pull(server, job, step, patiently):
     """<ckpts>/step_N, a verified copy of the server's; how many files were fetched. It keeps
     to pull-ckpt's receiver's ways (remote/receive.py), so that the two never mix: the partial
     directory's flock held while it writes, the placing under the parent's flock, a copy at
     step_N that holds the same manifest taken as it is."""
-    with server.open("/manifest", step=step) as answer:
-        full = answer.read().decode()
-        sizes = bounds(answer.headers.get("X-Sizes"))
-    entries = manifest_entries(full)
+    doc = patiently(f"step {step}: its manifest",
+                    lambda: json.loads(server.get("/manifest", step=step)))  # fmt: skip
+    doc = doc if isinstance(doc, dict) else {}
+    full, sizes = doc.get("manifest"), bounds(doc.get("sizes"))
+    entries = manifest_entries(full) if isinstance(full, str) else None
     if entries is None or not all(safe_name(n) and n != MANIFEST for n in entries):
         raise ValueError(f"step_{step}: its {MANIFEST} is malformed or names a path outside it")
     entries = {n: d for n, d in entries.items() if not resume_only(n)}
@@ -226,7 +261,7 @@ def pull(server, job, step):
                 continue
             if name not in sizes:
                 raise ValueError(f"step_{step}/{name}: the server gave no size for it")
-            fetch_retried(server, step, name, digest, path, sizes[name])
+            fetch_checked(server, step, name, digest, path, sizes[name], patiently)
             fetched += 1
         only(partial, entries)
         with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
@@ -331,22 +366,37 @@ class Follower:
             with contextlib.suppress(OSError):
                 child.terminate()
 
-    def listing(self):
-        """The server's listing; None while it is out of reach (for up to UNREACHABLE_FOR)."""
+    def patiently(self, what, call):
+        """call(), asked again every `poll` seconds while the server is out of reach or its
+        answer is not proven, for up to UNREACHABLE_FOR; a stop ends it (Stopped)."""
         since = None
         while not self.stopping:
             try:
-                return json.loads(self.server.get("/list"))
-            except (OSError, ValueError, Gone) as exc:
+                return call()
+            except (OSError, ValueError, http.client.HTTPException) as exc:
                 since = since or time.monotonic()
                 if time.monotonic() - since > UNREACHABLE_FOR:
-                    raise SystemExit(f"follow: error: the checkpoint server {self.server.base} "
-                                     f"was out of reach for an hour ({exc})") from None  # fmt: skip
-                say(f"the checkpoint server {self.server.base} is out of reach ({exc}); trying "
-                    f"again (a server gone with its run: `dflashops eval {self.job['run']} "
-                    f"--every {self.job['every']} --on TARGET` starts a new one)")  # fmt: skip
-                time.sleep(self.job.get("poll", 5))
-        return None
+                    raise SystemExit(f"follow: error: {what}: the checkpoint server "
+                                     f"{self.server.base} was out of reach for an hour "
+                                     f"({exc})") from None  # fmt: skip
+                say(f"{what}: the checkpoint server {self.server.base} is out of reach or not "
+                    f"proven ({exc}); trying again (a server gone with its run: `dflashops "
+                    f"eval {self.job['run']} --every {self.job['every']} --on TARGET` starts "
+                    "a new one)")  # fmt: skip
+                self.pause(self.job.get("poll", 5))
+        raise Stopped(what)
+
+    def pause(self, seconds):
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def listing(self):
+        """The server's listing; None once stopped."""
+        try:
+            return self.patiently("the listing", lambda: json.loads(self.server.get("/list")))
+        except Stopped:
+            return None
 
     def evaluate(self, step):
         """The evaluator on the copy of `step`, under the target's evaluation lock; its code."""
@@ -376,7 +426,9 @@ class Follower:
         """Copy and evaluate `step` (complete on the training target since `landed`)."""
         started = time.time()
         try:
-            fetched = pull(self.server, self.job, step)
+            fetched = pull(self.server, self.job, step, self.patiently)
+        except Stopped:
+            return say(f"step {step}: stopped before it was copied")
         except Gone:
             say(f"step {step}: gone from the training target before it was copied; skipped")
             shutil.rmtree(os.path.join(self.job["ckpts"], f".partial-step_{step}"),
@@ -400,9 +452,17 @@ class Follower:
         update(self.dir, failed=self.failed)
 
     def bye(self):
-        """The server told to end: this follower asks nothing more of it."""
-        with contextlib.suppress(OSError, Gone):
-            self.server.open("/bye", method="POST").close()
+        """The server told to end: this follower asks nothing more of it (asked again after a
+        blip, ATTEMPTS times: else the server ends by its linger)."""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return self.server.get("/bye", method="POST")
+            except (OSError, ValueError, Gone, http.client.HTTPException) as exc:
+                if attempt == ATTEMPTS:
+                    say(f"the checkpoint server was not told goodbye ({exc}); it ends by itself")
+                else:
+                    time.sleep(RETRY_S)
+        return None
 
     def run(self):
         settled = set(self.skipped) | set(self.failed)

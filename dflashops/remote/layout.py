@@ -13,6 +13,7 @@ RUNS = "runs"  # <ws>/runs/RUN: a training run
 ARCHIVE = "archive"  # <ws>/archive/RUN: an archived run
 CKPTS = "ckpts"  # <ws>/ckpts/RUN/step_N: a checkpoint copied in by pull-ckpt
 EVALS = "evals"  # <ws>/evals/RUN/: eval results, eval jobs, continuous evals
+PROMPTS = "prompts"  # <ws>/prompts/SET/: benchmark prompts fetched by fetch-prompts
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints/step_N
 MANIFEST = "MANIFEST.sha256"  # a checkpoint's, written last (CONTRACTS §4)
 STATE_FILE = "state.json"  # a job's state: pid, tmux, times, exit code
@@ -25,6 +26,13 @@ PLAN_FILE = "plan.json"  # the trainer's memory and step-time plan, the link it 
 LAUNCH_FILE = "launch.json"  # what the launcher runs, written at every start
 NODE_FILE = "node.json"  # the launcher's and the torchrun agent's processes (pid, start)
 EXIT_CODE_FILE = "exit_code"  # the job's exit code, written by its launcher as it ends
+COMPILE_CACHE = "dflashops/compile-cache"  # <ws>/...: torch's compile caches, every run's
+TRAINING_STATE = "training_state.pt"  # a checkpoint's optimizer state: only a resume reads it
+OPTIMIZER_DIR = "optimizer"  # under zero1, checkpoint/optimizer/rank_<R>.pt: the same
+# an export (`dflashops export`): the checkpoint's drafter files with these beside them
+CHAT_TEMPLATE = "chat_template.jinja"  # the chat template it was trained with
+MODEL_CARD = "README.md"  # what it is, what it measured, how to serve it
+TOKENIZER_CONFIG = "tokenizer_config.json"  # a target's: its chat_template when no .jinja
 
 
 def step_name(step):

@@ -497,8 +497,8 @@ def job_dirs(ws, home):
     for base in bases:
         parts = os.path.relpath(base, ws).split(os.sep)
         stars = [parts[i] for i, want in enumerate(pattern.split("/")) if want == "*"]
-        for entry in listdir(base):
-            if os.path.isdir(os.path.join(base, entry)):
+        for entry in listdir(base):  # a hidden directory (datagen's .tokens/) is no job
+            if not entry.startswith(".") and os.path.isdir(os.path.join(base, entry)):
                 found[template.format(*stars, entry)] = os.path.join(base, entry)
     return found
 

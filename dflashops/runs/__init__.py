@@ -14,10 +14,13 @@
   (verified checkpoint copies), results.py (stored results), fingerprints.py (the settings
   behind a tau, compared), serving.py and serving_table.py (`eval --serve`), and the continuous
   eval: continuous_kind.py, continuous.py (its start and its checkpoint server),
-  continuous_cli.py (started and reported by `eval --every` and `launch --eval-on`)
+  continuous_cli.py (started and reported by `eval --every` and `launch --eval-on`),
+  prompt_sets.py (the benchmark sets by name, fetched in a target: `fetch-prompts`)
 - datagen/: the datagen job: kind.py, job.py (start, follow, combine)
 - watching/: what readers show and stream: status_tables.py, status_follow.py (`status
   --follow`), log_stream.py (`logs`), alarms.py and wandb_alert.py (`watch`)
 - readiness/: is a target ready: doctor.py (`doctor`'s verdicts), prepare.py (`setup`'s system
   packages)
+- export/: a checkpoint made a directory servers load (`export`): drafter.py (what it holds,
+  its verified copy), card.py (the model card and the serving lines)
 """

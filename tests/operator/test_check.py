@@ -34,16 +34,91 @@ def bed(tmp_path):
     cfg["data"]["chat_template"] = "thinking.jinja"
     cfg["data"]["chat_template_kwargs"] = {"enable_thinking": False}
     (run / "run.yaml").write_text(yaml.safe_dump(cfg))
-    ckpt = run / "checkpoints" / "step_10"
-    write_checkpoint_config(ckpt, cfg["drafter"])
-    names = ("config.json", "model.safetensors")
-    (ckpt / "MANIFEST.sha256").write_text("".join(
-        f"{hashlib.sha256((ckpt / n).read_bytes()).hexdigest()}  {n}\n" for n in names))  # fmt: skip
+    write_checkpoint(run, cfg["drafter"])
 
     def cli(*args: str) -> Ran:
         return dflashops(*args, inventory=inventory, home=tmp_path)
 
     return run, cli
+
+
+def write_checkpoint(run, drafter: dict, target_layers: int = 6) -> None:
+    ckpt = run / "checkpoints" / "step_10"
+    write_checkpoint_config(ckpt, drafter)
+    doc = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**doc, "num_target_layers": target_layers}))
+    names = ("config.json", "model.safetensors")
+    (ckpt / "MANIFEST.sha256").write_text("".join(
+        f"{hashlib.sha256((ckpt / n).read_bytes()).hexdigest()}  {n}\n" for n in names))  # fmt: skip
+
+
+def test_a_thinking_off_run_passes_when_served_as_it_trained_and_fails_otherwise(bed):
+    """The run trains with thinking off: served in the engine's words with the same template
+    and {"enable_thinking": false} it passes; served with the template's default (thinking
+    on) the line names enable_thinking on both sides."""
+    run, cli = bed
+    template = str(run / "thinking.jinja")
+    off = '{"enable_thinking": false}'
+    ran = cli("check", "v1", "--serve-chat-template", template, "--serve-chat-template-kwargs", off)
+    assert ran.code == 0, ran.err + ran.out
+    assert "v1 step 10: training (local) and serving (local) agree" in ran.out
+    assert "assumed: num_speculative_tokens not given: compared as 7 (block 8 - 1" in ran.err
+    ran = cli("check", "v1", "--serve-chat-template", template)
+    assert ran.code == 2, ran.err
+    (line,) = ran.out.splitlines()
+    assert line.startswith('v1 step 10: chat template kwargs: training renders with '
+                           '{"enable_thinking": false} (run config ')  # fmt: skip
+    assert "serving with {} (enable_thinking not given: the template's default) " in line
+    assert f"(--serve-chat-template {template} (the rest the engine's default))" in line
+    assert "assumed: --serve-chat-template-kwargs not given: compared as {}" in ran.err
+
+
+def test_a_run_trained_on_the_defaults_fails_against_thinking_off_serving(bed):
+    run, cli = bed
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    del cfg["data"]["chat_template_kwargs"]
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg))
+    ran = cli("check", "v1", "--serve-chat-template", str(run / "thinking.jinja"),
+              "--serve-chat-template-kwargs", '{"enable_thinking": false}')  # fmt: skip
+    assert ran.code == 2, ran.err
+    (line,) = ran.out.splitlines()
+    assert line.startswith("v1 step 10: chat template kwargs: training renders with {} "
+                           "(enable_thinking not given: the template's default) (run config")  # fmt: skip
+    assert 'serving with {"enable_thinking": false} (--serve-chat-template ' in line
+
+
+def test_a_drafter_made_for_another_layer_count_is_named(bed):
+    run, cli = bed
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    write_checkpoint(run, cfg["drafter"], target_layers=4)
+    ran = cli("--json", "check", "v1", "--serve-chat-template", str(run / "thinking.jinja"),
+              "--serve-chat-template-kwargs", '{"enable_thinking": false}')  # fmt: skip
+    assert ran.code == 2, ran.err
+    (m,) = json.loads(ran.out)["mismatches"]
+    assert m["key"] == "num_target_layers"
+    assert m["line"].startswith("num_target_layers: the drafter was made for a 4-layer target")
+    assert m["line"].endswith("has 6 layers")
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--serve-chat-template-kwargs", "{bad"],
+         "dflashops: error: --serve-chat-template-kwargs {bad: not JSON ("),
+        (["--serve-chat-template-kwargs", "[1]"],
+         "dflashops: error: --serve-chat-template-kwargs [1]: a JSON object, e.g."),
+        (["--serve-chat-template", "nope.jinja"],
+         "dflashops: error: --serve-chat-template nope.jinja: no such file here"),
+        (["--serve-chat-template", "/nonexistent/t.jinja"],
+         "dflashops: error: local: --serve-chat-template /nonexistent/t.jinja: no such file"),
+    ],
+)  # fmt: skip
+def test_bad_serving_settings_are_one_line_exit_2(bed, args, said):
+    _, cli = bed
+    ran = cli("check", "v1", *args)
+    assert ran.code == 2 and ran.out == ""
+    errors = [x for x in ran.err.splitlines() if "error" in x or "Traceback" in x]
+    assert len(errors) == 1 and errors[0].startswith(said), ran.err
 
 
 def test_serving_with_the_engines_defaults_is_named_then_a_consistent_run_passes(bed):
@@ -62,13 +137,17 @@ def test_serving_with_the_engines_defaults_is_named_then_a_consistent_run_passes
 
 
 def test_on_an_eval_target_the_facts_of_both_sides_meet(bed):
-    _, cli = bed
-    ran = cli("--json", "check", "v1", "--on", "evalbox", "--num-speculative-tokens", "15")
+    """The template file is read here and compared there (as text with the facts)."""
+    run, cli = bed
+    ran = cli("--json", "check", "v1", "--on", "evalbox", "--num-speculative-tokens", "15",
+              "--serve-chat-template", str(run / "thinking.jinja"),
+              "--serve-chat-template-kwargs", '{"enable_thinking": false}')  # fmt: skip
     assert ran.code == 2, ran.err
     doc = json.loads(ran.out)
     assert (doc["target"], doc["on"], doc["step"]) == ("local", "evalbox", 10)
     keys = [m["key"] for m in doc["mismatches"]]
-    assert keys == ["chat_template", "block_size"]
+    assert keys == ["block_size"]
+    assert doc["facts"]["serving"]["chat_template_file"] == str(run / "thinking.jinja")
     assert doc["facts"]["checkpoint"]["block_size"] == 8  # gathered on local, compared on evalbox
 
 

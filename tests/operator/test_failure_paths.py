@@ -411,17 +411,29 @@ def test_a_run_being_changed_is_refused_at_once(here):
 
 
 def test_no_runs_names_the_workspace_it_read_and_makes_none(tmp_path):
-    """A copy of the shipped hosts.yaml in another folder: `local`'s relative workspace is
+    """A copy of the shipped demo-hosts.yaml in another folder: `local`'s relative workspace is
     beside that file; `status` says so, and a read creates no workspace there."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    shipped = REPO / "hosts.yaml"
+    shipped = REPO / "demo-hosts.yaml"
     (elsewhere / "hosts.yaml").write_text(shipped.read_text())
     ran = dflashops("status", inventory=elsewhere / "hosts.yaml", cwd=tmp_path, home=tmp_path)
     assert ran.code == 0, ran.err
     ws = elsewhere / ".dflashops" / "workspace"
     assert ran.out.strip() == f"no runs in local:{ws} (not there yet)", ran.out
     assert not (elsewhere / ".dflashops").exists()
+
+
+def test_the_token_store_beside_a_dataset_is_not_a_job(tmp_path):
+    """Training on a datagen dataset leaves the token store beside it (<ws>/data/.tokens/):
+    `status` does not list it as a job (it did, `.tokens  unknown  no state.json`)."""
+    ws = tmp_path / "ws"
+    (ws / "data" / ".tokens" / "abc").mkdir(parents=True)
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(f"version: 1\ntargets:\n  local: {{kind: local, workspace: {ws}}}\n")
+    ran = dflashops("status", "--all", inventory=inv, cwd=tmp_path, home=tmp_path)
+    assert ran.code == 0, ran.err
+    assert ".tokens" not in ran.out and ran.out.startswith("no runs"), ran.out
 
 
 def test_compare_refuses_a_metric_no_run_logged(here):

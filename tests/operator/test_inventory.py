@@ -169,7 +169,7 @@ def test_lookup_order(tmp_path, monkeypatch):
     assert find_inventory(str(explicit)) == explicit
     assert find_inventory(None) == from_env
     monkeypatch.delenv("DFLASHOPS_INVENTORY")
-    assert find_inventory(None) == Path("hosts.yaml")
+    assert find_inventory(None) == here  # absolute: the errors name the file read
     here.unlink()
     user = tmp_path / "home" / ".config" / "dflashops" / "hosts.yaml"
     user.parent.mkdir(parents=True)
@@ -192,9 +192,40 @@ def test_unknown_target_is_not_found_exit_4(tmp_path):
     assert ran.code == 4 and "no target 'lokal'" in ran.err and "did you mean 'local'" in ran.err
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 def test_shipped_inventory_has_only_local():
-    inv = load_inventory(Path(__file__).resolve().parents[2] / "hosts.yaml")
+    inv = load_inventory(REPO / "demo-hosts.yaml")
     assert list(inv.targets) == ["local"] and inv.hosts == {}
+
+
+def test_from_the_clone_the_users_inventory_is_read_and_errors_name_it(tmp_path):
+    """Issue 34, item 1: from a clone (the README puts its .venv/bin on PATH), every command
+    reads ~/.config/dflashops/hosts.yaml; the clone's own demo inventory is never taken from
+    the current directory, and an unknown target's error names the file that was read."""
+    user = tmp_path / ".config" / "dflashops" / "hosts.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text(GOOD.replace("ADDRESS", "10.1.2.6").replace("PORT", "22"))
+    found = dflashops("--dry-run", "doctor", "ct200", home=tmp_path, cwd=REPO)
+    assert "no target" not in found.err and "Traceback" not in found.err, found.err
+    assert found.code == 0, found.err
+    typo = dflashops("--dry-run", "doctor", "ct2000", home=tmp_path, cwd=REPO)
+    assert typo.code == 4, typo.err
+    assert f"no target 'ct2000' in {user} (did you mean 'ct200'?)" in typo.err, typo.err
+    none = dflashops("hosts", home=tmp_path / "nobody", cwd=tmp_path)
+    assert none.code == 2 and "no inventory" in none.err and "demo-hosts.yaml" in none.err
+    assert str(tmp_path / "nobody" / ".config" / "dflashops" / "hosts.yaml") in none.err
+
+
+def test_hosts_and_trust_name_the_inventory_they_read(tmp_path):
+    path = write(tmp_path, "version: 1\ntargets:\n  local: {kind: local, python: python3}\n")
+    listed = dflashops("hosts", inventory=path, home=tmp_path)
+    assert listed.code == 0, listed.err
+    assert f"inventory: {path}" in listed.err, listed.err
+    trusted = dflashops("hosts", "trust", "pve1", "--yes", inventory=path, home=tmp_path)
+    assert trusted.code == 4, trusted.err
+    assert f"pve1: not a host of {path} (hosts: none), nor an ~/.ssh/config alias" in trusted.err
 
 
 HOSTILE = ["pve1 -oProxyCommand=x", "-oProxyCommand=touch x", "fe80::1%eth0", "a;touch x",
@@ -243,3 +274,17 @@ def test_plain_addresses_users_and_aliases_are_taken(tmp_path):
     assert inv.hosts["pve1"].address == "pve-1.lab_site.example"
     assert inv.target("gpubox").endpoint.address == "fd00::9"
     assert inv.target("gpubox").endpoint.user == "deploy_1"
+
+
+def test_a_target_says_its_gpus_model_and_memory(tmp_path):
+    text = (
+        GOOD.replace("ADDRESS", "10.1.2.6")
+        .replace("PORT", "22")
+        .replace("gpus: 8}", "gpus: 8, gpu_model: NVIDIA H200, gpu_memory_gib: 139.8}")
+    )
+    ct = load_inventory(write(tmp_path, text)).targets["ct200"]
+    assert (ct.gpus, ct.gpu_model, ct.gpu_memory_gib) == (8, "NVIDIA H200", 139.8)
+    bad = write(tmp_path, text.replace("139.8", "lots"))
+    with pytest.raises(InventoryError, match=r"hosts.yaml:11: targets.ct200.gpu_memory_gib: "
+                       r"expected one GPU's memory in GiB"):  # fmt: skip
+        load_inventory(bad)

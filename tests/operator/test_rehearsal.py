@@ -125,12 +125,12 @@ def test_eval_pull_datagen_and_the_others_rehearsed_say_what_needs_a_host(
 def test_trusting_a_typo_says_it_is_not_in_the_inventory(inventory, host, tmp_path):
     ran = run(inventory, tmp_path, "hosts", "trust", "pve2", "--yes")
     assert ran.code == 4, ran.err
-    assert ran.err == "dflashops: error: pve2: not a host of the inventory (did you mean 'pve1'?)\n"
+    assert ran.err == f"dflashops: error: pve2: not a host of {inventory} (did you mean 'pve1'?)\n"
     assert host.accepted == 0
 
 
 def test_the_shipped_inventory_cites_the_contract_it_ships_with():
-    head = (ROOT / "hosts.yaml").read_text().splitlines()[0]
+    head = (ROOT / "demo-hosts.yaml").read_text().splitlines()[0]
     assert "docs/contracts.md" in head and "../shared" not in head
     assert (ROOT / "docs" / "contracts.md").is_file()
 
@@ -147,4 +147,35 @@ def test_the_memory_plan_is_computed_here_from_a_copy_of_the_target_config(
     alone = run(inventory, tmp_path, "launch", "r3", "--host", "ct200", *TINY,
                 "--target-config", "/nowhere")  # fmt: skip
     assert alone.code == 2 and "--target-config goes with --dry-run" in alone.err, alone.err
+    assert host.accepted == 0
+
+
+def test_the_rehearsal_plans_for_the_gpus_the_inventory_says(tmp_path, host):
+    """Issue 34, item 3: the inventory says ct200 and ct201 hold 8 H200 each; the offline
+    plan of the 27B template is made for those GPUs (the plan alone says 74.64 GiB per rank),
+    never for the CPU, with a step time, over one container and over two."""
+    inv = tmp_path / "hosts.yaml"
+    gpus = "gpus: 8, gpu_model: NVIDIA H200, gpu_memory_gib: 139.8"
+    inv.write_text(
+        "version: 1\nhosts:\n"
+        f"  pve1: {{address: 127.0.0.1, port: {host.port}, user: root}}\n"
+        "targets:\n"
+        f"  ct200: {{host: pve1, vmid: 200, role: train, address: 10.1.2.200, {gpus}}}\n"
+        f"  ct201: {{host: pve1, vmid: 201, role: train, address: 10.1.2.201, {gpus}}}\n"
+    )
+    args = ["--dry-run", "launch", "v1", "--config", "qwen36-27b", "--set",
+            "data.path=/workspace/data/nemo"]  # fmt: skip
+    one = run(inv, tmp_path, *args, "--host", "ct200",
+              "--target-config", "templates/targets/qwen36-27b-config.json")  # fmt: skip
+    assert one.code == 0, one.err
+    assert ("v1: memory plan per rank (8 ranks, sharding zero1): 74.6 GiB of 139.8 GiB: fits"
+            in one.err), one.err  # fmt: skip
+    assert "  step time 1.27 s (" in one.err and "8 x h200" in one.err, one.err
+    assert "on CPU" not in one.err
+    two = run(inv, tmp_path, *args, "--host", "ct200,ct201")  # the template's own copy
+    assert two.code == 0, two.err
+    assert "templates/targets/qwen36-27b-config.json (the template's copy" in two.err, two.err
+    assert "(16 ranks, sharding hybrid): 74.6 GiB of 139.8 GiB: fits" in two.err, two.err
+    verdict = next(line for line in two.err.splitlines() if "2 nodes: " in line)
+    assert float(verdict.split("2 nodes: ")[1].split(" s/step")[0]) < 10, verdict
     assert host.accepted == 0

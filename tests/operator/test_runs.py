@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.operator.ckpt_copies import wait_for
 from tests.operator.cli import Ran, dflashops
 from tests.operator.rundirs import STAND_IN_TRAINER
 from tests.operator.tiny_target import tiny_run_config
@@ -301,6 +302,24 @@ def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
     log = bed["train"].host_path("/workspace/runs/r-stop/train_log.jsonl").read_text()
     steps = [json.loads(line)["step"] for line in log.splitlines()]
     assert steps == list(range(1, doc["checkpoint"] + 1))  # rewound to the checkpoint, then on
+
+    # at another size: 2 processes from the newest checkpoint, the move recorded where it lived
+    assert [h["world_size"] for h in status(cli, "r-stop")["history"]] == [1]
+    resumed = cli("resume", "r-stop", "--nproc", "2")
+    assert resumed.code == 0, resumed.err
+    moved = doc["checkpoint"]
+    log_file = bed["train"].host_path("/workspace/runs/r-stop/train_log.jsonl")
+    wait_for(lambda: f'"resumed_at": {moved}' in log_file.read_text(), timeout=240, every=0.5)
+    assert cli("stop", "r-stop").code == 0
+    lived = status(cli, "r-stop")["history"]
+    assert [(h["targets"], h["nproc"], h["from_step"]) for h in lived] == [
+        (["train"], [1], 0), (["train"], [2], moved)]  # fmt: skip
+    shown = cli("status", "r-stop")
+    assert f"lived:       train x1 from step 0; train x2 from step {moved}" in shown.out, shown.out
+    diffed = cli("diff", "r-stop", "--all")
+    assert diffed.code == 0 and f"train x1 from step 0; train x2 from step {moved}" in diffed.out
+    line = next(json.loads(x) for x in log_file.read_text().splitlines() if "resumed_at" in x)
+    assert (line["from_world_size"], line["world_size"], line["grad_accum"]) == (1, 2, 1)
 
 
 # ---------------------------------------------------------------- dry run

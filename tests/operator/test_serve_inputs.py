@@ -35,6 +35,18 @@ def inv(tmp_path):
             ["--step", "2", "--serve", "--vs", "r:2", "--vs-engine", "vllm-2"],
             "--vs and --vs-engine: give one",
         ),
+        (
+            ["--step", "2", "--serve-chat-template-kwargs", "{}"],
+            "--serve-chat-template-kwargs: only with --serve",
+        ),
+        (
+            ["--step", "2", "--serve", "--serve-chat-template-kwargs", "{bad"],
+            "--serve-chat-template-kwargs {bad: not JSON (",
+        ),
+        (
+            ["--step", "2", "--serve", "--serve-chat-template", "nope.jinja"],
+            "--serve-chat-template nope.jinja: no such file here",
+        ),
     ],
 )
 def test_bad_serve_options_are_one_line(inv, tmp_path, args, said):

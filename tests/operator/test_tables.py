@@ -288,7 +288,7 @@ def gpu_run(ws, tmp_path):
         proc.wait()
 
 
-def test_hosts_shows_each_gpu_its_memory_use_and_the_run_holding_it(cli, gpu_run):
+def test_hosts_shows_each_gpu_its_memory_use_and_the_run_holding_it(cli, gpu_run, tmp_path):
     ran = cli("hosts", columns=120, env=gpu_run)
     assert ran.code == 0, ran.err
     lines = ran.out.splitlines()
@@ -302,6 +302,10 @@ def test_hosts_shows_each_gpu_its_memory_use_and_the_run_holding_it(cli, gpu_run
     assert "1.2 of 79.6 GiB" in rows["2"] and "pid 4242 (jupyter)" in rows["2"]
     assert rows["3"].split()[2:7] == ["0.0", "of", "79.6", "GiB", "0%"] and " - " in rows["3"]
     assert "NVIDIA H100 80GB HBM3" in rows["3"]
+    # what the inventory does not say about the GPUs (issue 34): the entry that says it
+    entry = "gpus: 4, gpu_model: NVIDIA H100 80GB HBM3, gpu_memory_gib: 79.6"
+    assert (f"{TARGET}: nvidia-smi shows 4 x NVIDIA H100 80GB HBM3 (79.6 GiB); say so in "
+            f"{tmp_path / 'hosts.yaml'}, targets.{TARGET}: {{{entry}}}") in ran.err, ran.err  # fmt: skip
     narrow = cli("hosts", columns=80, env=gpu_run)
     assert all(len(line.rstrip()) <= 80 for line in narrow.out.splitlines() if TARGET in line)
     assert whole(B, narrow.out) == 2, narrow.out

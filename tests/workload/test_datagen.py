@@ -357,6 +357,8 @@ BAD_LINES = {
     "sharegpt from": (b'{"conversations": [{"from": "robot", "value": "x"}]}',
                       "conversations[0].from: 'robot' is not one of"),
     "not UTF-8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8 (byte 0xe9"),
+    "alpaca input": (b'{"instruction": "Add", "input": 3}', "input: expected a string, got int"),
+    "alpaca empty": (b'{"instruction": " ", "output": "x"}', '"instruction" is empty'),
 }  # fmt: skip
 
 
@@ -376,6 +378,25 @@ def test_check_only_names_the_bad_line(case, tmp_path):
 def test_check_only_accepts_the_corpus(corpus):
     r = run([sys.executable, "-m", "workload.datagen", "--prompts", str(corpus), "--check-only"])
     assert r.returncode == 0 and r.stdout.strip() == f"ok: {corpus}: 24 conversations", r.stderr
+
+
+def test_alpaca_records_are_prompts(tmp_path):
+    """Issue 34, item 5: CodeAlpaca's instruction/input/output records are asked as one user
+    turn (the input after a blank line), their output the turn the target answers anew."""
+    from workload.data.datagen.conversations import parse_line
+
+    path = tmp_path / "code_alpaca.jsonl"
+    rows = [{"instruction": "Add two numbers.", "input": "a=1, b=2", "output": "a + b"},
+            {"instruction": "Say hi.", "input": "", "output": ""}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run([sys.executable, "-m", "workload.datagen", "--prompts", str(path), "--check-only"])
+    assert r.returncode == 0 and r.stdout.strip() == f"ok: {path}: 2 conversations", r.stderr
+    first = parse_line(json.dumps(rows[0]).encode(), "x:1")
+    assert first == [{"role": "user", "content": "Add two numbers.\n\na=1, b=2"},
+                     {"role": "assistant", "content": "a + b"}]  # fmt: skip
+    assert parse_line(json.dumps(rows[1]).encode(), "x:2") == [
+        {"role": "user", "content": "Say hi."}
+    ]
 
 
 def test_a_run_refuses_bad_input_before_any_engine(tiny_dense, tmp_path):

@@ -5,6 +5,7 @@ wrong is named with both sides."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -151,3 +152,77 @@ def test_the_plan_names_data_made_with_other_kwargs_before_a_launch(run, tmp_pat
     lines = json.loads(capsys.readouterr().out)["parity"]
     assert len(lines) == 1 and lines[0].startswith("chat template kwargs: data renders with {}")
     assert 'training with {"enable_thinking": false}' in lines[0]
+
+
+@pytest.mark.slow
+def test_the_engine_says_itself_how_it_serves_the_drafters_layers(run, vllm_python, capsys):
+    """Probed in vLLM itself (its registry, its DFlash model's per-layer attention of this
+    drafter's config), no string search: 27B-like mixed sliding and full layers are refused by
+    this vLLM's V1 model runner, in its own words."""
+    cfg = json.loads((run["checkpoint"] / "config.json").read_text())
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+               architectures=["DFlashDraftModel"])  # fmt: skip
+    (run["checkpoint"] / "config.json").write_text(json.dumps(cfg))
+    code, lines = check(run, "--vllm-python", vllm_python, capsys=capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("layer_types: the drafter has sliding_attention layers (checkpoint ")
+    assert "DFlash model refuses them: NotImplementedError: " in lines[0]
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in lines[0]
+
+
+def test_sliding_layers_an_engine_serves_with_full_attention_are_named():
+    ckpt = {"dir": "/c", "block_size": 8, "mask_token_id": 1, "target_layer_ids": [1],
+            "num_target_layers": 6, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    engine = {"name": "vllm", "version": "0.1", "of": "drafter", "windows": [None, None],
+              "architectures": ["DFlashDraftModel"]}  # fmt: skip
+    found = parity.mismatches({"checkpoint": ckpt, "engine": engine})
+    assert [m.line for m in found] == [
+        "layer_types: the drafter's layers [0] are sliding_attention (checkpoint "
+        "/c/config.json), vllm 0.1's DFlash model serves them with full attention"
+    ]
+    engine["windows"] = [6, None]
+    assert parity.mismatches({"checkpoint": ckpt, "engine": engine}) == []
+
+
+def test_an_ab_of_drafters_trained_for_other_chat_settings_is_named(run, tmp_path):
+    """`eval --serve --vs`: the second drafter (its run.yaml above it, as pull-ckpt leaves it)
+    is checked against the same serving, and the two runs' chat settings against each other;
+    a drafter without a run config is said to be unknown."""
+    other = tmp_path / "elsewhere" / "other"
+    (other / "step_3").mkdir(parents=True)
+    cfg = yaml.safe_load(run["config"].read_text())
+    write_checkpoint_config(other / "step_3", cfg["drafter"])
+    del cfg["data"]["chat_template_kwargs"]
+    cfg["data"]["chat_template"] = str(tmp_path / "thinking.jinja")
+    (other / "run.yaml").write_text(yaml.safe_dump(cfg))
+    serving = {"chat_template": str(tmp_path / "thinking.jinja"),
+               "chat_template_kwargs": '{"enable_thinking": false}'}  # fmt: skip
+    found = parity.before_vs(run["config"], other / "step_3", None, [], None, serving)
+    assert found["config"] == str(other / "run.yaml")
+    (line,) = found["mismatches"]
+    assert line.startswith("chat template kwargs: training renders with {} (enable_thinking not")
+    assert 'serving with {"enable_thinking": false} (--serve-chat-template ' in line
+    assert found["apart"].startswith(f"trained chat settings: {run['config']} renders with "
+                                     '{"enable_thinking": false}, ')  # fmt: skip
+    (other / "run.yaml").unlink()
+    found = parity.before_vs(run["config"], other / "step_3", None, [], None, serving)
+    assert found == {"unknown": f"--vs {other / 'step_3'}: no run config beside it: the chat "
+                     "settings it was trained for are not known, nor checked"}  # fmt: skip
+
+
+def test_an_eval_result_measured_with_other_chat_settings_than_serving_is_named(run, tmp_path,
+                                                                               capsys):  # fmt: skip
+    """The checkpoint's stored eval result (its fingerprint) rendered with thinking on; it is
+    served with thinking off, as it trained: its tau is not what will be served."""
+    template = tmp_path / "thinking.jinja"
+    result = tmp_path / "step_10.json"
+    result.write_text(json.dumps({"fingerprint": {
+        "chat_template_kwargs": {"enable_thinking": True},
+        "chat_template_sha256": hashlib.sha256(THINKING.encode()).hexdigest()}}))  # fmt: skip
+    code, lines = check(run, "--serve-chat-template", str(template), "--serve-chat-template-kwargs",
+                        '{"enable_thinking": false}', "--eval-result", str(result),
+                        "--eval-result", str(tmp_path / "serve_10.json"), capsys=capsys)  # fmt: skip
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith('chat template kwargs: eval renders with {"enable_thinking": true} '
+                               f"(the eval result {result}), serving with "
+                               '{"enable_thinking": false} (--serve-chat-template ')  # fmt: skip

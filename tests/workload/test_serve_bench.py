@@ -5,13 +5,29 @@ own inputs refused in one line. (The benchmark itself, servers and all: tests/op
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
 import pytest
 
 from tests.workload.conftest import WORKLOAD
+from tests.workload.drafters import STEPS, trained_drafter
+from tests.workload.test_parity import THINKING
+from workload.eval import serve
+from workload.eval.errors import EvalError
+from workload.eval.inputs import parity_check
 from workload.eval.serve import attach_vs, bucket_of
+
+# vLLM's own server parser and checks, given the server's argv: what it makes of our chat options
+PARSED = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+validate_parsed_serve_args(a)  # the server's own checks before it loads (the template's)
+print(json.dumps({"chat_template": a.chat_template, "kwargs": a.default_chat_template_kwargs}))
+"""
 
 
 def result(tokens_per_s: float, tau: float, prompts: str = "p1") -> dict:
@@ -89,3 +105,27 @@ def test_bad_input_is_one_line(tmp_path, args, said):
     assert done.returncode == 2, done.stderr
     assert said in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.slow
+def test_what_is_benchmarked_is_what_is_checked(tiny_dense, vllm_python, tmp_path):
+    """--serve-chat-template(-kwargs): the server is started with them, in the words vLLM's own
+    parser reads; the prompts are rendered with them; and the parity check compares them with
+    training's (the tiny run trains on its tokenizer's template: refused)."""
+    ckpt = trained_drafter(tiny_dense) / "checkpoints" / f"step_{STEPS}"
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING)
+    args = serve.parse_args(["--config", str(tiny_dense / "run.yaml"), "--checkpoint", str(ckpt),
+                             "--out", str(tmp_path / "o.json"), "--vllm-python", vllm_python,
+                             "--max-prompts", "2", "--serve-chat-template", str(template),
+                             "--serve-chat-template-kwargs", '{"enable_thinking": false}'])  # fmt: skip
+    bench = serve.Bench(args)
+    assert bench.tokenizer.decode(bench.ids[0]).endswith("<think>\n\n</think>\n\n")
+    argv = serve.server_argv(bench, bench.subjects[0], 8000)
+    done = subprocess.run([vllm_python, "-c", PARSED, *argv[3:]], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed == {"chat_template": str(template), "kwargs": {"enable_thinking": False}}
+    with pytest.raises(EvalError, match="parity: chat template: training renders with {} "):
+        parity_check(args)

@@ -1,7 +1,7 @@
 """The trainer over several processes (gloo on CPU, the tiny dense target): ZeRO-1 against a
 replicated optimizer, sharded checkpoints and resume (on shared storage and on node-local
-disks), checkpoints written in the background, every rank's own files, stopping through rank 0
-alone, and a peer that dies."""
+disks, at another world size), checkpoints written in the background, every rank's own files,
+stopping through rank 0 alone, and a peer that dies."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(
 ):
     """2 ranks: zero1 logs and weights equal a replicated optimizer's; zero1 stopped at step 3
     and resumed (under zero1, and under none) equals the straight zero1 run; a checkpoint
-    holds one optimizer file per rank, in its manifest; another world size is refused."""
+    holds one optimizer file per rank, in its manifest."""
     zero, plain, split = straight_runs["zero1"], straight_runs["none"], tmp_path / "split"
     done = train_cli(tiny_dense, split, "--set", STEPS, "--set", "dist.sharding=zero1",
                      "--stop-after", "3")  # fmt: skip
@@ -162,16 +162,52 @@ def test_zero1_equals_none_and_sharded_checkpoints_resume_exactly(
         assert largest_difference(weights(zero, 6), weights(run_dir, 6)) == 0.0, sharding
     assert "loaded into none" in done.stdout
 
-    # another world size: one line naming both, exit 2, nothing changed
-    before = (split / T.LOG_NAME).read_text()
-    done = train_cli(tiny_dense, split, "--set", "optim.max_steps=8", "--resume", nproc=None)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "error: resume: step_6 was written by 2 ranks (dist.sharding zero1) and this run has "
-        "1 (dist.sharding none): resume with 2 processes, or start a new run from its weights "
-        "with drafter.init_from"
-    ]
-    assert (split / T.LOG_NAME).read_text() == before
+
+# Resumed at another world size, a run takes the same rows a step in the same order (the data
+# position is global and grad_accum keeps the global batch), so it differs from the straight
+# run only by each rank's random streams: the anchors drawn and the noise. The tolerance is what
+# that costs: the straight 2-rank run against the same run on 1 rank at grad_accum 2 (the same
+# batches, other draws), measured at 0.0236 (relative, worst logged step) on the tiny target;
+# the resumed runs must stay within twice that.
+DRAW_TOLERANCE = 0.05
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_another_world_size_keeps_its_batch_and_data(
+    tiny_dense, straight_runs, tmp_path
+):
+    """2 ranks stopped at step 3 and resumed on 1 (grad_accum 1 -> 2), and 1 rank at grad_accum
+    2 stopped at step 3 and resumed on 2 (2 -> 1): each finishes with the straight 2-rank run's
+    data position at every logged step (no row repeated or skipped) and its loss within the
+    random draws' tolerance; the first log line after the move records it; the 2-rank
+    checkpoint's optimizer states are read by the 1 rank whole (zero1 into none)."""
+    straight = read_log(straight_runs["zero1"])
+    cases = {"2-to-1": (2, None, []), "1-to-2": (None, 2, ["--set", "optim.grad_accum=2"])}
+    for case, (first, then, extra) in cases.items():
+        run_dir = tmp_path / case
+        done = train_cli(tiny_dense, run_dir, "--set", STEPS, "--set", "dist.sharding=zero1",
+                         *extra, "--stop-after", "3", nproc=first)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        done = train_cli(tiny_dense, run_dir, "--set", STEPS, "--set", "dist.sharding=zero1",
+                         *extra, "--resume", nproc=then)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        ranks = (first or 1, then or 1)
+        accum = (1, 2) if first else (2, 1)
+        assert (f"resume: step_3 was written by {ranks[0]} rank(s), this run has {ranks[1]}: "
+                f"optim.grad_accum {accum[0]} -> {accum[1]} keeps the global batch of 4 rows "
+                "a step") in done.stdout  # fmt: skip
+        log = read_log(run_dir)
+        assert [r["step"] for r in log] == [r["step"] for r in straight]
+        after = [r for r in log if r["step"] > 3]
+        assert {k: after[0][k] for k in ("resumed_at", "from_world_size", "world_size",
+                                         "grad_accum", "rows_per_step")} == {
+            "resumed_at": 3, "from_world_size": ranks[0], "world_size": ranks[1],
+            "grad_accum": accum[1], "rows_per_step": 4}  # fmt: skip
+        assert all("resumed_at" not in r for r in log if r is not after[0])
+        for mine, theirs in zip(log, straight, strict=True):
+            assert mine["epoch"] == theirs["epoch"], (case, mine["step"])  # the same rows seen
+        for mine, theirs in zip(after, straight[-len(after) :], strict=True):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=DRAW_TOLERANCE), case
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from workload.drafter.checkpoint import read_manifest, verify
 from workload.drafter.model import DFlashDrafter
 from workload.drafter.targets import load_target
 from workload.eval.errors import EvalError
-from workload.eval.parity import ParityError, before_eval
+from workload.eval.parity import ParityError, before_eval, json_object
 from workload.eval.prompts import PromptsError, PromptSet, read_prompt_set, render
 from workload.eval.run_settings import RunSettings
 from workload.eval.vllm_process import vllm_python
@@ -133,15 +133,28 @@ def chat_template(template: str | None) -> str | None:
         raise EvalError(str(exc)) from None
 
 
+def served_chat(args: argparse.Namespace) -> dict:
+    """The kwargs a serving benchmark's server renders with (args.serving's, JSON), {} where
+    not said: the engine's default; its template file checked."""
+    template, text = args.serving["chat_template"], args.serving["chat_template_kwargs"]
+    if template is not None and not Path(template).is_file():
+        raise EvalError(f"--serve-chat-template {template}: no such file")
+    try:
+        return json_object("--serve-chat-template-kwargs", text) or {}
+    except ParityError as exc:
+        raise EvalError(str(exc)) from None
+
+
 def parity_check(args: argparse.Namespace) -> dict:
     """Train-to-serve parity before anything loads (workload/eval/parity.py): each mismatch is
-    a refusal line, unless --force (then recorded in the result)."""
+    a refusal line, unless --force (then recorded in the result). A serving benchmark's
+    `args.serving` (its server's chat settings) is compared instead of the kwargs."""
     vllm = None
     if args.engine == "vllm":
         vllm = vllm_python(args.vllm_python)
     try:
         lines = before_eval(args.config, args.checkpoint, args.chat_template_kwargs,
-                            args.overrides, vllm)  # fmt: skip
+                            args.overrides, vllm, getattr(args, "serving", None))  # fmt: skip
     except ParityError as exc:
         raise EvalError(f"parity: {exc}") from None
     if lines and not args.force:

@@ -2,8 +2,9 @@
 drafter as its DFlash speculator and without it, driven by vLLM's own benchmark client.
 
     python -m workload.serve_bench --config RUN.yaml --checkpoint DIR [--vs DIR | --vs-result FILE
-        | --vs-vllm-python PATH [--vs-engine-name NAME]] [--concurrency 1,4,16] [--prompts FILE] [--max-new-tokens N] [--max-prompts N]
-        [--chat-template-kwargs JSON] [--set KEY=VALUE]... [--vllm-python PATH]
+        | --vs-vllm-python PATH [--vs-engine-name NAME]] [--vs-config FILE] [--concurrency 1,4,16]
+        [--prompts FILE] [--max-new-tokens N] [--max-prompts N] [--serve-chat-template FILE]
+        [--serve-chat-template-kwargs JSON] [--set KEY=VALUE]... [--vllm-python PATH]
         [--vllm-arg KEY=VALUE]... [--ready-timeout S] [--bench-timeout S] [--force] --out FILE.json
 
 Each subject in turn (the checkpoint, the --vs drafter, then the target alone; with
@@ -13,9 +14,12 @@ Each subject in turn (the checkpoint, the --vs drafter, then the target alone; w
 --ready-timeout), driven by `workload.eval.serve_client` (vLLM's `vllm bench serve`, in the vLLM
 python) at each concurrency over all the prompts, then stopped (its process group; the port
 must be closed after) before the next starts: one accelerator holds one server at a time.
-The prompts are the offline eval's (workload/eval/prompts.py, rendered with the run's chat template
-and kwargs), sent as token ids, greedy, `ignore_eos` with the workload's stop ids, at most
---max-new-tokens each, as `eval --engine vllm` generates them.
+The prompts are the offline eval's (workload/eval/prompts.py), rendered as the server renders a
+chat: with --serve-chat-template (the server's --chat-template; default: the target tokenizer's
+own) and --serve-chat-template-kwargs (its --default-chat-template-kwargs; default: none), which
+the parity check compares with training's (and the --vs drafter's, whose run config is
+--vs-config, else beside it), sent as token ids, greedy, `ignore_eos` with the workload's stop
+ids, at most --max-new-tokens each, as `eval --engine vllm` generates them.
 
 Acceptance comes from the server's spec-decode counters (/metrics, read by the client around
 each pass): per position accepted_per_pos / drafts, τ pooled as 1 + accepted / drafts (vLLM's
@@ -68,10 +72,12 @@ from workload.eval.inputs import (
     parity_check,
     prompt_set_of,
     render_prompt,
+    served_chat,
     stop_ids_of,
 )
+from workload.eval.parity import ParityError, before_vs
 from workload.eval.prompts import prompts_sha256
-from workload.eval.run_settings import chat_template_kwargs, load_run_settings
+from workload.eval.run_settings import load_run_settings
 from workload.eval.summary import say
 from workload.eval.vllm_engine import resolve_dtype
 from workload.eval.vllm_process import (
@@ -137,7 +143,7 @@ class Bench:
         self.python = vllm_python(args.vllm_python)
         self.vs_python = vllm_python(args.vs_vllm_python) if args.vs_vllm_python else None
         self.settings = load_run_settings(args.config, args.overrides)
-        self.kwargs = chat_template_kwargs(args.chat_template_kwargs, self.settings)
+        self.kwargs = served_chat(args)
         prompts_path = args.prompts or _default_prompts(args, self.settings.data_path)
         self.prompt_set = prompt_set_of(prompts_path).head(args.max_prompts)
         self.prompts = self.prompt_set.items
@@ -147,7 +153,7 @@ class Bench:
         if not (target / "config.json").is_file():
             raise EvalError(f"target.path {target}: no config.json (not a model directory)")
         self.tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-        self.template = chat_template(self.settings.chat_template)
+        self.template = chat_template(args.serve_chat_template)  # None: the tokenizer's
         self.stops = stop_ids_of(generation_config(target), self.tokenizer)
         self.ids = [render_prompt(self.tokenizer, p, self.template, self.kwargs)
                     for p in self.prompts]  # fmt: skip
@@ -237,6 +243,10 @@ def server_argv(bench: Bench, subject: Subject, port: int) -> list[str]:
             argv.append(flag)
         elif value is not False and value is not None:
             argv += [flag, value if isinstance(value, str) else json.dumps(value)]
+    if bench.args.serve_chat_template is not None:
+        argv += ["--chat-template", str(Path(bench.args.serve_chat_template).resolve())]
+    if bench.kwargs:
+        argv += ["--default-chat-template-kwargs", json.dumps(bench.kwargs)]
     if subject.path is not None:
         spec = {"method": "dflash", "model": str(subject.path.resolve()),
                 "num_speculative_tokens": subject.block_size - 1}  # fmt: skip
@@ -663,6 +673,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the checkpoint served side by side in this second vLLM environment")  # fmt: skip
     p.add_argument("--vs-engine-name", default=None, metavar="NAME",
                    help="the second environment's name, as the result keeps it")  # fmt: skip
+    p.add_argument(
+        "--vs-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the --vs drafter's run config (default: a run.yaml beside it or above)",
+    )
+    p.add_argument(
+        "--serve-chat-template",
+        default=None,
+        metavar="FILE",
+        help="the server's --chat-template (default: the target tokenizer's own)",
+    )
+    p.add_argument(
+        "--serve-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="the server's --default-chat-template-kwargs (default: none)",
+    )
     p.add_argument("--concurrency", default="1,4,16", help="concurrencies, e.g. 1,4,16")
     p.add_argument("--ready-timeout", type=float, default=1800.0, metavar="S")
     p.add_argument("--bench-timeout", type=float, default=10800.0, metavar="S")
@@ -672,7 +701,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(" and ".join("--" + a.replace("_", "-") for a in given) + ": give one")
     args.engine = "vllm"  # for the parity check, which probes the engine
     args.reference = None
+    args.serving = {"chat_template": args.serve_chat_template,
+                    "chat_template_kwargs": args.serve_chat_template_kwargs
+                    or args.chat_template_kwargs}  # fmt: skip
     return args
+
+
+def vs_parity(args: argparse.Namespace, bench: Bench) -> dict | None:
+    """The --vs drafter checked as the checkpoint is (workload/eval/parity.py before_vs): its
+    mismatches, and two drafters trained for different chat settings, are refused unless
+    --force (then kept in the result, and no difference computed)."""
+    if args.vs is None:
+        return None
+    try:
+        found = before_vs(args.config, args.vs, args.vs_config, args.overrides, bench.python,
+                          args.serving)  # fmt: skip
+    except ParityError as exc:
+        raise EvalError(f"parity: --vs {args.vs}: {exc}") from None
+    if "unknown" in found:
+        say(f"serve: not checked: {found['unknown']}")
+        return found
+    lines = found["mismatches"] + ([found["apart"]] if found["apart"] else [])
+    if lines and not args.force:
+        raise EvalError("\neval: error: ".join(f"parity: --vs {args.vs}: {x}" for x in lines)
+                        + "\neval: error: (--force serves them anyway, marked in the result)")  # fmt: skip
+    return {**found, "forced": bool(lines)}
 
 
 def _on_term(_signum: int, _frame: Any) -> None:
@@ -686,12 +739,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         bench = Bench(args)
         parity = parity_check(args)
+        vs_checked = vs_parity(args, bench)
         say(f"serve: {len(bench.prompts)} prompts, max {args.max_new_tokens} new tokens, "
             f"concurrency {','.join(map(str, bench.levels))}, in vLLM ({bench.python}): "
             + ", then ".join(s.name for s in bench.subjects)
             + (f" (vs: in {bench.vs_python})" if bench.vs_python else ""))  # fmt: skip
         result = run(bench, args.out)
         result["parity"] = parity
+        if vs_checked is not None:
+            result["vs_parity"] = vs_checked
+            if vs_checked.get("apart"):  # an A/B of two chat settings: no difference
+                result.pop("diff", None)
+                result["diff_refused"] = [*result.get("diff_refused", []), vs_checked["apart"]]
         write_json_atomic(args.out, result)
     except EvalError as exc:
         print(f"eval: error: {exc}", file=sys.stderr)

@@ -52,6 +52,7 @@ from workload.common.layout import DATASET_MANIFEST
 from workload.common.parallel_rules import resolve_grad_comm, resolve_sharding, shard_ranks
 from workload.config import ConfigError, RunConfig, load_config, recipe_layer_ids
 from workload.eval.parity import ParityError, before_launch
+from workload.plan import moves
 from workload.plan import step_time as step_plan
 from workload.plan.step_time import Comm, StepTime
 
@@ -140,6 +141,7 @@ class Plan:
     time: StepTime | None = None
     accum: int = 1
     length: dict[str, Any] = field(default_factory=dict)  # training_length's
+    resume: dict[str, Any] = field(default_factory=dict)  # moves.resume_cost's (GPU plans)
 
     @property
     def fits(self) -> bool | None:
@@ -160,6 +162,7 @@ class Plan:
             "comm_bytes": asdict(self.comm),
             "step_time": None if self.time is None else self.time.to_json(),
             "length": self.length,
+            "resume": self.resume,
         }
 
     def lines(self) -> list[str]:
@@ -185,6 +188,8 @@ class Plan:
             out += step_plan.lines(self.time, self.comm, self.nnodes, self.accum)
         if self.length:
             out.append(f"  training length: {length_line(self.length)}")
+        if self.resume:
+            out.append(f"  {moves.resume_line(self.resume)}")
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -661,8 +666,9 @@ def estimate(
     )  # fmt: skip
     notes.append(f"gradients all-reduced in {grad_dtype} once per step; {step_plan.NOTE}")
     length = training_length(cfg, world, time.step_s if time is not None else None)
+    resume = moves.resume_cost(sum(sizes), terms.target_weights, hw.link_gbps)
     return Plan(world, sharding, device, terms, counts, gpu_memory, notes, parts, nnodes, comm,
-                time, cfg.optim.grad_accum, length)  # fmt: skip
+                time, cfg.optim.grad_accum, length, resume if device == "cuda" else {})  # fmt: skip
 
 
 def training_length(cfg: RunConfig, world: int, step_s: float | None) -> dict[str, Any]:

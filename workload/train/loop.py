@@ -50,6 +50,7 @@ from workload.plan import step_time as step_plan
 from workload.train.build_run import setup
 from workload.train.comm import LINK_PROBE_BYTES, measure_link_gbps
 from workload.train.distributed import Dist, DistSetupError, any_rank, init_distributed
+from workload.train.regrid import regrid
 from workload.train.runlog import (
     LOG_NAME,
     MetricLog,
@@ -194,8 +195,21 @@ def first_step_line(run: Run, since: float) -> str:
     how = "compiled" if flex_compiled(run.device) else "run eagerly"
     return (
         f"first step: {seconds:.1f}s, with flex attention and block masks {how} for "
-        f"{shapes} shape(s) (one per layer kind; later steps reuse them)"
+        f"{shapes} shape(s) (one per layer kind; later steps reuse them){cache_note()}"
     )
+
+
+def cache_note() -> str:
+    """'; compile cache: 4 graph(s) from the cache, 0 compiled' (TORCHINDUCTOR_CACHE_DIR,
+    which launch puts in the workspace), or '' when nothing went through inductor."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    if not hits + misses:
+        return ""
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
+    return f"; compile cache ({where}): {hits} graph(s) from the cache, {misses} compiled"
 
 
 def _train(
@@ -216,8 +230,10 @@ def _train(
     print(f"rank {d.rank}/{d.world}: pid {os.getpid()} on {socket.gethostname()}, device "
           f"{d.device}, collectives on {via}", flush=True)  # fmt: skip
 
+    move = regrid(cfg, run_dir, d, say) if resume else None  # another world size: same batch
     run = prepare(cfg, run_dir, d, say)
     step, interval, elapsed = resume_from(run, run_dir, say) if resume else (0, {}, 0.0)
+    moved = move.log_keys() if move is not None else {}  # on the first log line after it
     log = MetricLog(run_dir, d.main)
     wb = Wandb(cfg, run_dir, d.main, state.read().get("wandb_id") if resume else None)
     wandb_id, wandb_url = wb.location
@@ -249,6 +265,8 @@ def _train(
             if step == 1 or step % cfg.log.log_every == 0 or last or validating:
                 record = log_record(run, step, interval, clock() - t_interval, lr,
                                     validating=validating)  # fmt: skip
+                record.update(moved)
+                moved = {}
                 log.write(record)
                 wb.log(record)
                 for line in wb.send_alerts(run_dir):

@@ -1,7 +1,7 @@
 """The trainer's side of checkpoints: saving a run into one (`save_checkpoint`: gathered on
 rank 0, written in the background) and restoring a run from one (`choose_checkpoint`, `restore`:
-rank 0 picks it; ranks whose disks lack it get their part from rank 0 over the CPU group). The
-format itself is workload/drafter/checkpoint.py.
+rank 0 picks it; ranks whose disks lack it get their part from rank 0 over the CPU group), at
+this world size or another (regrid.py). The format itself is workload/drafter/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from workload.common.layout import TRAINING_STATE, WEIGHTS_NAME, step_name
-from workload.config import UsageError, config_hash, diff, from_dict
+from workload.config import config_hash, diff, from_dict
 from workload.drafter.checkpoint import (
     begin,
     complete,
@@ -35,7 +35,6 @@ from workload.train.distributed import (
     Dist,
     any_rank,
     broadcast_int,
-    broadcast_object,
     broadcast_tensors,
     gather_to_main,
     hand_out,
@@ -43,6 +42,7 @@ from workload.train.distributed import (
     run_polled,
     send_state,
 )
+from workload.train.regrid import fresh_streams
 from workload.train.step import Run, StepSums, reduce_sums
 
 
@@ -128,6 +128,19 @@ def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
     run.anchor_gen.set_state(state["anchors"])
     if run.device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], run.device)
+
+
+# the log interval's sums that every rank adds once a step (the rest are totals over the ranks)
+PER_RANK_SUMS = ("loss", "grad_norm", "steps")
+
+
+def _fresh_rng_state(run: Run, step: int) -> None:
+    """Random streams of their own for a rank the checkpoint has none for (it had fewer)."""
+    noise, anchors = fresh_streams(run.cfg.seed, run.dist.rank, step)
+    random.seed(noise)
+    np.random.seed(noise % 2**32)
+    torch.manual_seed(noise)
+    run.anchor_gen.manual_seed(anchors)
 
 
 CHECKPOINT_DELAY_ENV = "DFLASHOPS_TEST_CHECKPOINT_DELAY_S"  # tests: a slow disk for the writer
@@ -269,9 +282,6 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float],
         return _read_checkpoint(step_dir, d, set(needed))
 
     state, part = run_polled(read if here else None, d, f"reading {step_dir.name}") or (None, None)
-    refusal = broadcast_object(_world_refusal(state, run, step_dir) if d.main else None, d)
-    if refusal:
-        raise UsageError(refusal)
     if elsewhere:
         wanting = [r for r, ask in enumerate(asks or []) if ask is not None]
         if wanting:
@@ -289,34 +299,20 @@ def restore(run: Run, step_dir: Path, say=print) -> tuple[int, dict[str, float],
     return _apply_part(run, part, step_dir, say)
 
 
-def _read_checkpoint(step_dir: Path, d: Dist, needed: set[int]) -> tuple[dict | None, dict | None]:
-    """(the training state, on rank 0 only: it sends the other ranks theirs; this rank's part,
-    None when the checkpoint has another world size)."""
+def _read_checkpoint(step_dir: Path, d: Dist, needed: set[int]) -> tuple[dict | None, dict]:
+    """(the training state, on rank 0 only: it sends the other ranks theirs; this rank's part)."""
     state = load_training_state(step_dir)
-    part = _rank_part(state, step_dir, d.rank, needed) if state["world_size"] == d.world else None
-    return (state if d.main else None), part
+    return (state if d.main else None), _rank_part(state, step_dir, d.rank, needed)
 
 
 def _rank_part(state: dict, step_dir: Path, rank: int, needed: set[int]) -> dict:
-    """What rank `rank` restores from the training state: all but the other ranks' RNG states,
-    and the optimizer states of the parameters `needed` (by index), wherever they are saved."""
+    """What rank `rank` restores from the training state: all but the other ranks' RNG states
+    (its own: None when the checkpoint had fewer ranks), and the optimizer states of the
+    parameters `needed` (by index), wherever they are saved (any world size: regrid.py)."""
     part = {k: v for k, v in state.items() if k not in ("rng", "optimizer", "optimizer_shards")}
-    part["rng"] = state["rng"][rank]
+    part["rng"] = state["rng"][rank] if rank < len(state["rng"]) else None
     part["optimizer"] = sharding.saved_states(state, step_dir, rank, needed)
     return part
-
-
-def _world_refusal(state: dict | None, run: Run, step_dir: Path) -> str | None:
-    """Rank 0's refusal of a checkpoint written by another number of ranks (the data order and
-    RNG streams are per rank), else None."""
-    if state is None or state["world_size"] == run.dist.world:
-        return None
-    return (
-        f"resume: {step_dir.name} was written by {state['world_size']} ranks (dist.sharding "
-        f"{state.get('sharding', 'none')}) and this run has {run.dist.world} (dist.sharding "
-        f"{run.sharding}): resume with {state['world_size']} processes, or start a new run "
-        "from its weights with drafter.init_from"
-    )
 
 
 def _broadcast_weights(run: Run, step_dir: Path) -> None:
@@ -352,9 +348,16 @@ def _apply_part(
         )
     run.scheduler.load_state_dict(part["scheduler"])
     run.stream.load_state_dict(part["data"])
-    _set_rng_state(run, part["rng"])
+    if part["rng"] is not None:
+        _set_rng_state(run, part["rng"])
+    else:
+        _fresh_rng_state(run, int(part["step"]))
     saved_interval = part.get("interval") or {}
     if "sums" not in saved_interval:  # older checkpoints: rank 0's own sums, no seconds
         saved_interval = {"sums": saved_interval if run.dist.world == 1 else {}, "seconds": 0.0}
     interval = dict(saved_interval["sums"]) if run.dist.main else {}
+    saved_world = int(part.get("world_size", run.dist.world))
+    for key in PER_RANK_SUMS if saved_world != run.dist.world else ():
+        if key in interval:  # summed over the ranks then: counted in this world's ranks
+            interval[key] *= run.dist.world / saved_world
     return int(part["step"]), interval, float(saved_interval["seconds"])

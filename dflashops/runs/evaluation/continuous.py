@@ -190,7 +190,9 @@ def server_alive(machine: Machine, run: str, serve_id: str) -> bool:
 
 def revive_server(reader: Session, writer: Session, follower: RunView) -> None:
     """Before a continuous eval resumes: its checkpoint server, started again where it has
-    gone (it ended a while after the run did), its port and token in the follower's job.json."""
+    gone (it ended a while after the run did), lost the follower's token, or runs an older
+    program than the follower about to be written; its port and token in the follower's
+    job.json."""
     s = follower.status
     run, job_id, dest = s.get("run"), s.get("job"), reader.inventory.target(follower.target)
     path = posixpath.join(follower.dir, "job.json")
@@ -201,10 +203,13 @@ def revive_server(reader: Session, writer: Session, follower: RunView) -> None:
                        "--every N --on TARGET`") from None  # fmt: skip
     source = reader.inventory.target(s.get("from") or "")
     old_id = plan.get("serve_id") or job_id
+    why = "had ended"
     if server_alive(reader.machine(source), run, old_id):
-        if _has_token(reader.machine(dest), plan.get("token_file")):
+        current = _runs_today(reader.machine(source), serve_dir(source, run, old_id))
+        if current and _has_token(reader.machine(dest), plan.get("token_file")):
             return
-        stop_server(writer.machine(source), run, old_id)  # its token is gone with the follower
+        why = "had lost its token" if current else "ran an older program (another protocol)"
+        stop_server(writer.machine(source), run, old_id)
     trained = find(reader, run, host=source.name, records="none")
     serve_id = f"{job_id}-r{random_tokens.token_hex(2)}"
     token = random_tokens.token_hex(32)
@@ -212,11 +217,29 @@ def revive_server(reader: Session, writer: Session, follower: RunView) -> None:
     port = start_server(writer.machine(source), trained, address, serve_id, token)
     secret = token_path(dest, run, serve_id, "follow")
     write_secrets(writer.machine(dest), secret, {"token": token})
+    old_token = plan.get("token_file")
     plan.update(server={"address": address, "port": port}, token_file=secret, serve_id=serve_id)
     write_run_files(writer.machine(dest), follower.dir,
                     {"job.json": json.dumps(plan, indent=2) + "\n"})  # fmt: skip
-    context.note(f"{source.name}: the checkpoint server of {run} had ended; started again "
+    _forget_token(writer.machine(dest), old_token)
+    context.note(f"{source.name}: the checkpoint server of {run} {why}; started again "
                  f"at {address}:{port} for {follower.name}")  # fmt: skip
+
+
+def _runs_today(machine: Machine, where: str) -> bool:
+    """Whether the server in `where` runs this version's program (an older one speaks another
+    protocol than the follower that resumes, which is written anew)."""
+    try:
+        return transfer.read_text(machine, posixpath.join(where, SERVER)) == helper_source(SERVER)
+    except OpsError:
+        return False
+
+
+def _forget_token(machine: Machine, path: Any) -> None:
+    """The token file of a server replaced (a follower killed before it could delete it)."""
+    home = secrets_home(machine.target) + "/"
+    if isinstance(path, str) and path.startswith(home) and "/" not in path[len(home) :]:
+        machine.run(["rm", "-f", "--", path])
 
 
 def _has_token(machine: Machine, path: Any) -> bool:

@@ -24,7 +24,13 @@ from dflashops.remote import layout
 from dflashops.runs.evaluation.kind import EVAL
 from dflashops.runs.evaluation.pulls import pull
 from dflashops.runs.evaluation.results import stored
-from dflashops.runs.evaluation.serving import Vs, serve_argv, serve_result_path, vs_engine_argv
+from dflashops.runs.evaluation.serving import (
+    ServingChat,
+    Vs,
+    serve_argv,
+    serve_result_path,
+    vs_engine_argv,
+)
 from dflashops.runs.lifecycle.placement import Node, Placement, new_run_id
 from dflashops.runs.lifecycle.snapshot import local_code
 from dflashops.runs.lifecycle.start import start_job
@@ -59,6 +65,7 @@ class Extra:
     concurrency: list[int] | None = None  # --serve's concurrencies
     vs: Vs | None = None  # --serve's second subject
     vs_engine: str | None = None  # --serve's second engine environment (a name or a python)
+    chat: ServingChat | None = None  # --serve's server chat settings (vLLM's own options)
 
 
 def start_eval(
@@ -75,7 +82,9 @@ def start_eval(
     base = eval_argv(reader.machine(dest), machine, run, config, extra)
     vs_view = None
     if extra.serve:
-        base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest) + vs_engine
+        base = serve_argv(base, engine[-1], extra.concurrency or [], extra.vs, dest,
+                          vs_config(dest, extra.vs)) + vs_engine  # fmt: skip
+        base += serving_chat_argv(reader.machine(dest), machine, run, extra.chat)
         vs_view = pull_vs(reader, writer, extra.vs, dest)
     else:
         base += engine
@@ -117,6 +126,28 @@ def start_on(reader: Session, writer: Session, placement: Placement, plan: dict[
     files = {"job.json": json.dumps(plan, indent=2) + "\n"}
     start_job(reader, writer, placement, code, lambda t, c: in_place, files, {})
     return placement
+
+
+def vs_config(dest: Target, vs: Vs | None) -> str | None:
+    """--vs RUN2:STEP: that run's run.yaml there, as pull-ckpt leaves it beside its copies."""
+    if vs is None or vs.run is None:
+        return None
+    return posixpath.join(dest.workspace, layout.CKPTS, vs.run, layout.RUN_CONFIG)
+
+
+def serving_chat_argv(reader: Machine, machine: Machine, run: str, chat: ServingChat | None
+                      ) -> list[str]:  # fmt: skip
+    """The serving benchmark's server chat settings: a template file here copied there first
+    (beside the run's results, by its digest), one there checked."""
+    if chat is None:
+        return []
+    path = chat.template
+    if chat.local is not None:
+        path = push_file(machine, chat.local, run, "chat-template", ".jinja")
+    elif (path is not None and probe(reader, paths=[path]).paths.get(path) == "missing"
+          and not reader.dry_run):  # fmt: skip
+        raise UsageError(f"{machine.target.name}: --serve-chat-template {path}: no such file")
+    return chat.argv(path)
 
 
 def pull_vs(reader: Session, writer: Session, vs: Vs | None, dest: Target) -> RunView | None:
@@ -206,7 +237,7 @@ def eval_argv(
     argv = [target.python, "-m", "workload.eval", "--config", config_path]
     prompts = extra.prompts
     if prompts is not None and Path(prompts).is_file():
-        argv += ["--prompts", push_prompts(machine, Path(prompts), run)]
+        argv += ["--prompts", push_file(machine, Path(prompts), run, "prompts", ".jsonl")]
     elif prompts is not None:
         checks[prompts] = "--prompts"
         argv += ["--prompts", prompts]
@@ -281,8 +312,9 @@ def _resolve(path: Any, base: str) -> str | None:
     return path if path.startswith("/") else posixpath.join(base, path)
 
 
-def push_prompts(machine: Machine, local: Path, run: str) -> str:
+def push_file(machine: Machine, local: Path, run: str, stem: str, suffix: str) -> str:
+    """A local file copied beside the run's results there, named by its digest."""
     digest = hashlib.sha256(local.read_bytes()).hexdigest()[:12]
-    remote = posixpath.join(machine.target.workspace, layout.EVALS, run, f"prompts-{digest}.jsonl")
+    remote = posixpath.join(machine.target.workspace, layout.EVALS, run, f"{stem}-{digest}{suffix}")
     transfer.put(machine, local, remote)
     return remote

@@ -11,8 +11,10 @@ the checkpoint (and the target alone) in a second vLLM environment of the target
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflashops import engine_envs
 from dflashops.errors import UsageError
@@ -76,14 +78,46 @@ def parse_vs(text: str | None) -> Vs | None:
     return Vs(path=text)
 
 
+@dataclass(frozen=True)
+class ServingChat:
+    """How the target is served, in vLLM's words (`--serve-chat-template FILE`: its
+    --chat-template; `--serve-chat-template-kwargs JSON`: its --default-chat-template-kwargs);
+    None: the engine's default. FILE is a file here, else an absolute path on the target."""
+
+    template: str | None = None
+    kwargs: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.template is not None and self.local is None and not self.template.startswith("/"):
+            raise UsageError(f"--serve-chat-template {self.template}: no such file here (a "
+                             "file on the target: its absolute path)")  # fmt: skip
+
+    @property
+    def local(self) -> Path | None:
+        """The template file here, if it is one."""
+        if self.template is None or not Path(self.template).is_file():
+            return None
+        return Path(self.template)
+
+    def argv(self, template: str | None) -> list[str]:
+        """The workload programs' options, the template at `template` where it is to be read."""
+        out = ["--serve-chat-template", template] if template is not None else []
+        if self.kwargs is not None:
+            out += ["--serve-chat-template-kwargs", json.dumps(self.kwargs)]
+        return out
+
+
 def serve_argv(base: list[str], python: str, levels: list[int], vs: Vs | None,
-               dest: Target) -> list[str]:  # fmt: skip
-    """The evaluator's argv (eval_argv's) made the serving benchmark's."""
+               dest: Target, vs_config: str | None = None) -> list[str]:  # fmt: skip
+    """The evaluator's argv (eval_argv's) made the serving benchmark's; `vs_config`: the --vs
+    drafter's run config there (its chat settings checked too)."""
     argv = list(base)
     argv[argv.index("workload.eval")] = "workload.serve_bench"
     argv += ["--vllm-python", python, "--concurrency", ",".join(map(str, levels))]
     if vs is not None:
         argv += ["--vs-result" if vs.is_result else "--vs", vs.on(dest)]
+    if vs_config is not None:
+        argv += ["--vs-config", vs_config]
     return argv
 
 

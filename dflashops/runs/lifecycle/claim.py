@@ -178,6 +178,7 @@ def initial_state(placement: Placement, node: Node, **extra: Any) -> dict[str, A
         "node": node.index,
         "nodes": placement.record(),
         "world_size": placement.world,
+        "history": [placement.lived(0)],
         "tmux": tmux_session(placement.run),
         "launched": time.time(),
         "target": node.target.name,

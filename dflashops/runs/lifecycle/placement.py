@@ -11,6 +11,7 @@ path; node 0 holds train_log.jsonl, state.json and checkpoints.
 from __future__ import annotations
 
 import secrets as random_tokens
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,12 @@ class Placement:
     def describe(self) -> str:
         per = ", ".join(f"{n.target.name} x{n.nproc}" for n in self.nodes)
         return f"{self.world} rank(s): {per}"
+
+    def lived(self, from_step: int) -> dict[str, Any]:
+        """One entry of state.json's "history": where the job runs from `from_step` on."""
+        return {"targets": [n.target.name for n in self.nodes],
+                "nproc": [n.nproc for n in self.nodes], "world_size": self.world,
+                "from_step": from_step, "time": time.time()}  # fmt: skip
 
     def record(self) -> list[dict[str, Any]]:
         """The nodes as run records list them (state.json's "nodes")."""

@@ -93,13 +93,27 @@ def unread_is_said(session: Session, what: str) -> Iterator[None]:
         raise typer.Exit(0) from None
 
 
+def template_target_config(run: str, spec: str | None) -> str | None:
+    """For a rehearsal without --target-config: the copy of the target's config.json that
+    ships beside the template --config names (said), else None."""
+    from dflashops.runs.training.config import shipped_target_config
+
+    copy = shipped_target_config(spec)
+    if copy is None:
+        return None
+    context.note(f"{run}: memory plan: the target's config.json from {copy} (the template's "
+                 "copy; --target-config PATH for another)")  # fmt: skip
+    return str(copy)
+
+
 def local_plan(run: str, text: str, argv: list[str], target_config: str) -> dict | None:
     """workload.plan run here on run.yaml's text against the target model's config.json
     (`--target-config`): the plan, or None (said) where it cannot run here (no torch)."""
     with tempfile.TemporaryDirectory(prefix="dflashops-dry-") as tmp:
         path = Path(tmp) / layout.RUN_CONFIG
         path.write_text(text)
-        argv = [sys.executable, *argv[1:], "--target-config", target_config]
+        config = str(Path(target_config).expanduser().absolute())  # the plan runs in `tmp`
+        argv = [sys.executable, *argv[1:], "--target-config", config]
         argv[argv.index(layout.RUN_CONFIG)] = str(path)
         env = {**os.environ, "PYTHONPATH": str(bundle.ROOT)}
         try:

@@ -1,5 +1,5 @@
 """Resuming a stopped or failed job of any kind (a run: from its newest complete checkpoint),
-on all its nodes with the same number of processes each (the same world size), through the same
+on all its nodes with the same number of processes each (or another: `--nproc`), through the same
 launcher as its start (its kind's argv with resume, e.g. the trainer's --resume). It keeps the
 code it ran unless told to take the workload as it is now; secrets are given again. What may
 resume, and what is said, is its kind's (JobKind.check_resumable, resume_note)."""
@@ -39,13 +39,16 @@ def resume(
     *,
     update_code: bool,
     wait: float,
+    nproc: int | None = None,
 ) -> RunView | None:
-    """Start `view` (read with its checkpoints and launch.json) again; None under --dry-run."""
+    """Start `view` (read with its checkpoints and launch.json) again, with `nproc` processes
+    on each node where given (the trainer reshards: workload/train/regrid.py); None under
+    --dry-run."""
     kind = kinds.by_where(view.where)
     kind.check_resumable(view)
     if kind.name in BEFORE:
         BEFORE[kind.name](reader, writer, view)
-    placement = placement_of(reader, view)
+    placement = placement_of(reader, view, nproc)
     code = local_code()
     code_dirs = {} if update_code else recorded_code(view)
     have = {n.target.name: n.target.name in code_dirs for n in placement.nodes}
@@ -80,9 +83,15 @@ def relaunch(
     """Every node's state.json made ready for the launcher, only if it is still as it was read
     (another command that changed it meanwhile wins); what each had is kept in `before`."""
     read = {v.target: v.status for v in view.nodes or [view]}
+    steps = view.complete_steps()
+    lived = history(view)
+    now = placement.lived(max(steps) if steps else 0)
+    if [lived[-1][k] for k in ("targets", "nproc")] != [now[k] for k in ("targets", "nproc")]:
+        lived = [*lived, now]  # it moves, or changes its number of processes
     for node in placement.nodes:
         reset = {"status": "launching", "exit_code": None, "finished": None,
-                 "resumed": time.time()}  # fmt: skip
+                 "resumed": time.time(), "nodes": placement.record(),
+                 "world_size": placement.world, "history": lived}  # fmt: skip
         answer = control(writer.machine(node.target), "relaunch", placement.dir(node),
                          state=reset, hold=holder, expect=read.get(node.target.name, {}),
                          secrets_dir=secrets_home(node.target))  # fmt: skip
@@ -111,15 +120,28 @@ def put_back(
                          f"{exc.message}")  # fmt: skip
 
 
-def placement_of(reader: Session, view: RunView) -> Placement:
-    """The run's nodes as it recorded them (same targets, same processes each), with a new
-    rendezvous port on node 0."""
+def history(view: RunView) -> list[dict[str, Any]]:
+    """Where the run has lived (state.json's "history"; a run from before it kept one: where
+    it was launched, as it recorded it)."""
+    kept = view.status.get("history")
+    if isinstance(kept, list):
+        return kept
+    recorded = view.status.get("nodes") or [{"target": view.target, "nproc": None}]
+    world = view.status.get("world_size") or 1
+    return [{"targets": [n["target"] for n in recorded],
+             "nproc": [n.get("nproc") or world for n in recorded], "world_size": world,
+             "from_step": 0, "time": view.status.get("launched")}]  # fmt: skip
+
+
+def placement_of(reader: Session, view: RunView, nproc: int | None = None) -> Placement:
+    """The run's nodes as it recorded them (same targets, the same processes each unless
+    `nproc` says how many), with a new rendezvous port on node 0."""
     recorded = view.status.get("nodes") or [{"target": view.target, "nproc": None}]
     nodes = []
     for index, item in enumerate(recorded):
         target = reader.inventory.target(item["target"])
-        nproc = item.get("nproc") or view.status.get("world_size") or 1
-        nodes.append(Node(index, target, int(nproc)))
+        count = nproc or item.get("nproc") or view.status.get("world_size") or 1
+        nodes.append(Node(index, target, int(count)))
     kind = kinds.by_where(view.where)
     placement = Placement(kind, view.name, view.run_id or new_run_id(), nodes)
     if placement.multi:

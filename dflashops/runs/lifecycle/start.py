@@ -52,8 +52,18 @@ def launch_env(target: Target, code_dir: str, node_address: str | None) -> dict[
     }
     if node_address:
         env["DFLASHOPS_NODE_ADDR"] = node_address
+    env.update(compile_caches(target))
     env.update(target.env)
     return env
+
+
+def compile_caches(target: Target) -> dict[str, str]:
+    """torch.compile's caches (inductor's FX graph and autotuning results, triton's kernels) in
+    the workspace, shared by every run and resume of the same shapes on the target: a restart
+    reuses the first start's compiles instead of paying them again (the trainer says which)."""
+    base = posixpath.join(target.workspace, layout.COMPILE_CACHE)
+    return {"TORCHINDUCTOR_CACHE_DIR": posixpath.join(base, "inductor"),
+            "TRITON_CACHE_DIR": posixpath.join(base, "triton")}  # fmt: skip
 
 
 def launch_doc(

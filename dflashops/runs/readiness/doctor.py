@@ -156,11 +156,15 @@ def torch_cuda(facts: dict[str, Any], driver_cuda: str | None) -> Check:
         )
     if not t.get("cuda"):
         return Check("torch CUDA", "wrong", f"torch {t['torch']} is a CPU build",
-                     "install the CUDA build (dflashops setup with TORCH_INDEX)")  # fmt: skip
+                     "install the CUDA build (dflashops setup TARGET --torch-index "
+                     "https://download.pytorch.org/whl/cuXYZ)")  # fmt: skip
     if version_tuple(t["cuda"]) > version_tuple(driver_cuda):
+        cu = "cu" + "".join(str(driver_cuda).split(".")[:2])
         return Check("torch CUDA", "wrong", f"torch {t['torch']} is built for CUDA {t['cuda']}, the "
                      f"driver supports up to {driver_cuda}",
-                     "install torch for an older CUDA, or update the host's driver")  # fmt: skip
+                     "install torch for an older CUDA (dflashops setup TARGET --torch-index "
+                     f"https://download.pytorch.org/whl/{cu}, or the newest cuXYZ not above it), "
+                     "or update the host's driver")  # fmt: skip
     return Check(
         "torch CUDA", "ok", f"torch {t['torch']} for CUDA {t['cuda']} <= driver's {driver_cuda}"
     )

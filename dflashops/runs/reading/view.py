@@ -240,9 +240,21 @@ class RunView:
             "wandb_url": self.status.get("wandb_url"),
             "warnings": self.warnings,
             "nodes": [node_summary(v) for v in (self.nodes or [self])],
+            "history": self.status.get("history") or [],
             "ranks": [rank_summary(r) for r in self.ranks],
             **(self.kind.summary(self) if self.kind is not None else {}),
         }
+
+
+def lived_text(view: RunView) -> str:
+    """'ct200 x8 from step 0; ct201 x4 from step 3000': where the run has lived (state.json's
+    history: targets, processes each, from which step)."""
+    parts = []
+    for entry in view.status.get("history") or []:
+        pairs = zip(entry.get("targets") or [], entry.get("nproc") or [], strict=False)
+        where = ", ".join(f"{t} x{n}" for t, n in pairs)
+        parts.append(f"{where} from step {entry.get('from_step', 0)}")
+    return "; ".join(parts)
 
 
 def node_summary(view: RunView) -> dict[str, Any]:

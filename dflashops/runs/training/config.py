@@ -58,6 +58,15 @@ def resolve_config(spec: str | None, sets: list[str], run: str) -> str:
     return f"{header}\n{sets_header(sets)}\n{body}"
 
 
+def shipped_target_config(spec: str | None) -> Path | None:
+    """The copy of the target model's config.json shipped beside a template
+    (templates/targets/<template>-config.json), when --config names a template that has one."""
+    if not spec or Path(spec).expanduser().is_file() or "/" in spec:
+        return None
+    copy = bundle.templates_dir() / "targets" / f"{spec.removesuffix('.yaml')}-config.json"
+    return copy if copy.is_file() else None
+
+
 def parse_config(view: RunView, sets: list[str]) -> dict[str, Any]:
     """The run's run.yaml (the one pull-ckpt puts beside the checkpoint), with --set applied."""
     text = (view.raw.get("files") or {}).get(layout.RUN_CONFIG)

@@ -199,21 +199,38 @@ def check_free(target: Target, probe: Probe, *, force: bool) -> None:
 # ---------------------------------------------------------------- the memory plan
 
 
-def plan_argv(placement: Placement, node: Node, seen: Preflight) -> list[str]:
+def plan_argv(
+    placement: Placement, node: Node, seen: Preflight, *, offline: bool = False
+) -> list[str]:
     """workload.plan for the run's nodes: their ranks, the smallest GPU's memory and the first
-    GPU's name (the step time's peak), or the CPU."""
+    GPU's name (the step time's peak), as nvidia-smi showed them, else as the inventory says
+    when `offline` (a rehearsal reads no target), or the CPU."""
     gpu_mib = seen.gpu_memory_mib()
+    names = [g.get("name") for g in (seen.gpus(node.target) or {}).get("gpus") or []]
+    name = names[0] if names and isinstance(names[0], str) else None
+    on_gpus = bool(gpu_mib)
+    if offline and not gpu_mib:
+        gpu_mib, name = declared_gpus(placement)
+        on_gpus = all(n.target.gpus for n in placement.nodes)
     argv = [node.target.python, "-m", "workload.plan", "--config", layout.RUN_CONFIG]
     argv += ["--nproc", str(node.nproc), "--nnodes", str(len(placement.nodes))]
-    argv += ["--device", "cuda" if gpu_mib else "cpu", "--json"]
+    argv += ["--device", "cuda" if on_gpus else "cpu", "--json"]
     if gpu_mib:
         argv += ["--gpu-memory-gib", f"{gpu_mib / 1024:.6f}"]
-        names = [g.get("name") for g in (seen.gpus(node.target) or {}).get("gpus") or []]
-        if names and isinstance(names[0], str):
-            argv += ["--gpu-name", names[0]]
-    else:
+    if name:
+        argv += ["--gpu-name", name]
+    if not on_gpus:
         argv += ["--gpu", "cpu"]  # as the trainer plans a CPU run
     return argv
+
+
+def declared_gpus(placement: Placement) -> tuple[int | None, str | None]:
+    """(the smallest GPU memory in MiB, the first GPU model) that the inventory says the run's
+    nodes have; (None, None) unless every node says its GPUs' memory."""
+    said = [n.target for n in placement.nodes]
+    if not all(t.gpus and t.gpu_memory_gib for t in said):
+        return None, None
+    return int(min(t.gpu_memory_gib for t in said) * 1024), said[0].gpu_model
 
 
 def run_plan(
@@ -222,7 +239,7 @@ def run_plan(
     """The memory plan per rank (workload.plan in the target, configs on the meta device, no
     weights read), or None when that workload has no plan (an older snapshot)."""
     node = placement.nodes[0]
-    argv = plan_argv(placement, node, seen)
+    argv = plan_argv(placement, node, seen, offline=machine.dry_run)
     result = machine.run(argv, env={"PYTHONPATH": code_dir}, cwd=cwd)
     if machine.dry_run:
         return None
@@ -252,11 +269,25 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     ]
     total = per.get("total")
     room = plan.get("gpu_memory")
-    cpu = "on CPU: no GPU memory to fit" if plan.get("device") == "cpu" else "no GPU reading"
+    cpu = "on CPU: no GPU memory to fit" if plan.get("device") == "cpu" else (
+        "fits: not known (the inventory does not say the GPUs' memory: set gpu_model and "
+        "gpu_memory_gib on the target; `dflashops hosts` shows them)")  # fmt: skip
     fits = {True: "fits", False: "DOES NOT FIT", None: cpu}[plan.get("fits")]
     head = f"memory plan per rank ({plan.get('world')} ranks, sharding {plan.get('sharding')}): "
     head += f"{human_bytes(total)}" + (f" of {human_bytes(room)}" if room else "") + f": {fits}"
-    return [head, "  " + ", ".join(parts)] + [f"  {n}" for n in plan.get("notes") or []]
+    lines = [head, "  " + ", ".join(parts)]
+    step = step_line(plan)
+    return lines + ([step] if step else []) + [f"  {n}" for n in plan.get("notes") or []]
+
+
+def step_line(plan: dict[str, Any]) -> str | None:
+    """The planned step time on the GPUs planned for (none on the CPU: not a figure to use)."""
+    t = plan.get("step_time") or {}
+    if not plan.get("gpu_memory") or not isinstance(t.get("step_s"), (int, float)):
+        return None
+    where = f"{plan.get('world')} x {t.get('gpu')} at {t.get('mfu', 0):.0%} of its bf16 peak"
+    return (f"  step time {t['step_s']:.3g} s (compute {t.get('compute_s', 0):.3g} s, "
+            f"communication {t.get('comm_s', 0):.3g} s; {where}: an estimate)")  # fmt: skip
 
 
 def scale_verdict(plan: dict[str, Any]) -> str | None:
@@ -358,7 +389,8 @@ def show_plan(
     node = placement.nodes[0]
     machine = reader.machine(node.target)
     if machine.dry_run and target_config:  # an offline reader: the plan computed here
-        plan = local_plan(placement.run, text, plan_argv(placement, node, seen), target_config)
+        argv = plan_argv(placement, node, seen, offline=True)
+        plan = local_plan(placement.run, text, argv, target_config)
         if plan is not None:
             for line in plan_lines(plan):
                 context.note(f"{placement.run}: {line}" if not line.startswith(" ") else line)

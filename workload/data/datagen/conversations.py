@@ -3,7 +3,9 @@
 The input is JSONL, one conversation a line: `{"messages": [{"role", "content"}, ...]}` (our
 training data format; roles system, user, assistant, tool; other keys of a message, such as
 `tool_calls` or `name`, are kept) or ShareGPT's `{"conversations": [{"from", "value"}, ...]}`
-(`from`: human, gpt, system, tool). Blank lines are ignored: they are not conversations. A line
+(`from`: human, gpt, system, tool) or Alpaca's `{"instruction", "input", "output"}` (CodeAlpaca's
+too: the user turn is the instruction, then the input after a blank line where there is one;
+the output is the assistant turn the target answers anew). Blank lines are ignored: they are not conversations. A line
 is named `FILE:LINE` (LINE counts every physical line from 1).
 
 Which turns the target answers (`reply_points`): every assistant message after the first user
@@ -76,8 +78,10 @@ def _messages_of(record: Any, where: str) -> list[dict[str, Any]]:
         return _check_messages(record["messages"], where)
     if "conversations" in record:
         return _from_sharegpt(record["conversations"], where)
-    raise InputError(f"{where}: no \"messages\" (a list of {{role, content}}) and no ShareGPT "
-                     f"\"conversations\" in this object")  # fmt: skip
+    if "instruction" in record:
+        return _from_alpaca(record, where)
+    raise InputError(f"{where}: no \"messages\" (a list of {{role, content}}), no ShareGPT "
+                     f"\"conversations\" and no Alpaca \"instruction\" in this object")  # fmt: skip
 
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
@@ -113,6 +117,21 @@ def _from_sharegpt(turns: Any, where: str) -> list[dict[str, Any]]:
             raise InputError(f"{at}.value: expected a string, got {type(t.get('value')).__name__}")
         messages.append({"role": role, "content": t["value"]})
     return messages
+
+
+def _from_alpaca(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """An Alpaca record: the instruction (and its input) asked, the output to be answered anew."""
+    for key in ("instruction", "input", "output"):
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InputError(f"{where}: {key}: expected a string, got {type(value).__name__}")
+    if not (record.get("instruction") or "").strip():
+        raise InputError(f'{where}: "instruction" is empty: nothing to ask the target')
+    ask = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+    asked = [{"role": "user", "content": ask}]
+    return asked + (
+        [{"role": "assistant", "content": record["output"]}] if record.get("output") else []
+    )
 
 
 def parse_line(raw: bytes, where: str) -> list[dict[str, Any]] | None:
