@@ -42,7 +42,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from dflashops.remote.engine_groups import start_evaluator
 from dflashops.remote.evallock import one_evaluation
 from dflashops.remote.layout import MANIFEST, STATE_FILE
 from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
@@ -357,7 +357,7 @@ class Follower:
             if not held:
                 return None
             try:
-                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+                child = start_evaluator(argv, self.dir)
             except OSError as exc:
                 say(f"step {step}: the evaluator could not start: {exc}")
                 return 127

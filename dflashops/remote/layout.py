@@ -25,6 +25,7 @@ PLAN_FILE = "plan.json"  # the trainer's memory and step-time plan, the link it 
 LAUNCH_FILE = "launch.json"  # what the launcher runs, written at every start
 NODE_FILE = "node.json"  # the launcher's and the torchrun agent's processes (pid, start)
 EXIT_CODE_FILE = "exit_code"  # the job's exit code, written by its launcher as it ends
+ENGINES_DIR = "engines"  # JOB_DIR/engines/PGID.json: the engine groups its evaluator started
 
 
 def step_name(step):
