@@ -1,11 +1,13 @@
-"""`launch RUN --host TARGET[,TARGET...] [--config FILE|TEMPLATE] [--set KEY=VALUE]...
-[--nproc N] [--secret NAME]... [--force]`
+"""`launch RUN --host TARGET[,TARGET...]|any[:ROLE] [--config FILE|TEMPLATE] [--set KEY=VALUE]...
+[--sweep KEY=A,B]... [--nproc N] [--secret NAME]... [--force]`
 
 One read of every target first (name free everywhere, chosen targets not busy, their GPUs),
 then: the name claimed on each node, the workload snapshot, the run directory (run.yaml,
 launch.json, launcher.py), the memory plan checked on node 0, and the launcher started in a
 detached session of our own tmux server on each node; then it waits for the trainer's first
 sign of life. A launch that fails takes back what it made (runs/training/launch.py).
+`--host any` takes the first free target of the role (runs/lifecycle/choose.py); `--sweep` makes
+one run per combination of values (runs/lifecycle/sweep.py), one launch after the other.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ def register(app: typer.Typer) -> None:
         inventory = opts.inventory()
         role = wanted_role(host)
         if role is not None:
+            if force:
+                raise UsageError(f"--host {host} takes free targets only: name one to --force")
             targets = of_role(inventory, role)
         else:
             targets = [inventory.target(name) for name in _options.parse_hosts(host)]

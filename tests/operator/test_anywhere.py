@@ -140,3 +140,18 @@ def test_a_sweep_over_two_free_containers_runs_both_and_is_read_by_its_name(cli,
     assert "sx: 1 of 2 run(s) started; not started: sx-seed4" in part.err, part.err
     assert "sx-seed4: no target of role train is free" in part.err, part.err
     stop(cli, "sw-seed1", "sx-seed3")
+
+
+def test_sweep_and_any_refuse_bad_input_in_one_line(cli):
+    cases = {
+        ("--sweep", "optim.lr"): "--sweep optim.lr: expected KEY=A,B[,...]",
+        ("--sweep", "seed=1,1"): "--sweep seed=1,1: a value is given twice",
+        ("--sweep", "tag=a/b,a+b"): "two runs of sweep 'sw2' would get one name",
+        ("--host", "any:serve"): "--host any:serve: 'serve' is not a role",
+        ("--host", "any", "--force"): "--host any takes free targets only",
+    }
+    for args, said in cases.items():
+        host = [] if "--host" in args else ["--host", "any"]
+        ran = cli("launch", "sw2", *host, "--config", cli.config, *args)
+        assert ran.code == 2 and said in ran.err, (args, ran.err)
+        assert len(ran.err.strip().splitlines()) == 1, ran.err
