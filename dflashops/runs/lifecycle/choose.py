@@ -56,7 +56,8 @@ def busy_reason(probe: Probe) -> str | None:
     if held:
         v = held[0]
         step = f", step {v.step}" if v.step is not None else ""
-        uses = "holds its GPUs" if (probe.gpus or {}).get("gpus") else "runs on its CPU (no GPUs)"
+        on_gpus = bool((probe.gpus or {}).get("gpus"))
+        uses = "holds its GPUs" if on_gpus else "runs on its CPU (no GPUs there)"
         return f"run {v.name} ({v.state}{step}) {uses}"
     if apps:
         shown = ", ".join(
