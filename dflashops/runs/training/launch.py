@@ -154,7 +154,11 @@ def begin_anywhere(
         except UnreachableError as exc:
             choice.pass_over(target.name, unread_reason(exc))
             continue
-        choice.say(run, target, verbose=verbose)
+        if writer.dry_run:
+            context.note(f"{run}: --host any:{role}: no target is read under --dry-run; "
+                         f"rehearsed on the first of the role, {target.name}")  # fmt: skip
+        else:
+            choice.say(run, target, verbose=verbose)
         return seen, made
     choice.say(run, None, verbose=True)
     raise choice.nothing_free(run)
