@@ -17,6 +17,14 @@ pytestmark = [pytest.mark.testbed]
 
 A_VMID, B_VMID, C_VMID, GHOST_VMID = 981, 982, 983, 984
 STAND_IN = "/root/stand-in"
+SMALL = "/root/small"  # where it exists, the stand-in's memory plan does not fit (16 MiB GPUs)
+PLANNED = '"gpu_memory": None, "fits": None, "notes": []'
+assert PLANNED in STAND_IN_TRAINER
+TRAINER = STAND_IN_TRAINER.replace(
+    PLANNED,
+    '"gpu_memory": 16 << 20 if os.path.exists("/root/small") else None, '
+    '"fits": False if os.path.exists("/root/small") else None, "notes": []',
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +38,7 @@ def bed(testbed):
     try:
         for ct in cts.values():
             ct.run(["sh", "-c", f"cat > {STAND_IN} && chmod +x {STAND_IN}"],
-                   input=STAND_IN_TRAINER.encode())  # fmt: skip
+                   input=TRAINER.encode())  # fmt: skip
         cts["c"].stop()
         yield cts
     finally:
@@ -140,6 +148,29 @@ def test_a_sweep_over_two_free_containers_runs_both_and_is_read_by_its_name(cli,
     assert "sx: 1 of 2 run(s) started; not started: sx-seed4" in part.err, part.err
     assert "sx-seed4: no target of role train is free" in part.err, part.err
     stop(cli, "sw-seed1", "sx-seed3")
+
+
+def test_a_container_whose_plan_does_not_fit_is_passed_over_with_the_numbers(cli, bed):
+    bed["a"].run(["touch", SMALL])
+    try:
+        ran = cli("launch", "fits", "--host", "any", "--config", cli.config)
+    finally:
+        bed["a"].run(["rm", "-f", SMALL])
+    assert ran.code == 0, ran.err
+    assert "fits: --host any:train: chose b" in ran.err, ran.err
+    assert "passed over a" not in ran.err  # said with -v only, when one was chosen
+    assert where_runs(cli, "fits") == "b"
+    assert not bed["a"].host_path("/workspace/runs/fits").exists()  # taken back there
+    stop(cli, "fits")
+    bed["a"].run(["touch", SMALL])
+    bed["b"].run(["touch", SMALL])
+    try:
+        none = cli("launch", "fits2", "--host", "any", "--config", cli.config)
+    finally:
+        bed["a"].run(["rm", "-f", SMALL])
+        bed["b"].run(["rm", "-f", SMALL])
+    assert none.code == 2, none.err
+    assert "passed over a: plan needs 1.0 MiB per rank of 16.0 MiB" in none.err, none.err
 
 
 def test_sweep_and_any_refuse_bad_input_in_one_line(cli):
