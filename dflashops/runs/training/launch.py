@@ -70,7 +70,8 @@ def launch(
                      target_config=target_config, state=state)  # fmt: skip
     else:
         seen, made = begin_anywhere(reader, writer, run, targets, text, code, values, role=role,
-                                    nproc=nproc, verbose=verbose, state=state)  # fmt: skip
+                                    nproc=nproc, verbose=verbose, state=state,
+                                    skip=skip)  # fmt: skip
     return finish(reader, writer, seen, made, wait=wait)
 
 
@@ -135,13 +136,15 @@ def begin_anywhere(
     nproc: int | None,
     verbose: bool,
     state: dict[str, Any] | None = None,
+    skip: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[Preflight, Started]:
     """`begin` on the first of `targets` (those of `role`) that is free and fits; each one
     passed over is said with its reason (all of them when none is left, or with -v)."""
     answers = read_targets(reader, run, targets, code)
     probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
     unread = {n: e for n, e in answers.items() if isinstance(e, OpsError)}
-    warn_unread(run, {n: e for n, e in unread.items() if n not in {t.name for t in targets}})
+    quiet = {t.name for t in targets} | set(skip)  # the role's: said with their reason
+    warn_unread(run, {n: e for n, e in unread.items() if n not in quiet})
     cut = name_free(run, probes)
     choice = sort_out(role, targets, answers)
     for target in choice.free:
