@@ -27,7 +27,8 @@ from dflashops.commands import _options
 from dflashops.remote import layout
 from dflashops.render import console, styled, table
 from dflashops.runs.datagen.job import dataset_of
-from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.lifecycle.sweep import swept_keys
+from dflashops.runs.reading.survey import expand, pick
 from dflashops.runs.reading.view import RunView, check_name, lived_text
 from dflashops.tables import Col
 
@@ -52,7 +53,7 @@ def register(app: typer.Typer) -> None:
         for name in names:
             check_name(name)
         session = opts.session()
-        found = survey(session, names=list(names), archive=True, records="none", files=FILES)
+        found, names = expand(session, list(names), archive=True, records="none", files=FILES)
         if opts.dry_run:
             opts.dry_run_done(runs=names)
             return
@@ -64,7 +65,7 @@ def register(app: typer.Typer) -> None:
             datasets[v.name]["store"] = store_report(audits[v.name])
             configs[v.name][0].update(dataset_rows(datasets[v.name]))
             configs[v.name][0]["run.lived"] = lived_text(v) or UNSET
-        rows = build_rows(views, configs, audits, all_)
+        rows = swept_first(build_rows(views, configs, audits, all_), views)
         if opts.json:
             opts.emit(
                 {
@@ -82,6 +83,13 @@ def register(app: typer.Typer) -> None:
             )
             return
         show(views, configs, rows, all_, datasets)
+
+
+def swept_first(rows: list[dict[str, Any]], views: list[RunView]) -> list[dict[str, Any]]:
+    """The rows of the keys a sweep varied first (in the sweep's order), then the others."""
+    swept = swept_keys([v.status for v in views])
+    first = sorted((r for r in rows if r["key"] in swept), key=lambda r: swept.index(r["key"]))
+    return first + [r for r in rows if r["key"] not in swept]
 
 
 def read_dataset(session: Any, view: RunView, config: dict[str, Any]) -> dict[str, Any]:
