@@ -333,6 +333,14 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     old = bed["train"].host_path("/workspace/runs/r-move")
     assert cli("resume", "r-move", "--host", "nowhere").code == 4  # not in the inventory
     assert old.is_dir() and not bed["evalbox"].host_path("/workspace/runs/r-move").exists()
+    spoilt = old / "checkpoints" / f"step_{at}" / "config.json"  # no longer its manifest's
+    kept = spoilt.read_bytes()
+    spoilt.write_bytes(kept + b" ")
+    failed = cli("resume", "r-move", "--host", "evalbox")
+    assert failed.code == 1 and "does not match its MANIFEST.sha256" in failed.err, failed.err
+    assert status(cli, "r-move")["target"] == "train"  # where it was, whole; nothing left there
+    assert not bed["evalbox"].host_path("/workspace/runs/r-move").exists()
+    spoilt.write_bytes(kept)
 
     moved = cli("resume", "r-move", "--host", "evalbox")
     assert moved.code == 0, moved.err
