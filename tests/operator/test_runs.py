@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -342,11 +343,11 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     assert not bed["evalbox"].host_path("/workspace/runs/r-move").exists()
     spoilt.write_bytes(kept)
 
+    began = time.time()
     moved = cli("resume", "r-move", "--host", "evalbox")
     assert moved.code == 0, moved.err
     said = re.search(r"moved to evalbox in ([0-9.]+) s \(([^)]*) copied\)", moved.err)
     assert said, moved.err
-    print(f"move: {said.group(1)} s to start, {said.group(2)} copied")  # the report's numbers
     assert not old.exists()  # set aside, hidden: the name is unique among targets
     assert [p.name.startswith(".moved-r-move-") for p in old.parent.iterdir()
             if "r-move" in p.name] == [True]  # fmt: skip
@@ -364,6 +365,12 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     assert f"lived:       train x1 from step 0; evalbox x1 from step {at}" in shown.out, shown.out
     steps = [json.loads(x)["step"] for x in (new / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 41))  # the train_log came along, rewound to step_{at}, then on
+    first = next(json.loads(x) for x in (new / "train_log.jsonl").read_text().splitlines()
+                 if json.loads(x)["step"] == at + 1)  # fmt: skip
+    print(
+        f"move: copy and start {said.group(1)} s, {said.group(2)} copied; first step there "
+        f"{first['time'] - began:.1f} s after `resume --host`"
+    )  # the report's numbers
     compared = cli("compare", "r-move")
     assert compared.code == 0 and "r-move" in compared.out, compared.err
 
