@@ -346,8 +346,8 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     began = time.time()
     moved = cli("resume", "r-move", "--host", "evalbox")
     assert moved.code == 0, moved.err
-    said = re.search(r"moved to evalbox in ([0-9.]+) s \(([^)]*) copied\)", moved.err)
-    assert said, moved.err
+    said = re.search(r"moved to evalbox in ([0-9.]+) s \(([^)]*)\)", moved.err)
+    assert said and "kept from an earlier try" in said.group(2), moved.err  # resumed, not resent
     assert not old.exists()  # set aside, hidden: the name is unique among targets
     assert [p.name.startswith(".moved-r-move-") for p in old.parent.iterdir()
             if "r-move" in p.name] == [True]  # fmt: skip
@@ -368,7 +368,7 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     first = next(json.loads(x) for x in (new / "train_log.jsonl").read_text().splitlines()
                  if json.loads(x)["step"] == at + 1)  # fmt: skip
     print(
-        f"move: copy and start {said.group(1)} s, {said.group(2)} copied; first step there "
+        f"move: copy and start {said.group(1)} s ({said.group(2)}); first step there "
         f"{first['time'] - began:.1f} s after `resume --host`"
     )  # the report's numbers
     compared = cli("compare", "r-move")

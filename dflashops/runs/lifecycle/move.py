@@ -4,8 +4,9 @@ to continue there from its newest complete checkpoint.
 In order: the run's name claimed on the new targets (claim.py: mkdir, then settled with any
 launch of the name elsewhere; the run keeps its id, so its own old copy is no rival); the
 checkpoint copied into node 0's <ws>/runs/RUN/checkpoints/step_N by the verified copy path of
-pull-ckpt (pulls.send: a partial directory, every file checked against MANIFEST.sha256, renamed
-into place once whole), and the run's own files (run.yaml, train_log.jsonl, ...) beside it; the
+pull-ckpt (pulls.send: through pull-ckpt's partial directory <ws>/ckpts/RUN/.partial-step_N,
+every file checked against MANIFEST.sha256, renamed into place once whole; a move cut short
+leaves the files that verified there, as a pull does, and the next try sends only the rest), and the run's own files (run.yaml, train_log.jsonl, ...) beside it; the
 code snapshot the run ran copied too (unless --update-code), and each new node's state.json
 made the run's (held as a resume). Then the old copy is set aside, a rename under the run's
 lock, only if its state.json is still as it was read: of two commands racing to move or resume
@@ -13,8 +14,8 @@ the run, only the first to set it aside goes on. It lands in <ws>/runs/.moved-RU
 no probe lists it, so the name stays unique among targets; delete it once the run is safe
 elsewhere). Then the launcher starts on the new targets.
 
-A failure anywhere takes back what was made on the new targets and renames the old copy back:
-the run is left where it was, whole. Older checkpoints and the compile cache stay behind (the
+A failure anywhere takes back what was made on the new targets (their run directories) and
+renames the old copy back: the run is left where it was, whole. Older checkpoints and the compile cache stay behind (the
 new target compiles at its first step, then caches in its own workspace).
 """
 
@@ -46,7 +47,7 @@ from dflashops.runs.lifecycle.snapshot import CODE_HOME, local_code
 from dflashops.runs.lifecycle.start import Started, prepare, start_all, wait_for_life
 from dflashops.runs.reading.probe import probe
 from dflashops.runs.reading.survey import choose, survey
-from dflashops.runs.reading.view import RunView, check_name
+from dflashops.runs.reading.view import RunView, check_name, ckpt_copy_dir
 from dflashops.ssh.session import Session
 from dflashops.targets.base import Machine
 
@@ -65,7 +66,8 @@ class Moving:
     placement: Placement
     step: int
     aside: dict[str, str] = field(default_factory=dict)  # old target -> where its copy went
-    bytes: int = 0
+    bytes: int = 0  # sent
+    kept: int = 0  # of the checkpoint, verified in its partial copy by an earlier try
     clock: Stopwatch = field(default_factory=Stopwatch)
 
 
@@ -135,9 +137,10 @@ def move(
         take_back(writer, placement, placement.nodes, made.secrets)
         put_back(writer, view, done)
         raise
+    earlier = f", {human_bytes(done.kept)} kept from an earlier try" if done.kept else ""
     context.note(f"{view.name}: moved to {', '.join(t.name for t in targets)} in "
-                 f"{done.clock.seconds:.1f} s ({human_bytes(done.bytes)} copied); the old copy "
-                 f"is kept at {', '.join(f'{t}:{p}' for t, p in done.aside.items())}")  # fmt: skip
+                 f"{done.clock.seconds:.1f} s ({human_bytes(done.bytes)} copied{earlier}); the "
+                 f"old copy is kept at {', '.join(f'{t}:{p}' for t, p in done.aside.items())}")  # fmt: skip
     context.note(kind.resume_note(view))
     return wait_for_life(reader, placement, timeout=wait)
 
@@ -145,6 +148,11 @@ def move(
 def carry(writer: Session, view: RunView, done: Moving) -> None:
     """The run's files to every new node, and its newest complete checkpoint to node 0."""
     src = writer.machine(writer.inventory.target(view.target))
+    carry_files(writer, src, view, done)
+    carry_checkpoint(writer, src, view, done)
+
+
+def carry_files(writer: Session, src: Machine, view: RunView, done: Moving) -> None:
     for node in done.placement.nodes:
         dst = writer.machine(node.target)
         tar = ["tar", "-C", view.dir, "--ignore-failed-read", "--format=pax", "-cf", "-", "--",
@@ -152,22 +160,33 @@ def carry(writer: Session, view: RunView, done: Moving) -> None:
         counted = relay(src, tar, dst, helpers.argv("receive.py", done.placement.dir(node),
                                                     "--unsealed"), progress=counter(done))  # fmt: skip
         failed(counted, src, dst, "the run's files")
+
+
+def carry_checkpoint(writer: Session, src: Machine, view: RunView, done: Moving) -> None:
+    """Through pull-ckpt's partial directory, where an earlier try's verified files are kept."""
     head = done.placement.nodes[0]
+    dst = writer.machine(head.target)
     ckpt = find_checkpoint(view, done.step)
     final = posixpath.join(done.placement.dir(head), layout.CHECKPOINTS, ckpt.name)
-    partial = partial_dir(final)
+    partial = partial_dir(ckpt_copy_dir(head.target, view.name, ckpt.step))  # pull-ckpt's
     line = json.dumps({"manifest": ckpt.manifest or ""}).encode() + b"\n"
-    names = sorted(ckpt.entries or {})
+    earlier = helpers.run(dst, "receive.py", partial, "--plan", final, stdin=line,
+                          what=f"reading {partial}")  # fmt: skip
+    kept = json.loads(earlier.stdout) if earlier.stdout else {"verified": [], "bytes": 0}
+    done.kept = kept["bytes"]
+    names = [n for n in sorted(ckpt.entries or {}) if n not in kept["verified"]]
+    made = dst.run(["mkdir", "-p", "--", posixpath.dirname(final)])
+    if not made.ok and not dst.dry_run:
+        raise OpsError(f"{dst.name}: mkdir {posixpath.dirname(final)}: {made.error_text}")
     src_dir = posixpath.join(view.dir, layout.CHECKPOINTS, ckpt.name)
     label = f"{view.name} step_{ckpt.step} -> {head.target.name}"
-    with progress(label, ckpt.bytes) as advance:
+    with progress(label, ckpt.bytes - done.kept) as advance:
 
         def count(n: int) -> None:
             done.bytes += n
             advance(n)
 
-        report = send(src, src_dir, names, writer.machine(head.target), partial, final, line,
-                      count)  # fmt: skip
+        report = send(src, src_dir, names, dst, partial, final, line, count)
     check_placed(report, ckpt.entries or {}, head.target.name, final, partial)
 
 
