@@ -29,7 +29,7 @@ from dflashops.metrics import higher_is_better
 from dflashops.render import console, metric, styled, table
 from dflashops.runs.evaluation.fingerprints import differs, mark
 from dflashops.runs.evaluation.results import SPEEDUP, Stored, stored, tau_value
-from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.reading.survey import expand, pick
 from dflashops.runs.reading.view import VALUE_RULE, RunView, check_name, value_at
 from dflashops.runs.watching.status_tables import warn_logs
 from dflashops.tables import Col, Grid
@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
         for name in names:
             check_name(name)
         session = opts.session()
-        found = survey(session, names=list(names), archive=True, records="all")
+        found, names = expand(session, list(names), archive=True, records="all")
         if opts.dry_run:
             opts.dry_run_done(runs=names)
             return

@@ -9,7 +9,9 @@ shown; other keys only when the runs differ (all of them with --all).
 Each run's dataset is shown under its name: data.path and, for a dataset made by `datagen`
 (CONTRACTS §7), what its manifest says made it (target, engine, temperature, chat template
 kwargs); those become rows `dataset.*` of the table, compared as the config's keys are, and
-so does where each run has lived (`run.lived`: targets, processes each, from which step).
+so does where each run has lived (`run.lived`: targets, processes each, from which step). Under
+the data line, what the run's token store lost to data.max_length (turns cut, the share of
+supervised tokens past it: the trainer's audit item `dataset.lost`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from dflashops.commands import _options
 from dflashops.remote import layout
 from dflashops.render import console, styled, table
 from dflashops.runs.datagen.job import dataset_of
-from dflashops.runs.reading.survey import pick, survey
+from dflashops.runs.lifecycle.sweep import swept_keys
+from dflashops.runs.reading.survey import expand, pick
 from dflashops.runs.reading.view import RunView, check_name, lived_text
 from dflashops.tables import Col
 
 FILES = [layout.RESOLVED_CONFIG, layout.RUN_CONFIG, layout.AUDIT_FILE]
 MARKS = {"peer": "~", "info": "*", "warn": "!", "error": "!!"}  # the least severe first
 UNSET = "(unset)"
+LOST_KEY = "dataset.lost"  # the trainer's audit item: what the token store lost to max_length
 
 
 def register(app: typer.Typer) -> None:
@@ -49,18 +53,19 @@ def register(app: typer.Typer) -> None:
         for name in names:
             check_name(name)
         session = opts.session()
-        found = survey(session, names=list(names), archive=True, records="none", files=FILES)
+        found, names = expand(session, list(names), archive=True, records="none", files=FILES)
         if opts.dry_run:
             opts.dry_run_done(runs=names)
             return
         views = pick(session, found, names, host=host)
         configs = {v.name: read_config(v) for v in views}
         datasets = {v.name: read_dataset(session, v, configs[v.name][0]) for v in views}
+        audits = {v.name: read_audit(v) for v in views}
         for v in views:
+            datasets[v.name]["store"] = store_report(audits[v.name])
             configs[v.name][0].update(dataset_rows(datasets[v.name]))
             configs[v.name][0]["run.lived"] = lived_text(v) or UNSET
-        audits = {v.name: read_audit(v) for v in views}
-        rows = build_rows(views, configs, audits, all_)
+        rows = swept_first(build_rows(views, configs, audits, all_), views)
         if opts.json:
             opts.emit(
                 {
@@ -80,6 +85,13 @@ def register(app: typer.Typer) -> None:
         show(views, configs, rows, all_, datasets)
 
 
+def swept_first(rows: list[dict[str, Any]], views: list[RunView]) -> list[dict[str, Any]]:
+    """The rows of the keys a sweep varied first (in the sweep's order), then the others."""
+    swept = swept_keys([v.status for v in views])
+    first = sorted((r for r in rows if r["key"] in swept), key=lambda r: swept.index(r["key"]))
+    return first + [r for r in rows if r["key"] not in swept]
+
+
 def read_dataset(session: Any, view: RunView, config: dict[str, Any]) -> dict[str, Any]:
     """The run's data.path and, where it is a datagen dataset on the run's target, how it
     was made."""
@@ -91,10 +103,21 @@ def read_dataset(session: Any, view: RunView, config: dict[str, Any]) -> dict[st
     return {"path": path, "datagen": dataset_of(machine, full)}
 
 
+def store_report(audit: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """What the run's token store lost to data.max_length (the trainer's audit item
+    `dataset.lost`): {"lost": "2.1%", "note": "3 turns cut at max_length 4096, ..."}."""
+    item = audit.get(LOST_KEY)
+    if item is None:
+        return None
+    return {"lost": item.get("value"), "note": item.get("note")}
+
+
 def dataset_rows(dataset: dict[str, Any]) -> dict[str, Any]:
+    store = dataset.get("store")
+    lost = {LOST_KEY: store["lost"]} if store else {}
     made = dataset.get("datagen")
     if not made:
-        return {}
+        return lost
     target = made.get("target") or {}
     engine = made.get("engine") or {}
     return {"dataset.target": target.get("path"), "dataset.target_digest": target.get("digest"),
@@ -102,7 +125,7 @@ def dataset_rows(dataset: dict[str, Any]) -> dict[str, Any]:
             "dataset.temperature": made.get("temperature"),
             "dataset.max_new_tokens": made.get("max_new_tokens"),
             "dataset.cut": cut_share(made),
-            "dataset.chat_template_kwargs": made.get("chat_template_kwargs")}  # fmt: skip
+            "dataset.chat_template_kwargs": made.get("chat_template_kwargs"), **lost}  # fmt: skip
 
 
 def cut_share(made: dict[str, Any]) -> str | None:
@@ -116,6 +139,12 @@ def cut_share(made: dict[str, Any]) -> str | None:
 
 
 def dataset_line(dataset: dict[str, Any]) -> str:
+    store = dataset.get("store")
+    tokens = f"\n  tokens: {store['note']}" if store else ""
+    return made_line(dataset) + tokens
+
+
+def made_line(dataset: dict[str, Any]) -> str:
     made = dataset.get("datagen")
     if not made:
         return f"  data: {dataset.get('path') or '(unset)'}"

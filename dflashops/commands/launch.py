@@ -1,27 +1,36 @@
-"""`launch RUN --host TARGET[,TARGET...] [--config FILE|TEMPLATE] [--set KEY=VALUE]...
-[--nproc N] [--secret NAME]... [--force]`
+"""`launch RUN --host TARGET[,TARGET...]|any[:ROLE] [--config FILE|TEMPLATE] [--set KEY=VALUE]...
+[--sweep KEY=A,B]... [--nproc N] [--secret NAME]... [--force]`
 
 One read of every target first (name free everywhere, chosen targets not busy, their GPUs),
 then: the name claimed on each node, the workload snapshot, the run directory (run.yaml,
 launch.json, launcher.py), the memory plan checked on node 0, and the launcher started in a
 detached session of our own tmux server on each node; then it waits for the trainer's first
 sign of life. A launch that fails takes back what it made (runs/training/launch.py).
+`--host any` takes the first free target of the role (runs/lifecycle/choose.py); `--sweep` makes
+one run per combination of values (runs/lifecycle/sweep.py), one launch after the other.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
 from dflashops import context
 from dflashops.commands import _options
-from dflashops.errors import UsageError
+from dflashops.errors import OpsError, UsageError
+from dflashops.inventory import Target
 from dflashops.runs.evaluation.continuous_cli import with_launch
 from dflashops.runs.evaluation.job import Extra
+from dflashops.runs.lifecycle.choose import of_role, wanted_role
 from dflashops.runs.lifecycle.rehearse import check_config, template_target_config
+from dflashops.runs.lifecycle.sweep import Member, axes, members
 from dflashops.runs.reading.view import check_name
 from dflashops.runs.training.config import resolve_config
 from dflashops.runs.training.launch import launch as start_run
-from dflashops.runs.watching.status_follow import then_follow
+from dflashops.runs.watching.status_follow import report, then_follow
+from dflashops.ssh.session import Session
 
 FORCE_OPTION = typer.Option(
     False,
@@ -42,9 +51,19 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option(
             ...,
             "--host",
-            metavar="TARGET[,TARGET...]",
+            metavar="TARGET[,TARGET...]|any[:ROLE]",
             help="The target(s) to train on; several make one run (one torchrun each, "
-            "rank 0 on the target whose address sorts first).",
+            "rank 0 on the target whose address sorts first). `any` (`any:ROLE`): the first "
+            "target of role train (ROLE) that is up, free (no run of ours, no process on its "
+            "GPUs) and fits the memory plan; -v says why each other was passed over.",
+        ),
+        sweeps: list[str] = typer.Option(
+            None,
+            "--sweep",
+            metavar="KEY=A,B[,...]",
+            help="Make RUN a sweep: one run per combination of the values (repeat for more "
+            "keys), named RUN-<key><value>..., each placed as --host says; `status`, "
+            "`compare` and `diff` take RUN for its runs.",
         ),
         config: str = typer.Option(
             None,
@@ -115,14 +134,30 @@ def register(app: typer.Typer) -> None:
             target_config = target_config or template_target_config(run, config)
         values = _options.secret_values(secrets or [])
         inventory = opts.inventory()
-        targets = [inventory.target(name) for name in _options.parse_hosts(host)]
+        role = wanted_role(host)
+        if role is not None:
+            if force:
+                raise UsageError(f"--host {host} takes free targets only: name one to --force")
+            targets = of_role(inventory, role)
+        else:
+            targets = [inventory.target(name) for name in _options.parse_hosts(host)]
         evaluator = inventory.target(eval_on) if eval_on is not None else None
         skip = set(_options.parse_hosts(skip_unreadable)) if skip_unreadable else set()
+        how = {"skip": skip, "force": force, "nproc": nproc, "wait": wait, "role": role,
+               "verbose": bool(opts.verbose)}  # fmt: skip
+        if sweeps:
+            if follow or evaluator is not None:
+                raise UsageError("--sweep: --follow and --eval-on take one run; leave them out")
+            swept = members(run, axes(sweeps))
+            with opts.sessions() as (reader, writer):
+                code = launch_sweep(reader, writer, run, swept, targets, config, sets or [],
+                                    values, how, emit=opts.emit if opts.json else None)  # fmt: skip
+            raise typer.Exit(code)
         with opts.sessions() as (reader, writer):
-            done = start_run(reader, writer, run, targets, text, values, skip=skip, force=force,
-                             nproc=nproc, wait=wait, target_config=target_config)  # fmt: skip
+            done = start_run(reader, writer, run, targets, text, values,
+                             target_config=target_config, **how)  # fmt: skip
             if done.view is None:
-                opts.dry_run_done(run=run, targets=[t.name for t in targets],
+                opts.dry_run_done(run=run, targets=[n.target.name for n in done.placement.nodes],
                                   nodes=done.placement.record())  # fmt: skip
                 return
             if evaluator is not None:
@@ -131,3 +166,44 @@ def register(app: typer.Typer) -> None:
             code = then_follow(reader, done.view, follow, opts.emit if opts.json else None)
             if code is not None:
                 raise typer.Exit(code)
+
+
+def launch_sweep(
+    reader: Session,
+    writer: Session,
+    sweep: str,
+    swept: list[Member],
+    targets: list[Target],
+    config: str | None,
+    sets: list[str],
+    values: dict[str, str],
+    how: dict[str, Any],
+    *,
+    emit: Callable[[Any], None] | None,
+) -> int:
+    """Every run of the sweep, one after the other, each placed as `how` says; one that
+    cannot start is said with its reason and the rest go on. The exit code: 0 when all
+    started, else the refusal's when none did, else 1."""
+    started, refused = [], {}
+    for member in swept:
+        text = resolve_config(config, [*sets, *member.sets], member.run)
+        try:
+            done = start_run(reader, writer, member.run, targets, text, values,
+                             state=member.state(sweep), **how)  # fmt: skip
+        except OpsError as exc:
+            context.note(f"error: {exc.message}")
+            refused[member.run] = exc
+            continue
+        if done.view is not None:
+            started.append(done.view)
+            if emit is None:
+                report(done.view)
+    if emit is not None:
+        emit({"sweep": sweep, "started": [v.summary() for v in started],
+              "not_started": {r: e.message for r, e in refused.items()}})  # fmt: skip
+    if refused:
+        context.note(f"{sweep}: {len(started)} of {len(swept)} run(s) started; not started: "
+                     f"{', '.join(refused)}")  # fmt: skip
+    if not refused:
+        return 0
+    return int(next(iter(refused.values())).code) if not started else 1

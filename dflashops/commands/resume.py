@@ -1,8 +1,10 @@
 """`resume RUN`: start a stopped or failed run again from its newest complete checkpoint, on all
 its nodes with the same number of processes each, or `--nproc N` each (another world size: the
 trainer reshards and keeps the global batch), through the same launcher as `launch` (the
-trainer's --resume). The run keeps the code it ran unless
-`--update-code` takes the workload as it is now; secrets are asked for again (--secret)."""
+trainer's --resume). `--host T[,T...]` naming targets the run is not on moves it there
+(runs/lifecycle/move.py: the checkpoint copied and verified, the old copy set aside). The run
+keeps the code it ran unless `--update-code` takes the workload as it is now; secrets are
+asked for again (--secret)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import typer
 from dflashops import context
 from dflashops.commands import _options
 from dflashops.remote import layout
+from dflashops.runs.lifecycle.move import locate, move, moves
 from dflashops.runs.lifecycle.rehearse import unread_is_said
 from dflashops.runs.lifecycle.resume import resume as start_again
-from dflashops.runs.reading.survey import find
 from dflashops.runs.watching.status_follow import then_follow
 
 
@@ -23,7 +25,13 @@ def register(app: typer.Typer) -> None:
     def resume(
         ctx: typer.Context,
         run: str = typer.Argument(..., metavar="RUN", help="A stopped or failed run."),
-        host: str = _options.HOST_OPTION,
+        host: str = typer.Option(
+            None,
+            "--host",
+            metavar="TARGET[,TARGET...]",
+            help="Where it runs next: a target holding the run (where the name exists on "
+            "several), or others: the run moves there from its newest complete checkpoint.",
+        ),
         update_code: bool = typer.Option(
             False,
             "--update-code",
@@ -47,12 +55,18 @@ def register(app: typer.Typer) -> None:
         values = _options.secret_values(secrets or [])
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
-            view = find(reader, run, host=host, checkpoints=True, records="none",
-                        files=[layout.LAUNCH_FILE])  # fmt: skip
-            started = start_again(reader, writer, view, values, update_code=update_code,
-                                  wait=wait, nproc=nproc)  # fmt: skip
+            hosts = _options.parse_hosts(host) if host else []
+            targets = [reader.inventory.target(name) for name in hosts]
+            view = locate(reader, run, hosts, checkpoints=True, records="none",
+                          files=[layout.LAUNCH_FILE])  # fmt: skip
+            if targets and moves(view, targets):
+                started = move(reader, writer, view, targets, values, nproc=nproc,
+                                update_code=update_code, wait=wait)  # fmt: skip
+            else:
+                started = start_again(reader, writer, view, values, update_code=update_code,
+                                      wait=wait, nproc=nproc)  # fmt: skip
             if started is None:
-                opts.dry_run_done(run=run, target=view.target, dir=view.dir,
+                opts.dry_run_done(run=run, target=view.target, dir=view.dir, to=hosts or None,
                                   from_step=max(view.complete_steps()))  # fmt: skip
                 return
             code = then_follow(reader, started, follow, opts.emit if opts.json else None)

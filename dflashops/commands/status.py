@@ -14,11 +14,12 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.errors import NotFoundError, UnreachableError
 from dflashops.render import console, duration, metric
 from dflashops.runs.evaluation.results import latest_eval
 from dflashops.runs.lifecycle import kinds
 from dflashops.runs.reading.failure import trainer_lines
-from dflashops.runs.reading.survey import Survey, find, resolve, survey
+from dflashops.runs.reading.survey import Survey, expand, find, resolve, survey
 from dflashops.runs.reading.view import VALUE_RULE, RunView, lived_text, tmux_session
 from dflashops.runs.watching.status_follow import follow_run
 from dflashops.runs.watching.status_tables import (
@@ -80,8 +81,13 @@ def register(app: typer.Typer) -> None:
             show_vs(view, other, opts.json, opts)
             return
         if run:
-            view = find(session, run, host=host, records="recent", checkpoints=True,
-                        console=8192)  # fmt: skip
+            try:
+                view = find(session, run, host=host, records="recent", checkpoints=True,
+                            console=8192)  # fmt: skip
+            except (NotFoundError, UnreachableError):  # no such run, or on a target not read
+                if not show_sweep(session, run, opts, host=host):
+                    raise
+                return
             show_one(view, opts.json, opts, latest_eval(opts.session(), view))
             return
         if host is not None:
@@ -92,6 +98,16 @@ def register(app: typer.Typer) -> None:
 
 
 # ---------------------------------------------------------------- one-shot views
+
+
+def show_sweep(session: Any, name: str, opts: context.Context, host: str | None) -> bool:
+    """`status NAME` of a sweep: its runs, as `status --all` lists them; False when the name
+    is no sweep's either."""
+    found, names = expand(session, [name], archive=True, records="recent")
+    if names == [name]:
+        return False
+    show_all(found, True, opts.json, opts, host=host)
+    return True
 
 
 def show_all(

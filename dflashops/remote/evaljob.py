@@ -11,7 +11,9 @@ It keeps to the contract of every job's program (dflashops/runs/lifecycle/job_ki
 is "running" while it works, then "finished" (or "stopped"), with its "pid" and "pid_start" so
 that `stop` can signal it. One evaluation at a time on a target: each step waits for the
 target's evaluation lock (remote/evallock.py), which a continuous eval's steps hold too.
-SIGTERM ends the step being evaluated (its evaluator gets SIGTERM) and the job, "stopped".
+SIGTERM ends the step being evaluated (its evaluator gets SIGTERM) and the job, "stopped". The
+evaluator dies with this program however it dies (remote/engine_groups.py), and the engines it
+started are gone before the lock is let go.
 The steps that wrote their result are kept in state.json's "done": the job started again
 (`resume`) evaluates only the others.
 """
@@ -19,10 +21,10 @@ The steps that wrote their result are kept in state.json's "done": the job start
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 
+from dflashops.remote.engine_groups import start_evaluator
 from dflashops.remote.evallock import one_evaluation
 from dflashops.remote.layout import STATE_FILE
 from dflashops.remote.shared import proc_start, read_json, write_json
@@ -47,10 +49,10 @@ def lock_path(job_dir):
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(job_dir))), ".evaluating")
 
 
-def run_step(item, current):
+def run_step(item, current, job_dir):
     """The evaluator of one step; its exit code."""
     try:
-        child = subprocess.Popen(item["argv"], stdin=subprocess.DEVNULL)
+        child = start_evaluator(item["argv"], job_dir)
     except OSError as exc:
         say(f"step {item['step']}: could not start: {exc}")
         return 127
@@ -85,7 +87,7 @@ def main():
             break
         say(f"step {item['step']} ({i + 1}/{len(evals)}) of {job['run']}")
         with one_evaluation(lock_path(job_dir), stopping, say) as held:
-            code = run_step(item, current) if held else 0
+            code = run_step(item, current, job_dir) if held else 0
         code = 128 - code if code < 0 else code
         if stopping:
             say(f"step {item['step']}: stopped")

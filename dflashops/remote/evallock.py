@@ -1,11 +1,15 @@
 """Put in front of the eval programs (stdlib only): one evaluation at a time on a target, by
 an exclusive lock on <ws>/evals/.evaluating held while an evaluator runs (released by the
-kernel when its holder dies, whatever the way)."""
+kernel when its holder dies, whatever the way). The GPU is free when an evaluation starts: the
+engines an ended evaluation left behind are ended (engine_groups.py) when the lock is taken,
+before the evaluator starts, and again before it is let go."""
 
 import contextlib
 import fcntl
 import os
 import time
+
+from dflashops.remote.engine_groups import GONE_WAIT_S, settle
 
 
 @contextlib.contextmanager
@@ -14,6 +18,7 @@ def one_evaluation(path, stopping, say):
     give up (yield False) when `stopping` becomes true meanwhile."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    evals = os.path.dirname(path)
     try:
         waited = False
         while True:
@@ -28,6 +33,12 @@ def one_evaluation(path, stopping, say):
                     say("another evaluation runs on this target; waiting for it to end")
                     waited = True
                 time.sleep(1)
-        yield True
+        if not settle(evals, stopping, say):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            settle(evals, (), say, patience_s=GONE_WAIT_S)
     finally:
         os.close(fd)

@@ -45,7 +45,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -54,6 +53,7 @@ import urllib.parse
 import urllib.request
 
 from dflashops.remote.ckpt_proof import HEX, answer_mac, request_mac, same_mac, stamp_of
+from dflashops.remote.engine_groups import start_evaluator
 from dflashops.remote.evallock import one_evaluation
 from dflashops.remote.layout import MANIFEST, OPTIMIZER_DIR, STATE_FILE, TRAINING_STATE
 from dflashops.remote.manifest import file_sha256, manifest_entries, safe_name
@@ -407,7 +407,7 @@ class Follower:
             if not held:
                 return None
             try:
-                child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+                child = start_evaluator(argv, self.dir)
             except OSError as exc:
                 say(f"step {step}: the evaluator could not start: {exc}")
                 return 127

@@ -33,6 +33,7 @@ OPTIMIZER_DIR = "optimizer"  # under zero1, checkpoint/optimizer/rank_<R>.pt: th
 CHAT_TEMPLATE = "chat_template.jinja"  # the chat template it was trained with
 MODEL_CARD = "README.md"  # what it is, what it measured, how to serve it
 TOKENIZER_CONFIG = "tokenizer_config.json"  # a target's: its chat_template when no .jinja
+ENGINES_DIR = "engines"  # JOB_DIR/engines/PGID.json: the engine groups its evaluator started
 
 
 def step_name(step):

@@ -29,7 +29,9 @@ operator saw: a run changed meanwhile by another command is refused, never torn.
 - signal: send stdin's "signal" (a name such as "TERM") to the trainer whose pid (and start
   time) state.json holds, only if it is still that process; {"pid": pid} or {"pid": null}.
 - kill: SIGKILL to this node's torchrun agent and ranks (each its own process group), each only
-  if still the process recorded (pid and start time); {"killed": [pid, ...]}.
+  if still the process recorded (pid and start time), and to the engine groups an eval job's
+  evaluator recorded (RUN_DIR/engines/, remote/engine_groups.py), waited for until they are
+  gone (at most KILL_WAIT_S); {"killed": [pid, ...], "engines": [pid, ...], "engines_left": [pgid, ...]}.
 - alert: a W&B alert for the trainer to send (`watch`): stdin's "alert" ({"title", "text",
   "level"}) written atomically to RUN_DIR/alerts/ID.json (stdin's "id", [A-Za-z0-9_.-]), only
   while the trainer state.json names still runs and no request ID (ID.json, or ID.sent once the
@@ -53,10 +55,19 @@ import signal
 import sys
 import time
 
-from dflashops.remote.layout import CHECKPOINTS, EXIT_CODE_FILE, MANIFEST, NODE_FILE, STATE_FILE
+from dflashops.remote.engine_groups import end_groups
+from dflashops.remote.layout import (
+    CHECKPOINTS,
+    ENGINES_DIR,
+    EXIT_CODE_FILE,
+    MANIFEST,
+    NODE_FILE,
+    STATE_FILE,
+)
 from dflashops.remote.shared import read_json, same_process, write_json
 
 LOCK = ".lock"
+KILL_WAIT_S = 20  # for a job's killed engines to be gone, within the caller's deadline
 
 
 def load_state(run_dir):
@@ -230,7 +241,8 @@ def kill(run_dir, req):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         killed.append(pid)
-    return {"killed": killed}
+    seen, left = end_groups([os.path.join(run_dir, ENGINES_DIR)], patience_s=KILL_WAIT_S)
+    return {"killed": killed, "engines": sorted(seen), "engines_left": left}
 
 
 def claim(run_dir, req):

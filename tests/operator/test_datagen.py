@@ -245,19 +245,34 @@ def test_a_malformed_prompt_file_is_refused_in_one_line_and_leaves_nothing(
 def test_diff_shows_the_dataset_each_run_trained_on(cli, bed, one_run, tmp_path):
     """Two run directories (their run.yaml only): one trained on the datagen dataset, one on
     a plain file."""
+    lost = {
+        "r-gen": ("0.0%", "0 turns cut at max_length 4096, 0 left out past it", "info"),
+        "r-file": ("12.5%", "3 turns cut at max_length 4096, 1 left out past it", "warn"),
+    }
     for run, data in (("r-gen", "/workspace/data/g-one"), ("r-file", "/workspace/plain.jsonl")):
         run_dir = bed["one"].host_path(f"/workspace/runs/{run}")
         run_dir.mkdir(parents=True)
         (run_dir / "run.yaml").write_text(f"data:\n  path: {data}\n")
         (run_dir / "state.json").write_text(json.dumps({"status": "finished", "exit_code": 0}))
+        share, note, level = lost[run]  # the trainer's audit item (workload/train/run_data.py)
+        item = {"key": "dataset.lost", "value": share, "recipe": "<= 5%", "level": level,
+                "note": f"{note}: {share} of the supervised tokens lost"}  # fmt: skip
+        (run_dir / "audit.json").write_text(json.dumps([item]))
     ran = cli("diff", "r-gen", "r-file")
     assert ran.code == 0, ran.err
     assert "data: /workspace/data/g-one (datagen: target /workspace/tiny/target, engine " \
            "transformers" in ran.out  # fmt: skip
     assert "data: /workspace/plain.jsonl" in ran.out
+    # under each run, what its token store lost to max_length; the shares compared as a row
+    assert "tokens: 3 turns cut at max_length 4096, 1 left out past it: 12.5% of the " \
+           "supervised tokens lost" in ran.out  # fmt: skip
+    assert "tokens: 0 turns cut at max_length 4096" in ran.out
+    row = next(line for line in ran.out.splitlines() if line.lstrip().startswith("dataset.lost"))
+    assert "0.0%" in row and "12.5% !" in row
     doc = json.loads(cli("--json", "diff", "r-gen", "r-file").out)
     made = {r["run"]: r["dataset"] for r in doc["runs"]}
     assert made["r-gen"]["datagen"]["temperature"] == 0 and made["r-file"]["datagen"] is None
+    assert made["r-file"]["store"]["lost"] == "12.5%" and made["r-gen"]["store"]["lost"] == "0.0%"
     gen = made["r-gen"]["datagen"]
     assert gen["replies"] > 0 and 0 <= gen["cut"] <= gen["replies"]
     assert f"cut at max_new_tokens {gen['max_new_tokens']}: {gen['cut']} of {gen['replies']} " \

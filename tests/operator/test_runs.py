@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_VMID, EVAL_VMID = 951, 952
+RUNNING = ("launching", "starting", "running")
 
 
 # ---------------------------------------------------------------- fixtures
@@ -320,6 +322,57 @@ def test_stop_saves_a_checkpoint_and_resume_continues(cli, config, bed):
     assert diffed.code == 0 and f"train x1 from step 0; train x2 from step {moved}" in diffed.out
     line = next(json.loads(x) for x in log_file.read_text().splitlines() if "resumed_at" in x)
     assert (line["from_world_size"], line["world_size"], line["grad_accum"]) == (1, 2, 1)
+
+
+@pytest.mark.slow
+def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, config, bed):
+    args = ["--config", str(config), "--set", "optim.max_steps=40", "--set", "log.log_every=1"]
+    assert cli("launch", "r-move", "--host", "train", *args).code == 0
+    stopped = json.loads(cli("--json", "stop", "r-move").out)
+    at = stopped["checkpoint"]
+    assert stopped["state"] == "stopped" and at < 40, stopped
+    old = bed["train"].host_path("/workspace/runs/r-move")
+    assert cli("resume", "r-move", "--host", "nowhere").code == 4  # not in the inventory
+    assert old.is_dir() and not bed["evalbox"].host_path("/workspace/runs/r-move").exists()
+    spoilt = old / "checkpoints" / f"step_{at}" / "config.json"  # no longer its manifest's
+    kept = spoilt.read_bytes()
+    spoilt.write_bytes(kept + b" ")
+    failed = cli("resume", "r-move", "--host", "evalbox")
+    assert failed.code == 1 and "does not match its MANIFEST.sha256" in failed.err, failed.err
+    assert status(cli, "r-move")["target"] == "train"  # where it was, whole; nothing left there
+    assert not bed["evalbox"].host_path("/workspace/runs/r-move").exists()
+    spoilt.write_bytes(kept)
+
+    began = time.time()
+    moved = cli("resume", "r-move", "--host", "evalbox")
+    assert moved.code == 0, moved.err
+    said = re.search(r"moved to evalbox in ([0-9.]+) s \(([^)]*)\)", moved.err)
+    assert said and "kept from an earlier try" in said.group(2), moved.err  # resumed, not resent
+    assert not old.exists()  # set aside, hidden: the name is unique among targets
+    assert [p.name.startswith(".moved-r-move-") for p in old.parent.iterdir()
+            if "r-move" in p.name] == [True]  # fmt: skip
+    new = bed["evalbox"].host_path("/workspace/runs/r-move")
+    assert (new / "checkpoints" / f"step_{at}" / "MANIFEST.sha256").is_file()
+    ended = wait_for(lambda: (s := status(cli, "r-move"))["state"] not in RUNNING and s,
+                     timeout=400, every=2)  # fmt: skip
+    assert ended["state"] == "finished", cli("logs", "r-move", "--tail", "40").out
+
+    done = status(cli, "r-move")  # found by name, no --host
+    assert (done["target"], done["step"]) == ("evalbox", 40)
+    assert [(h["targets"], h["nproc"], h["from_step"]) for h in done["history"]] == [
+        (["train"], [1], 0), (["evalbox"], [1], at)]  # fmt: skip
+    shown = cli("status", "r-move")
+    assert f"lived:       train x1 from step 0; evalbox x1 from step {at}" in shown.out, shown.out
+    steps = [json.loads(x)["step"] for x in (new / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))  # the train_log came along, rewound to step_{at}, then on
+    first = next(json.loads(x) for x in (new / "train_log.jsonl").read_text().splitlines()
+                 if json.loads(x)["step"] == at + 1)  # fmt: skip
+    print(
+        f"move: copy and start {said.group(1)} s ({said.group(2)}); first step there "
+        f"{first['time'] - began:.1f} s after `resume --host`"
+    )  # the report's numbers
+    compared = cli("compare", "r-move")
+    assert compared.code == 0 and "r-move" in compared.out, compared.err
 
 
 # ---------------------------------------------------------------- dry run

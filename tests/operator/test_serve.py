@@ -2,12 +2,12 @@
 OpenAI server as the tiny target's DFlash speculator, then the target alone, each driven by
 vLLM's own benchmark client at concurrencies 1 and 4, and both again in a second vLLM
 environment (`--vs-engine`: here the same install under another prefix, so only the machinery is
-compared); and the same job stopped halfway.
+compared); and the same job stopped halfway, asked (`stop`) and killed (`stop --kill`).
 
 One benchmark (four server starts, ~25 s each on two shared cores) serves every assertion on the
 result; the offline `eval --engine vllm` of the same checkpoint and prompts (engine core in
-process, ~15 s less an engine) is the reference for per-position acceptance. The stop test
-starts one server more. Needs a vLLM environment (the `vllm_python` fixture), else skipped.
+process, ~15 s less an engine) is the reference for per-position acceptance. The stop tests
+start one server more each. Needs a vLLM environment (the `vllm_python` fixture), else skipped.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.operator.cli import Ran, dflashops
+from tests.operator.test_engine_groups import lock_free
 from tests.workload.conftest import FIXTURE_BUILDS, WORKLOAD, cached_tiny
 from tests.workload.drafters import STEPS, trained_drafter
 from workload.eval.vllm_process import preload
@@ -374,4 +376,57 @@ def test_stop_halfway_leaves_nothing_running(bed, served):
     assert state["status"] == "stopped"
     assert "interrupted; the servers are stopped" in console.read_text()
     assert not [p for p in ports_in(console.read_text()) if listening(p)]
-    assert servers_of(bed["ws"]) == []
+    assert servers_of(bed["ws"]) == [] and engine_processes(Path(job["dir"])) == []
+
+
+def engine_processes(job_dir: Path) -> list[int]:
+    """Every process started for the job's evaluator (vLLM's engine core and workers included,
+    whose command lines name nothing of ours): the environment it passes on names the job."""
+    mark = f"DFLASHOPS_ENGINE_DIR={job_dir}/engines".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_stop_kill_halfway_leaves_no_engine_no_port_and_the_lock_free(bed):
+    ran = cli(bed, "--json", "eval", RUN, "--step", str(STEPS), "--on", "local", "--serve",
+              "--concurrency", "1", *SMALL, "--detach")  # fmt: skip
+    assert ran.code == 0, ran.err
+    job = json.loads(ran.out)
+    job_dir = Path(job["dir"])
+    console = job_dir / "console.log"
+    deadline = time.monotonic() + 300
+    while not ports_in(console.read_text() if console.is_file() else ""):
+        assert time.monotonic() < deadline, "no server came up"
+        time.sleep(1)
+    (port,) = ports_in(console.read_text())
+    assert engine_processes(job_dir) and not lock_free(bed["ws"])
+    seen: dict[str, float] = {}
+
+    def watch() -> None:  # when the port closes and the lock is free, from the kill on
+        checks = {"port": lambda: not listening(port), "lock": lambda: lock_free(bed["ws"]),
+                  "engines": lambda: not engine_processes(job_dir)}  # fmt: skip
+        while len(seen) < len(checks) and time.monotonic() - t0 < 120:
+            for name, check in checks.items():
+                if name not in seen and check():
+                    seen[name] = time.monotonic() - t0
+            time.sleep(0.02)
+
+    t0 = time.monotonic()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    killed = cli(bed, "stop", job["name"], "--kill")
+    answered = time.monotonic() - t0
+    watcher.join()
+    assert killed.code == 0, killed.err
+    assert not listening(port) and engine_processes(job_dir) == [] and servers_of(bed["ws"]) == []
+    assert lock_free(bed["ws"]) and list((job_dir / "engines").glob("*.json")) == []
+    assert seen["engines"] <= answered, seen  # gone before `stop --kill` answers
+    print(f"stop --kill: port closed {seen['port']:.2f}s, engine processes gone "
+          f"{seen['engines']:.2f}s, lock free {seen['lock']:.2f}s after it began; it "
+          f"answered after {answered:.2f}s")  # fmt: skip

@@ -135,7 +135,9 @@ def test_undecodable_line_and_missing_file_are_one_line_errors(chat_tokenizer, t
         load_examples(missing, chat_tokenizer, max_length=256)
 
 
-def test_load_examples_sharegpt_and_skip_unsupervised(chat_tokenizer, tmp_path, caplog):
+def test_load_examples_sharegpt_and_count_a_prompt_past_max_length(
+    chat_tokenizer, tmp_path, caplog
+):
     share = {"conversations": [{"from": "human", "value": "Count from 3 to 6."},
                                {"from": "gpt", "value": "3 4 5 6"}]}  # fmt: skip
     long_prompt = [{"role": "user", "content": "Repeat after me: " + "cat " * 300},
@@ -149,7 +151,10 @@ def test_load_examples_sharegpt_and_skip_unsupervised(chat_tokenizer, tmp_path, 
         chat_tokenizer, [{"role": "user", "content": "Count from 3 to 6."},
                          {"role": "assistant", "content": "3 4 5 6"}], max_length=128
     ).input_ids  # fmt: skip
-    assert "skipped 1 rows" in caplog.text
+    # the long prompt fills max_length: its turn is left out, counted with its reason
+    assert "1 assistant turns left out (first: line 3: its serving prompt fills max_length" in (
+        caplog.text
+    )
 
 
 def test_conversations_without_an_eligible_anchor_are_skipped(chat_tokenizer, tmp_path, caplog):

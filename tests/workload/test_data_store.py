@@ -24,7 +24,7 @@ from tests.workload.test_train import (  # noqa: F401 - group is a fixture
 )
 from workload.common.provenance import target_digest
 from workload.config import audit_json
-from workload.data.token_store import HEADER
+from workload.data.token_store import HEADER, length_line, lost_share
 from workload.train import loop as T
 
 pytestmark = pytest.mark.usefixtures("group")  # in-process runs share one process group
@@ -172,6 +172,8 @@ def test_a_directory_of_shards_and_a_datagen_dataset_train(tiny_dense, tmp_path)
         assert (header["source"]["kind"], header["conversations"]) == (kind, n)
         items = json.loads((run_dir / "audit.json").read_text())
         audit = {i["key"]: i for i in items if i["level"] != "peer"}  # not the recipe's own
+        lost = audit["dataset.lost"]  # what max_length cost the store: said, for `diff`
+        assert lost["value"] == f"{lost_share(header):.1%}" and lost["note"] == length_line(header)
         if kind == "datagen":  # made by this target at temperature 0: nothing to say
             assert "data.path" not in audit and "loss.on_trajectory" not in audit, audit
         else:  # nothing says who wrote the replies

@@ -3,15 +3,18 @@ target's DFlash speculator, against `--engine sim` of the same checkpoint and pr
 
 Needs a vLLM environment (tests/engines.py finds it; the `vllm_python` fixture); skipped
 without one. An engine takes 20-100 s to start on two shared cores, so one evaluation (the plain
-engine and the speculative one) serves every assertion here.
+engine and the speculative one) serves every assertion on results; one more, killed while its
+first engine starts, shows that nothing of it outlives the evaluator.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,45 @@ def test_the_vllm_result_keeps_the_contract_and_its_fingerprint(evals, vllm_pyth
     assert vllm["engine_mean_acceptance_length"] >= 1
     assert evals["stdout"] == "" and "Traceback" not in evals["stderr"]
     assert "vllm: plain:" in evals["stderr"] and "vllm: checkpoint:" in evals["stderr"]
+
+
+def group_of(pgid: int) -> list[int]:
+    """The living processes of process group `pgid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_bytes().rsplit(b") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_evaluator_leaves_no_engine_behind(vllm_python, tiny_dense, tmp_path):
+    """SIGKILL of `eval --engine vllm` while its engine starts (vLLM's engine core in its own
+    process, as a user's eval runs it): the kernel tells the engine program (PR_SET_PDEATHSIG),
+    which ends its whole process group, the engine core with it; its record names the group."""
+    ckpt = trained_drafter(tiny_dense) / "checkpoints" / f"step_{STEPS}"
+    records = tmp_path / "engines"
+    argv = [sys.executable, "-m", "workload.eval", "--config", str(tiny_dense / "run.yaml"),
+            "--checkpoint", str(ckpt), "--max-prompts", "2", "--max-new-tokens", "8",
+            "--engine", "vllm", "--vllm-python", vllm_python, "--out", str(tmp_path / "o.json")]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASHOPS_ENGINE_DIR": str(records)}
+    evaluator = subprocess.Popen(argv, env=env, cwd=WORKLOAD.parent, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while True:  # until the engine program has started vLLM's engine core (a second process)
+        assert evaluator.poll() is None and time.monotonic() < deadline, "no engine started"
+        recorded = list(records.glob("*.json"))
+        pgid = json.loads(recorded[0].read_text())["pgid"] if recorded else None
+        if pgid and len(group_of(pgid)) >= 2:
+            break
+        time.sleep(0.2)
+    os.kill(evaluator.pid, signal.SIGKILL)
+    evaluator.wait()
+    t0 = time.monotonic()
+    while group_of(pgid):
+        assert time.monotonic() - t0 < 30, f"the engine outlived its evaluator: {group_of(pgid)}"
+        time.sleep(0.05)
+    print(f"evaluator SIGKILLed: its engine group gone in {time.monotonic() - t0:.2f}s")

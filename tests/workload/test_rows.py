@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from workload.data.chat import Example, render_rows, rows_of_record
+from workload.data.chat import PAST_MAX_LENGTH, Example, render_rows, rows_of_record
 from workload.data.source import open_source
-from workload.data.token_store import RenderSettings, build
+from workload.data.token_store import RenderSettings, build, report_line
 
 # A Qwen3.5/3.6-like template: reasoning from `reasoning_content` or a think block in the content;
 # kept only for assistant turns after the last user turn (or all, with preserve_thinking); the
@@ -83,14 +83,14 @@ CONVERSATIONS = {
         _reply("3 4 5 6", "count up by one"),
         _user("And back?"),
         _reply("6 5 4 3", "reverse it", inline=True),
-    ],  # fmt: skip
+    ],
     "two turns, no reasoning": [
         SYSTEM,
         _user("Count from 3 to 6."),
         _reply("3 4 5 6"),
         _user("And back?"),
         _reply("6 5 4 3"),
-    ],  # fmt: skip
+    ],
     "three turns, mixed": [
         SYSTEM,
         _user("Name a cat."),
@@ -99,7 +99,7 @@ CONVERSATIONS = {
         _reply("Rex"),
         _user("And a bird?"),
         _reply("Tweety", "", inline=True),
-    ],  # fmt: skip
+    ],
 }
 
 # (template, its kwargs): how the target is served
@@ -256,3 +256,257 @@ def test_inspect_data_json_prints_the_trainers_rows(chat_tokenizer, tiny_dense, 
         (w.input_ids, w.loss_mask) for w in want
     ]
     assert len(fourth) == 2 and len(rows) == 10  # a row per turn: 1 + 1 + 1 + 2 + 2 + 3
+
+
+# ----------------------------------------------------------------------------- Qwen3.6
+
+
+# A Qwen3.6-like template, our own text with the public template's semantics
+# (shared/reference/chat-templates.md): system first; `reasoning_content` when it is a string,
+# else a think block at the start of the content; reasoning kept for the turns after the last
+# user query (a tool response is no query), or for every turn with preserve_thinking (an empty
+# block for a turn with none); the generation prompt opens a think block, or writes an empty one
+# with enable_thinking false.
+QWEN36_LIKE = r"""
+{%- set ns = namespace(query=-1) -%}
+{%- for m in messages -%}
+  {%- if m.role == 'user' and not (m.content is string and m.content.startswith('<tool_response>')) -%}
+    {%- set ns.query = loop.index0 -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+  {%- set text = m.content if m.content is string else '' -%}
+  {%- if m.role == 'assistant' -%}
+    {%- if m.reasoning_content is string -%}
+      {%- set thought = m.reasoning_content -%}
+    {%- elif '</think>' in text -%}
+      {%- set thought = text.split('</think>')[0].split('<think>')[-1] -%}
+      {%- set text = text.split('</think>')[-1].lstrip('\n') -%}
+    {%- else -%}
+      {%- set thought = '' -%}
+    {%- endif -%}
+    {%- if preserve_thinking is true or loop.index0 > ns.query -%}
+      {{- '<|im_start|>assistant\n<think>\n' + thought.strip('\n') + '\n</think>\n\n' + text -}}
+    {%- else -%}
+      {{- '<|im_start|>assistant\n' + text -}}
+    {%- endif -%}
+    {{- '<|im_end|>\n' -}}
+  {%- else -%}
+    {{- '<|im_start|>' + m.role + '\n' + text + '<|im_end|>\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+  {%- if enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}
+  {%- else -%}{{- '<think>\n' -}}{%- endif -%}
+{%- endif -%}
+"""
+
+QWEN36_SETTINGS = {
+    "thinking": {},
+    "no thinking": {"enable_thinking": False},
+    "preserve_thinking": {"preserve_thinking": True},
+    "no thinking, preserve_thinking": {"enable_thinking": False, "preserve_thinking": True},
+}
+
+MIXED = {
+    **CONVERSATIONS,
+    "reasoning second only": [
+        _user("Say hi."),
+        _reply("hi"),
+        _user("Count from 3 to 6."),
+        _reply("3 4 5 6", "count up"),
+    ],
+    "reasoning second only, think block": [
+        _user("Say hi."),
+        _reply("hi"),
+        _user("Count from 3 to 6."),
+        _reply("3 4 5 6", "count up", inline=True),
+    ],
+    "empty reasoning, then reasoning": [
+        SYSTEM,
+        _user("Say hi."),
+        _reply("hi", ""),
+        _user("And back?"),
+        _reply("ih", "reverse"),
+    ],
+    "reasoning first only": [
+        _user("Count from 3 to 6."),
+        _reply("3 4 5 6", "count up"),
+        _user("Say hi."),
+        _reply("hi"),
+    ],
+    "four turns, mixed": [
+        _user("Say hi."),
+        _reply("hi"),
+        _user("Name a cat."),
+        _reply("Tom", "a short name", inline=True),
+        _user("Say bye."),
+        _reply("bye", ""),
+        _user("And a dog?"),
+        _reply("Rex", "short too"),
+    ],
+}
+
+
+def qwen36_reply(kwargs: dict, message: dict) -> str:
+    """What the target writes after the Qwen3.6 serving prompt, stated by hand."""
+    reasoning, answer = message.get("reasoning_content"), message["content"]
+    if reasoning is None and "</think>" in answer:
+        reasoning, answer = _reasoning_and_answer(message)
+    if kwargs.get("enable_thinking") is False:
+        return answer + "<|im_end|>"
+    return f"{(reasoning or '').strip(chr(10))}\n</think>\n\n{answer}<|im_end|>"
+
+
+def own_spans(tok, rows, messages, template, kwargs, expected) -> list[int]:
+    """The assistant turns whose reply a supervised span holds, after their own serving prompt,
+    in order; AssertionError for a span that holds anything else."""
+    spans = [(row, span) for row in rows for span in _supervised_spans(row)]
+    placed = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or len(placed) == len(spans):
+            continue
+        row, (start, end) = spans[len(placed)]
+        served = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True,
+                                         chat_template=template, **kwargs)  # fmt: skip
+        if (tok.decode(row.input_ids[:start]), tok.decode(row.input_ids[start:end])) == (
+            served, expected(kwargs, m)
+        ):  # fmt: skip
+            placed.append(i)
+    assert len(placed) == len(spans), "a supervised span is not a turn's own reply after its prompt"
+    return placed
+
+
+@pytest.mark.parametrize("setting", QWEN36_SETTINGS)
+@pytest.mark.parametrize("name", MIXED)
+def test_qwen36_every_span_is_the_turns_own_reply_after_its_own_prompt(
+    thinking_tokenizer, setting, name
+):  # fmt: skip
+    """Thinking on and off, preserve_thinking, reasoning as reasoning_content and as think
+    blocks, turns with and without it: every supervised span is a turn's own reply after its
+    own serving prompt, or the turn is counted unplaced with its reason (here none need be)."""
+    tok, kwargs, messages = thinking_tokenizer, QWEN36_SETTINGS[setting], MIXED[name]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    r = render_rows(tok, messages, max_length=4096, chat_template=QWEN36_LIKE,
+                    template_kwargs=kwargs)  # fmt: skip
+    placed = own_spans(tok, r.rows, messages, QWEN36_LIKE, kwargs, qwen36_reply)
+    assert r.turns == len(placed) and len(placed) + len(r.unplaced) == len(turns)
+    assert placed == turns and not r.unplaced
+
+
+def test_an_earlier_empty_think_block_is_never_taken_for_a_later_reply(chat_tokenizer):
+    """Issue 32, item 1: thinking off with preserve_thinking, a first reply without reasoning
+    and a second with some: the second turn's reply is its own ("3 4 5 6", its reasoning
+    dropped as the prompt closes it), never the first's trained again after the second prompt."""
+    tok = _tokenizer(chat_tokenizer, False)
+    kwargs = QWEN36_SETTINGS["no thinking, preserve_thinking"]
+    for name in ("reasoning second only", "reasoning second only, think block"):
+        r = render_rows(tok, MIXED[name], max_length=4096, chat_template=QWEN36_LIKE,
+                        template_kwargs=kwargs)  # fmt: skip
+        replies = [tok.decode(row.input_ids[a:b]) for row in r.rows
+                   for a, b in _supervised_spans(row)]  # fmt: skip
+        assert replies == ["hi<|im_end|>", "3 4 5 6<|im_end|>"], name
+        assert (r.turns, r.no_reasoning, r.unplaced) == (2, 1, [])
+
+
+def test_a_reply_not_provably_the_turns_own_is_left_out_with_its_reason(chat_tokenizer):
+    """A template that rewrites earlier text (no prompt is a prefix of the next render) and
+    renders a reply other than the turn's own at the end: the turn is counted unplaced, with
+    its reason, not trained on a guess."""
+    tok = _tokenizer(chat_tokenizer, False)
+    swaps = ("{{ messages|length }} messages\n" + QWEN36_LIKE).replace(
+        "+ text -}}", "+ text|replace('3 4 5 6', 'hi') -}}"
+    )
+    r = render_rows(tok, MIXED["reasoning second only"], max_length=4096, chat_template=swaps,
+                    template_kwargs=QWEN36_SETTINGS["no thinking, preserve_thinking"])  # fmt: skip
+    assert r.turns == 1 and len(r.unplaced) == 1
+    assert "not provably its own reply" in r.unplaced[0]
+    ((start, end),) = _supervised_spans(r.rows[0])
+    assert tok.decode(r.rows[0].input_ids[start:end]) == "hi<|im_end|>"
+
+
+# ----------------------------------------------------------------------------- max_length
+
+
+def _served(tok, messages, i, template=None, kwargs=None):
+    text = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True,
+                                   chat_template=template, **(kwargs or {}))  # fmt: skip
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_a_turn_past_max_length_is_counted_cut_never_placed_silently(chat_tokenizer):
+    """Issue 32, item 2: a merged row cut at max_length: the turns past it are counted (cut,
+    left out) with the supervised tokens lost, not counted as placed."""
+    tok, messages = chat_tokenizer, CONVERSATIONS["two turns, no reasoning"]
+    full = render_rows(tok, messages, max_length=4096)
+    ((row,),) = (full.rows,)
+    second = _supervised_spans(row)[1]
+    reply2 = second[1] - second[0]
+    # the second prompt fills max_length: that turn is left out, counted, its reply lost
+    gone = render_rows(tok, messages, max_length=_served(tok, messages, 4))
+    assert gone.turns == 1 and gone.unplaced == [PAST_MAX_LENGTH]
+    assert (gone.length_cut, gone.lost) == (0, reply2)
+    assert [tok.decode(gone.rows[0].input_ids[a:b]) for a, b in
+            _supervised_spans(gone.rows[0])] == ["3 4 5 6<|im_end|>"]  # fmt: skip
+    # the second prompt fits, 2 tokens of its reply do: trained up to the cut, counted
+    cut = render_rows(tok, messages, max_length=second[0] + 2)
+    assert (cut.turns, cut.length_cut, cut.lost, cut.unplaced) == (2, 1, reply2 - 2, [])
+    assert cut.rows[0].truncated and sum(cut.rows[0].loss_mask) == sum(row.loss_mask) - reply2 + 2
+
+
+def test_a_turn_that_does_not_fit_its_row_starts_its_own(chat_tokenizer):
+    """Thinking on (earlier reasoning dropped from later prompts): a first turn with a long
+    reasoning is cut at max_length; the second, whose own prompt is short, is trained whole in
+    a row of its own."""
+    tok = _tokenizer(chat_tokenizer, False)
+    messages = [_user("Count."), _reply("1 2 3", " ".join(["think"] * 80)),
+                _user("Again?"), _reply("4 5 6")]  # fmt: skip
+    limit = _served(tok, messages, 1, QWEN36_LIKE) + 40
+    r = render_rows(tok, messages, max_length=limit, chat_template=QWEN36_LIKE)
+    assert len(r.rows) == 2 and (r.turns, r.length_cut, r.unplaced) == (2, 1, [])
+    assert r.rows[0].truncated and len(r.rows[0].input_ids) == limit and r.lost > 0
+    assert not r.rows[1].truncated
+    ((a, b),) = _supervised_spans(r.rows[1])
+    assert tok.decode(r.rows[1].input_ids[a:b]).endswith("4 5 6<|im_end|>")
+
+
+def test_a_datagen_record_past_max_length_is_counted(chat_tokenizer):
+    """The engine's own tokens (rows_of_record) go through the same rows: a turn past
+    max_length is counted, never placed silently."""
+    tok = chat_tokenizer
+    p1 = tok("<|im_start|>user\nCount.<|im_end|>\n<|im_start|>assistant\n",
+             add_special_tokens=False)["input_ids"]  # fmt: skip
+    r1 = tok("1 2 3<|im_end|>", add_special_tokens=False)["input_ids"]
+    p2 = p1 + r1 + tok("\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)["input_ids"]  # fmt: skip
+    r2 = tok("4 5 6 7 8 9<|im_end|>", add_special_tokens=False)["input_ids"]
+    turns = [{"prompt_ids": p, "reply_ids": r, "finish_reason": "stop"}
+             for p, r in ((p1, r1), (p2, r2))]  # fmt: skip
+    gone = rows_of_record(turns, len(p2))
+    assert gone.turns == 1 and gone.unplaced == [PAST_MAX_LENGTH]
+    assert gone.lost == len(r2) and gone.rows[0].input_ids == p1 + r1
+    cut = rows_of_record(turns, len(p2) + 1)
+    assert (cut.turns, cut.length_cut, cut.lost) == (2, 1, len(r2) - 1)
+    whole = rows_of_record(turns, 4096)
+    assert (whole.turns, whole.lost, len(whole.rows)) == (2, 0, 1)
+
+
+def test_the_store_reports_what_max_length_lost(chat_tokenizer, tmp_path):
+    """The store's header and report line: turns cut and left out past max_length, and the
+    share of the supervised tokens lost."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS.values()))
+    messages = CONVERSATIONS["two turns, no reasoning"]
+    limit = _served(chat_tokenizer, messages, 4)
+    header = build(open_source(data), chat_tokenizer, RenderSettings(limit), tmp_path / "store",
+                   key="k", digests={"source": "s", "tokenizer": "t"}, say=lambda m: None)  # fmt: skip
+    whole = build(open_source(data), chat_tokenizer, RenderSettings(4096), tmp_path / "whole",
+                  key="k", digests={"source": "s", "tokenizer": "t"}, say=lambda m: None)  # fmt: skip
+    past = header["unplaced"].get(PAST_MAX_LENGTH, 0)
+    assert past >= 1 and header["turns"] + past == whole["turns"]
+    assert header["supervised"] + header["supervised_lost"] == whole["supervised"]
+    assert whole["supervised_lost"] == 0 and whole["length_cut"] == 0
+    share = header["supervised_lost"] / whole["supervised"]
+    assert f"left out past it: {share:.1%} of the supervised tokens lost" in report_line(header)
+    assert f"max_length {limit}" in report_line(header)

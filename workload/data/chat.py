@@ -15,8 +15,12 @@ with (the turns before it rendered with the generation prompt, the run's templat
 followed by the tokens of its reply. Where each turn's prompt starts with the row so far (ChatML,
 preserve_thinking) one row holds every turn; otherwise (a template that drops earlier reasoning)
 a turn starts a row of its own. A turn that cannot be placed is left out and counted, with its
-reason, in the store's report. A reply cut at the length limit is trained up to the cut, with no
-end-of-turn token (docs/workload-design.md says why).
+reason, in the store's report: a reply is trained only after its own serving prompt, never found
+by a guess (an earlier turn's header in the render is no proof). Rows hold at most
+`data.max_length` tokens: a reply that runs past it is trained up to it and counted, with the
+supervised tokens lost (`rows_of_turns`); a turn whose prompt alone fills it is left out,
+counted. A reply cut at a length limit (datagen's max_new_tokens, or max_length) is trained up
+to the cut, with no end-of-turn token (docs/workload-design.md says why).
 
 Error policy of `load_examples`: a line that is not valid JSON, has no message list, or has no
 assistant turn is an error (`DataError`, one line, `file:line: reason`): a broken data set
@@ -107,9 +111,11 @@ class Rendered:
 
     rows: list[Example]
     turns: int = 0  # assistant turns placed in the rows
-    cut: int = 0  # of them, replies cut at the length limit (trained with no end token)
+    cut: int = 0  # of them, replies datagen cut at max_new_tokens (trained with no end token)
     unplaced: list[str] = field(default_factory=list)  # one reason per turn left out
     no_reasoning: int = 0  # turns trained without the data's reasoning (the prompt closed it)
+    length_cut: int = 0  # placed turns whose reply runs past max_length (trained up to it)
+    lost: int = 0  # reply tokens past max_length: supervision the rows do not hold
 
 
 def _text(tokenizer, messages: list[dict], template: str | None, generation: bool,
@@ -151,30 +157,56 @@ def serve_turn(tokenizer, messages: list[dict], i: int, template: str | None, kw
     prompt = _text(tokenizer, messages[:i], template, True, kwargs)
     bare = _text(tokenizer, messages[:i], template, False, kwargs) if i else ""
     header = prompt[len(bare) :] if prompt.startswith(bare) else ""
+    own = _Own(tokenizer, prompt, header, eot)
     dropped = False
-    reply = _reply_text(_text(tokenizer, messages[: i + 1], template, False, kwargs), prompt,
-                        header)  # fmt: skip
+    reply = own.reply(_text(tokenizer, messages[: i + 1], template, False, kwargs), messages[i])
     if reply is None and _has_reasoning(messages[i]):
         bare_turn = [*messages[:i], without_reasoning(messages[i])]
         full = _text(tokenizer, bare_turn, template, False, kwargs)
-        reply, dropped = _reply_text(full, prompt, header), True
+        reply, dropped = own.reply(full, bare_turn[i]), True
     if reply is None:
-        raise ValueError("the turn's render does not continue its serving prompt")
-    ids = _tokens(tokenizer, reply)
-    end = next((j + 1 for j, t in enumerate(ids) if t in eot), 0)
-    if not end:
-        raise ValueError("no end-of-turn token after the reply")
-    return Turn(_tokens(tokenizer, prompt), ids[:end]), dropped
+        raise ValueError(own.why or "the turn's render does not continue its serving prompt")
+    return Turn(_tokens(tokenizer, prompt), reply), dropped
 
 
-def _reply_text(full: str, prompt: str, header: str) -> str | None:
-    """What `full` (the conversation up to the turn, rendered) has after the serving prompt:
-    where it starts with the prompt, the rest; else (a template that rewrites earlier text,
-    such as a count of messages) what follows the last generation header, the turn's own."""
-    if full.startswith(prompt):
-        return full[len(prompt) :]
-    at = full.rfind(header) if header.strip() else -1
-    return full[at + len(header) :] if at >= 0 else None
+@dataclass
+class _Own:
+    """Finds a turn's own reply in the render of the conversation up to it; `why` says what
+    failed last."""
+
+    tokenizer: Any
+    prompt: str
+    header: str  # the generation header: what the prompt adds to the turns before it
+    eot: set[int]
+    why: str = ""
+
+    def reply(self, full: str, message: dict) -> list[int] | None:
+        """The reply's tokens up to its end-of-turn token: where `full` starts with the prompt,
+        what follows; else (a template that rewrites earlier text, such as a count of messages)
+        what follows the last generation header, only where that is provably the turn's own:
+        it ends the render and holds the turn's answer (an earlier turn's header, such as an
+        empty think block kept by preserve_thinking, is no proof). None: not found."""
+        if full.startswith(self.prompt):
+            return self._split(full[len(self.prompt) :])[0]
+        at = full.rfind(self.header) if self.header.strip() else -1
+        if at < 0:
+            self.why = "the turn's render does not continue its serving prompt"
+            return None
+        ids, tail = self._split(full[at + len(self.header) :])
+        answer = str(without_reasoning(message).get("content") or "").strip()
+        if self.tokenizer.decode(tail).strip() or answer not in self.tokenizer.decode(ids):
+            self.why = ("the turn's render does not continue its serving prompt, and what follows "
+                        "the last generation header is not provably its own reply")  # fmt: skip
+            return None
+        return ids
+
+    def _split(self, text: str) -> tuple[list[int], list[int]]:
+        """(the tokens up to the first end-of-turn token, the rest)."""
+        ids = _tokens(self.tokenizer, text)
+        end = next((j + 1 for j, t in enumerate(ids) if t in self.eot), 0)
+        if not end:
+            raise ValueError("no end-of-turn token after the reply")
+        return ids[:end], ids[end:]
 
 
 def _reason(exc: Exception) -> str:
@@ -183,25 +215,39 @@ def _reason(exc: Exception) -> str:
     return f"chat template failed: {' '.join(str(exc).split())[:200]}"
 
 
-def rows_of_turns(turns: list[Turn], max_length: int) -> list[Example]:
-    """Turns as rows: a turn whose prompt starts with the row so far (the template renders each
-    prompt as a prefix of the next) extends it, else it starts a new row. Supervised: the
-    reply tokens; a cut reply has no end token, so none is trained."""
-    rows: list[Example] = []
+PAST_MAX_LENGTH = "its serving prompt fills max_length: no reply token fits"
+
+
+def rows_of_turns(turns: list[Turn], max_length: int) -> Rendered:
+    """Turns as rows of at most `max_length` tokens: a turn whose prompt starts with the row so
+    far (the template renders each prompt as a prefix of the next) extends it, else it starts
+    a new row. Supervised: the reply tokens; a cut reply has no end token, so none is trained.
+    A reply that runs past max_length is trained up to it and counted (`length_cut`, its lost
+    tokens in `lost`); a turn whose prompt alone fills max_length is left out, counted. (With
+    a prefix-extending template a later turn's prompt holds the row before it: a new row of its
+    own would be no shorter.)"""
+    out = Rendered([])
     for t in turns:
-        row = rows[-1] if rows else None
+        room = max_length - len(t.prompt_ids)
+        kept = list(t.reply_ids[: max(room, 0)])
+        out.lost += len(t.reply_ids) - len(kept)
+        if not kept:
+            out.unplaced.append(PAST_MAX_LENGTH)
+            continue
+        row = out.rows[-1] if out.rows else None
         if row is not None and t.prompt_ids[: len(row.input_ids)] == row.input_ids:
             extra = t.prompt_ids[len(row.input_ids) :]
-            row.input_ids += extra + t.reply_ids
-            row.loss_mask += [0] * len(extra) + [1] * len(t.reply_ids)
+            row.input_ids += extra + kept
+            row.loss_mask += [0] * len(extra) + [1] * len(kept)
         else:
-            rows.append(Example(list(t.prompt_ids) + list(t.reply_ids),
-                                [0] * len(t.prompt_ids) + [1] * len(t.reply_ids)))  # fmt: skip
-        rows[-1].cut = rows[-1].cut or t.cut
-    for row in rows:
-        row.truncated = len(row.input_ids) > max_length
-        row.input_ids, row.loss_mask = row.input_ids[:max_length], row.loss_mask[:max_length]
-    return rows
+            row = Example(list(t.prompt_ids) + kept, [0] * len(t.prompt_ids) + [1] * len(kept))
+            out.rows.append(row)
+        row.cut = row.cut or t.cut
+        row.truncated = row.truncated or len(kept) < len(t.reply_ids)
+        out.turns += 1
+        out.cut += t.cut
+        out.length_cut += len(kept) < len(t.reply_ids)
+    return out
 
 
 def render_rows(
@@ -218,18 +264,20 @@ def render_rows(
     template = resolve_chat_template(chat_template)
     kwargs = dict(template_kwargs or {})
     eot = end_of_turn_ids(tokenizer)
-    turns, out = [], Rendered([])
+    turns, unplaced, dropped_reasoning = [], [], 0
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
         try:
             turn, dropped = serve_turn(tokenizer, messages, i, template, kwargs, eot)
         except Exception as exc:  # the template refused it, or the turn has no place
-            out.unplaced.append(_reason(exc))
+            unplaced.append(_reason(exc))
             continue
         turns.append(turn)
-        out.no_reasoning += dropped
-    out.rows, out.turns = rows_of_turns(turns, max_length), len(turns)
+        dropped_reasoning += dropped
+    out = rows_of_turns(turns, max_length)
+    out.unplaced[:0] = unplaced
+    out.no_reasoning = dropped_reasoning
     return out
 
 
@@ -247,8 +295,7 @@ def rows_of_record(turns: Any, max_length: int) -> Rendered:
             raise ValueError(f"turns[{k}]: expected prompt_ids and reply_ids (lists of token "
                              'ids) and finish_reason "stop" or "length"')  # fmt: skip
         parsed.append(Turn(t["prompt_ids"], t["reply_ids"], t["finish_reason"] == "length"))
-    return Rendered(rows_of_turns(parsed, max_length), turns=len(parsed),
-                    cut=sum(t.cut for t in parsed))  # fmt: skip
+    return rows_of_turns(parsed, max_length)
 
 
 def render_chat(
@@ -259,12 +306,14 @@ def render_chat(
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
 ) -> Example:
-    """The one row of a conversation whose turns all fit one row (`render_rows`); DataError
-    when a turn cannot be placed or the turns need several rows."""
+    """The one row of a conversation whose turns all go in one row (`render_rows`), cut at
+    `max_length` (`truncated`: a turn past it is not in the row); DataError when a turn cannot
+    be placed or the turns need several rows."""
     r = render_rows(tokenizer, messages, max_length=max_length, chat_template=chat_template,
                     template_kwargs=template_kwargs)  # fmt: skip
-    if r.unplaced:
-        raise DataError(f"chat template: an assistant turn cannot be placed: {r.unplaced[0]}")
+    misplaced = [why for why in r.unplaced if why != PAST_MAX_LENGTH]
+    if misplaced:
+        raise DataError(f"chat template: an assistant turn cannot be placed: {misplaced[0]}")
     if len(r.rows) != 1:
         raise DataError(f"chat template: the turns need {len(r.rows)} rows (render_rows)")
     return r.rows[0]

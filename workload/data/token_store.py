@@ -49,10 +49,19 @@ import numpy as np
 
 from workload.common.jsonfile import write_json_atomic
 from workload.data.batches import TokenArrays
-from workload.data.chat import DataError, Example, Rendered, has_anchor, parse_line, render_at
+from workload.data.chat import (
+    PAST_MAX_LENGTH,
+    DataError,
+    Example,
+    Rendered,
+    has_anchor,
+    parse_line,
+    render_at,
+)
 from workload.data.source import DataSource, raw_lines, source_digest
 
-STORE_FORMAT = 2  # bump when render_chat's output or this layout changes
+STORE_FORMAT = 3  # bump when render_rows' output or this layout changes (3: rows cut at
+# max_length counted, a reply never found by a guess)
 HEADER = "header.json"
 CHUNK = 512  # conversations a tokenizer worker renders at a time
 PROGRESS_S = 10.0
@@ -65,16 +74,22 @@ class Report:
 
     conversations: int = 0  # lines read
     turns: int = 0  # assistant turns placed in rows
-    cut: int = 0  # of them, replies cut at the length limit (trained with no end token)
+    cut: int = 0  # of them, replies datagen cut at max_new_tokens (trained with no end token)
+    length_cut: int = 0  # of them, replies that run past max_length (trained up to it)
+    lost: int = 0  # supervised tokens past max_length (in length_cut turns and left-out ones)
     no_reasoning: int = 0  # turns trained without the data's reasoning (thinking off)
     skipped: int = 0  # rows with no eligible anchor within max_length
     unplaced: dict[str, int] = field(default_factory=dict)  # reason -> turns left out
     examples: list[str] = field(default_factory=list)  # "FILE:LINE: reason", the first few
 
+    _COUNTS = ("conversations", "turns", "cut", "length_cut", "lost", "no_reasoning", "skipped")
+
     def add(self, out: Rendered, where: str) -> None:
         self.conversations += 1
         self.turns += out.turns
         self.cut += out.cut
+        self.length_cut += out.length_cut
+        self.lost += out.lost
         self.no_reasoning += out.no_reasoning
         for why in out.unplaced:
             self.unplaced[why] = self.unplaced.get(why, 0) + 1
@@ -82,7 +97,7 @@ class Report:
                 self.examples.append(f"{where}: {why}")
 
     def merge(self, other: Report) -> None:
-        for name in ("conversations", "turns", "cut", "no_reasoning", "skipped"):
+        for name in self._COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for why, n in other.unplaced.items():
             self.unplaced[why] = self.unplaced.get(why, 0) + n
@@ -90,9 +105,24 @@ class Report:
 
     def fields(self) -> dict[str, Any]:
         return {"conversations_read": self.conversations, "turns": self.turns, "cut": self.cut,
+                "length_cut": self.length_cut, "supervised_lost": self.lost,
                 "no_reasoning": self.no_reasoning, "skipped": self.skipped,
                 "unplaced": dict(sorted(self.unplaced.items())),
                 "unplaced_examples": self.examples}  # fmt: skip
+
+
+def lost_share(h: dict[str, Any]) -> float:
+    """The share of the data's supervised tokens that lie past max_length (header fields)."""
+    lost = h.get("supervised_lost", 0)
+    return lost / max(1, h["supervised"] + lost)
+
+
+def length_line(h: dict[str, Any]) -> str:
+    """What max_length cost, e.g. "3 turns cut at max_length 4096, 2 left out past it: 4.1%
+    of the supervised tokens lost"."""
+    past = h.get("unplaced", {}).get(PAST_MAX_LENGTH, 0)
+    return (f"{h.get('length_cut', 0)} turns cut at max_length {h['max_length']}, {past} left "
+            f"out past it: {lost_share(h):.1%} of the supervised tokens lost")  # fmt: skip
 
 
 def report_line(h: dict[str, Any]) -> str:
@@ -100,9 +130,10 @@ def report_line(h: dict[str, Any]) -> str:
     left = sum(h.get("unplaced", {}).values())
     why = "; ".join(f"{n} {reason}" for reason, n in h.get("unplaced", {}).items())
     return (f"{h['conversations']} rows from {h.get('conversations_read', '?')} conversations "
-            f"({h.get('turns', '?')} assistant turns, {h.get('cut', 0)} cut at the length limit"
+            f"({h.get('turns', '?')} assistant turns, {h.get('cut', 0)} cut at max_new_tokens"
             f"{f', {left} left out: {why}' if left else ''}), {h['tokens']} tokens "
-            f"({h['supervised']} supervised), {h['skipped']} rows skipped without an anchor")  # fmt: skip
+            f"({h['supervised']} supervised), {h['skipped']} rows skipped without an anchor; "
+            f"{length_line(h)}")  # fmt: skip
 
 
 _ARRAYS = {  # name -> dtype, per token (ids, mask) or per conversation

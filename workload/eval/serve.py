@@ -42,7 +42,9 @@ figure, `engine_mean_acceptance_length` in an offline eval). τ per category (a 
 `category` or `task`, else the prompt file's kind) and per prompt-length bucket come from one
 more pass per (category, bucket) group, at the highest concurrency, when there are several.
 
-SIGTERM or Ctrl-C stops the server and the client that run, and nothing is written. Exit status:
+SIGTERM, SIGHUP or Ctrl-C stops the server and the client that run, and nothing is written; a
+SIGKILL of this process tells them SIGTERM (workload/common/processes.py), and an eval job ends
+what is left of their process groups (remote/engine_groups.py). Exit status:
 0 done, 1 a server or the client failed, 2 bad input, 130 interrupted.
 """
 
@@ -72,6 +74,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from workload.common.jsonfile import write_json_atomic
+from workload.common.processes import end_group, start_group
 from workload.eval.arguments import subject_parser
 from workload.eval.errors import EngineError, EvalError
 from workload.eval.fingerprint import (
@@ -103,7 +106,6 @@ from workload.eval.vllm_process import (
     engine_args,
     forward_progress,
     keep_output,
-    kill_group,
     kv_bytes_per_token,
     last_error,
     preload,
@@ -115,7 +117,7 @@ STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL of the server's process group
 
 
 class Interrupted(BaseException):
-    """SIGTERM: unwinds like Ctrl-C, so every server started is stopped."""
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so every server started is stopped."""
 
 
 @dataclass
@@ -316,9 +318,8 @@ def server(bench: Bench, subject: Subject, log: Path) -> Iterator[Started]:
     port = free_port()
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(server_argv(bench, subject, port), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, env=_env(bench, subject.python),
-                                start_new_session=True)  # fmt: skip
+        proc = start_group(server_argv(bench, subject, port), stdin=subprocess.DEVNULL,
+                           stdout=out, stderr=subprocess.STDOUT, env=_env(bench, subject.python))  # fmt: skip
     try:
         yield Started(proc, f"http://127.0.0.1:{port}", log, t0)
     finally:
@@ -359,33 +360,9 @@ def _healthy(url: str) -> bool:
 def stop_server(proc: subprocess.Popen, port: int) -> None:
     """SIGTERM to its process group, SIGKILL after STOP_GRACE_S; then nothing of the group may
     be left and the port must be closed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    deadline = time.monotonic() + STOP_GRACE_S
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _group_alive(proc.pid):  # the engine core outlived its server
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        time.sleep(0.5)
+    end_group(proc, STOP_GRACE_S)
     if listening(port):
         raise EngineError(f"127.0.0.1:{port} still listening after its server stopped")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------- the client
@@ -438,10 +415,9 @@ def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[A
                 str(out)]  # fmt: skip
         lines: list[str] = []
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=_env(bench, subject.python),
-                                cwd=tmp,
-                                start_new_session=True)  # fmt: skip
+        proc = start_group(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, env=_env(bench, subject.python),
+                           cwd=tmp)  # fmt: skip
         reader = threading.Thread(
             target=forward_progress, args=(proc.stderr, lines, "serve: "), daemon=True
         )
@@ -459,8 +435,7 @@ def client(bench: Bench, subject: Subject, up: Started, log: Path) -> Iterator[A
         try:
             yield finish
         finally:
-            if proc.poll() is None:
-                kill_group(proc)
+            end_group(proc)
 
 
 def _wait(proc: subprocess.Popen, timeout: float, log: Path, lines: list[str]) -> int:
@@ -830,7 +805,8 @@ def _on_term(_signum: int, _frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    signal.signal(signal.SIGTERM, _on_term)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_term)
     try:
         bench = Bench(args)
         parity = parity_check(args)

@@ -20,6 +20,7 @@ import gc
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -193,11 +194,20 @@ def run(request: dict) -> dict:
     }
 
 
+def end_group_on_term() -> None:
+    """SIGTERM or SIGHUP (our starter gone, PR_SET_PDEATHSIG; or a stop) ends our whole process
+    group at once, vLLM's engine core with us; only where we lead it (vllm_offline starts us so)."""
+    if os.getpgrp() == os.getpid():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda *_: os.killpg(0, signal.SIGKILL))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workload.eval.vllm_engine", description=__doc__)
     p.add_argument("--request", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
+    end_group_on_term()
     result = run(json.loads(args.request.read_text()))
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(result))

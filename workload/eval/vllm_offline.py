@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from workload.common.processes import end_group, start_group
 from workload.drafter.model import select_target_features
 from workload.eval.decode import DraftSession, PromptResult, Round, target_hidden_states
 from workload.eval.errors import EngineError
@@ -40,7 +41,6 @@ from workload.eval.vllm_process import (
     engine_args,
     forward_progress,
     keep_output,
-    kill_group,
     kv_bytes_per_token,
     last_error,
     preload,
@@ -60,7 +60,7 @@ def run_engines(python: str, request: dict, timeout: float, log: Path) -> dict:
         preload(python, env)
         argv = [python, "-m", "workload.eval.vllm_engine", "--request", str(req), "--out", str(out)]
         lines: list[str] = []
-        proc = subprocess.Popen(
+        proc = start_group(  # its engine processes go with it on a kill
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -68,21 +68,18 @@ def run_engines(python: str, request: dict, timeout: float, log: Path) -> dict:
             text=True,
             env=env,
             cwd=tmp,
-            start_new_session=True,  # its engine processes go with it on a kill
         )
         reader = threading.Thread(target=forward_progress, args=(proc.stderr, lines), daemon=True)
         reader.start()
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_group(proc)
             raise EngineError(
                 f"the vLLM engines did not finish in {timeout:.0f}s (--engine-timeout)"
                 + keep_output(log, lines)
             ) from None
-        except BaseException:
-            kill_group(proc)
-            raise
+        finally:
+            end_group(proc)  # what it started is gone before we go on, however we leave
         reader.join(timeout=5)
         if code != 0 or not out.is_file():
             raise EngineError(

@@ -1,14 +1,12 @@
 """Programs in the vLLM environment's python (the offline engines, the server, its benchmark
-client): which python, its environment, engine arguments, and a child's output and end."""
+client): which python, its environment, engine arguments, and a child's output (its start and
+end: workload/common/processes.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,13 +99,6 @@ def keep_output(log: Path, lines: list[str]) -> str:
     except OSError:
         return ""
     return f" (all it printed: {log})"
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a child started in its own session, and everything it started."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def last_error(lines: list[str]) -> str:

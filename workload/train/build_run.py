@@ -40,7 +40,7 @@ from workload.drafter.targets import embedding_rows, load_target, text_config
 from workload.plan.memory import anchors_per_row
 from workload.train import comm, sharding
 from workload.train.distributed import Dist, node_group
-from workload.train.run_data import load_data, open_data_source, streams
+from workload.train.run_data import length_item, load_data, open_data_source, streams
 from workload.train.step import DrafterStep, Run
 
 
@@ -270,6 +270,7 @@ def setup(
     holdout = None
     if source is not None:
         data = load_data(cfg, d, source, tokenizer, run_dir, say=say)
+        items.append(length_item(data.store))
         stream, holdout = streams(cfg, d, data, pad_id)
     else:
         stream = BatchStream(

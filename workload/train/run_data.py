@@ -20,11 +20,18 @@ import numpy as np
 import torch.distributed as dist
 
 from workload.common.provenance import target_digest
-from workload.config import DataFacts, RunConfig, UsageError
+from workload.config import AuditItem, DataFacts, RunConfig, UsageError
 from workload.data.batches import BatchStream, HoldoutBatches, split_holdout
 from workload.data.chat import DataError, check_template, resolve_chat_template
 from workload.data.source import DataSource, open_source
-from workload.data.token_store import RenderSettings, TokenStore, find_or_build, store_root
+from workload.data.token_store import (
+    RenderSettings,
+    TokenStore,
+    find_or_build,
+    length_line,
+    lost_share,
+    store_root,
+)
 from workload.train.distributed import Dist, run_polled
 
 
@@ -77,6 +84,20 @@ def load_data(
     say(f"data: {source.describe()}: {len(train)} conversations to train on, {len(held)} held "
         f"out (data.holdout {cfg.data.holdout if cfg.data.holdout is not None else 'default'})")  # fmt: skip
     return RunData(source, store, train, held)
+
+
+LOST_WARN_SHARE = 0.05  # supervised tokens past data.max_length above which the audit warns
+
+
+def length_item(store: TokenStore) -> AuditItem:
+    """What data.max_length cost this store (turns cut, supervised tokens lost), in the audit
+    as `dataset.lost` (audit.json: `diff` shows it); a warning above LOST_WARN_SHARE."""
+    h = store.header
+    share, note = lost_share(h), length_line(h)
+    if share > LOST_WARN_SHARE:
+        note += ": a longer data.max_length trains them (the plan says what a step then costs)"
+    return AuditItem("dataset.lost", f"{share:.1%}", f"<= {LOST_WARN_SHARE:.0%}", note,
+                     "warn" if share > LOST_WARN_SHARE else "info")  # fmt: skip
 
 
 def node_leaders_value(value: Any, d: Dist) -> Any:

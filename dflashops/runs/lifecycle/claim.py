@@ -16,6 +16,7 @@ from dflashops import bundle, context
 from dflashops.errors import OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
 from dflashops.runs.lifecycle import hold
+from dflashops.runs.lifecycle.choose import PassedOver, holders
 from dflashops.runs.lifecycle.control import control
 from dflashops.runs.lifecycle.placement import Node, Placement
 from dflashops.runs.reading.survey import place, survey
@@ -70,6 +71,8 @@ def claim(reader: Session, writer: Session, placement: Placement) -> dict[str, A
                 )
         if not writer.dry_run and placement.kind.global_names:
             settle(reader, placement, (mine["t"], mine["nonce"]))
+        if not writer.dry_run and placement.exclusive:
+            settle_targets(reader, placement, (mine["t"], mine["nonce"]))
         for node in placement.nodes:
             control(
                 writer.machine(node.target),
@@ -169,6 +172,33 @@ def settle(reader: Session, placement: Placement, mine: tuple[float, str]) -> No
             raise taken_error(run, rivals)
         if time.monotonic() - waited > CLAIM_WAIT_S:
             raise taken_error(run, rivals)
+        time.sleep(0.5)
+
+
+def settle_targets(reader: Session, placement: Placement, mine: tuple[float, str]) -> None:
+    """The same rules as `settle`, for the run's targets instead of its name: any other run
+    claiming, starting or running on one of them holds its GPUs (its CPU, without GPUs), so
+    of two launches onto one target at once only one goes on; the other is passed over there."""
+    run = placement.run
+    own = [n.target for n in placement.nodes]
+    waited = time.monotonic()
+    while True:
+        found = survey(reader, own, records="none")
+        refuse_unread(run, found.errors)
+        rivals = [v for p in found.probes.values() for v in holders(p)
+                  if (v.name, v.run_id) != (run, placement.run_id)]  # fmt: skip
+        if not rivals:
+            return
+        settled = [v for v in rivals if v.status.get("status") != "claiming"]
+        keys = [claim_key(v) for v in rivals]
+        if (
+            settled
+            or any(k is None or k < mine for k in keys)
+            or (time.monotonic() - waited > CLAIM_WAIT_S)
+        ):
+            v = (settled or rivals)[0]
+            why = f"taken by run {v.name} ({v.state}), launched at the same time"
+            raise PassedOver(f"{v.target} is busy: {why}", why)
         time.sleep(0.5)
 
 

@@ -41,6 +41,7 @@ class Placement:
     nodes: list[Node]
     port: int | None = None  # the rendezvous port on node 0 (several nodes only)
     state: dict[str, Any] = field(default_factory=dict)  # state.json's keys of its kind
+    exclusive: bool = False  # its claim also settles its targets' GPUs with other launches
 
     @property
     def world(self) -> int:

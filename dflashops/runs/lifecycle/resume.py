@@ -13,6 +13,7 @@ from typing import Any
 
 from dflashops import context
 from dflashops.errors import OpsError
+from dflashops.inventory import Target
 from dflashops.remote import layout
 from dflashops.runs.evaluation.continuous import revive_server
 from dflashops.runs.evaluation.continuous_kind import FOLLOW
@@ -83,11 +84,7 @@ def relaunch(
     """Every node's state.json made ready for the launcher, only if it is still as it was read
     (another command that changed it meanwhile wins); what each had is kept in `before`."""
     read = {v.target: v.status for v in view.nodes or [view]}
-    steps = view.complete_steps()
-    lived = history(view)
-    now = placement.lived(max(steps) if steps else 0)
-    if [lived[-1][k] for k in ("targets", "nproc")] != [now[k] for k in ("targets", "nproc")]:
-        lived = [*lived, now]  # it moves, or changes its number of processes
+    lived = lived_next(view, placement)
     for node in placement.nodes:
         reset = {"status": "launching", "exit_code": None, "finished": None,
                  "resumed": time.time(), "nodes": placement.record(),
@@ -120,6 +117,17 @@ def put_back(
                          f"{exc.message}")  # fmt: skip
 
 
+def lived_next(view: RunView, placement: Placement) -> list[dict[str, Any]]:
+    """The run's history with `placement` from its newest complete checkpoint on, where it
+    moves or changes its number of processes."""
+    steps = view.complete_steps()
+    lived = history(view)
+    now = placement.lived(max(steps) if steps else 0)
+    if [lived[-1][k] for k in ("targets", "nproc")] != [now[k] for k in ("targets", "nproc")]:
+        lived = [*lived, now]
+    return lived
+
+
 def history(view: RunView) -> list[dict[str, Any]]:
     """Where the run has lived (state.json's "history"; a run from before it kept one: where
     it was launched, as it recorded it)."""
@@ -133,10 +141,15 @@ def history(view: RunView) -> list[dict[str, Any]]:
              "from_step": 0, "time": view.status.get("launched")}]  # fmt: skip
 
 
-def placement_of(reader: Session, view: RunView, nproc: int | None = None) -> Placement:
+def placement_of(
+    reader: Session, view: RunView, nproc: int | None = None, targets: list[Target] | None = None
+) -> Placement:
     """The run's nodes as it recorded them (same targets, the same processes each unless
-    `nproc` says how many), with a new rendezvous port on node 0."""
+    `nproc` says how many), or on `targets` (a move: node 0's processes each, unless `nproc`),
+    with a new rendezvous port on node 0."""
     recorded = view.status.get("nodes") or [{"target": view.target, "nproc": None}]
+    if targets is not None:
+        recorded = [{**recorded[0], "target": t.name} for t in targets]
     nodes = []
     for index, item in enumerate(recorded):
         target = reader.inventory.target(item["target"])

@@ -1,8 +1,9 @@
 """Stopping a job of any kind: SIGTERM to its program's pid (state.json's; a run's rank 0, which
 tells every rank at the end of the step to save a checkpoint and stop), then the wait until
 every node has exited; or kill it (SIGKILL to every node's recorded processes: torchrun's agent,
-the ranks), for a program that does not stop. Processes are recognised by pid and start time,
-never by a name. What a stop asks and where the job stopped is its kind's (JobKind)."""
+the ranks, an eval job's engine process groups), for a program that does not stop. Processes
+are recognised by pid and start time, never by a name. What a stop asks and where the job
+stopped is its kind's (JobKind)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def kill_nodes(writer: Session, view: RunView) -> None:
     for target, answer in zip(targets, answers, strict=True):
         if isinstance(answer, OpsError):
             context.note(f"{target.name}: not killed: {answer.message}")
+        elif answer.get("engines_left"):
+            groups = ", ".join(map(str, answer["engines_left"]))
+            context.note(f"{target.name}: engine process group {groups} still there after "
+                         "SIGKILL; the next evaluation waits until it is gone")  # fmt: skip
 
 
 def signal_program(machine: Machine, reader: Session, view: RunView, wait_s: float = 120) -> int:

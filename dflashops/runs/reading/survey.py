@@ -11,7 +11,7 @@ from typing import Any
 from dflashops import context
 from dflashops.errors import ExitCode, NotFoundError, OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
-from dflashops.runs.lifecycle import kinds
+from dflashops.runs.lifecycle import kinds, sweep
 from dflashops.runs.reading.probe import Probe, probe
 from dflashops.runs.reading.view import RunView, check_name, combine, group
 from dflashops.ssh.session import Session
@@ -163,6 +163,29 @@ def resolve(
     if name:
         return find(session, name, host=host, **request)
     return newest_running(session, host=host, **request)
+
+
+def sweep_runs(found: Survey, name: str) -> list[str]:
+    """The runs of sweep `name` (their state.json's "sweep"), by name."""
+    return sorted({v.name for v in found.runs()
+                   if (v.status.get(sweep.STATE_KEY) or {}).get("name") == name})  # fmt: skip
+
+
+def expand(session: Session, names: list[str], **request: Any) -> tuple[Survey, list[str]]:
+    """The survey of `names` (as `survey(names=...)`), where a name that is no run but a
+    sweep's stands for the sweep's runs; (the survey, the names with sweeps expanded)."""
+    found = survey(session, names=list(names), **request)
+    missing = [n for n in names if not found.where(n)]
+    if not missing:
+        return found, list(names)
+    every = survey(session, archive=request.get("archive", False), records="none")
+    out: list[str] = []
+    for name in names:
+        out += (sweep_runs(every, name) if name in missing else []) or [name]
+    out = list(dict.fromkeys(out))
+    if out == list(names):
+        return found, out
+    return survey(session, names=out, **request), out
 
 
 def reread(machine: Machine, run: str, **request: Any) -> RunView:

@@ -12,15 +12,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops import context
-from dflashops.errors import OpsError, UsageError
+from dflashops.errors import OpsError, UnreachableError, UsageError
 from dflashops.inventory import Target
 from dflashops.remote import layout
 from dflashops.render import human_bytes
+from dflashops.runs.lifecycle.choose import (
+    PassedOver,
+    busy_reason,
+    holders,
+    sort_out,
+    unread_reason,
+)
 from dflashops.runs.lifecycle.claim import sweep_abandoned, take_back, taken_error, warn_unread
 from dflashops.runs.lifecycle.placement import Node, Placement, place
 from dflashops.runs.lifecycle.rehearse import local_plan
 from dflashops.runs.lifecycle.snapshot import Code, local_code
-from dflashops.runs.lifecycle.start import NotRead, start_job, wait_for_life
+from dflashops.runs.lifecycle.start import NotRead, Started, start_job, wait_for_life
 from dflashops.runs.reading.probe import Probe, probe
 from dflashops.runs.reading.survey import reread
 from dflashops.runs.reading.view import RunView, group
@@ -49,22 +56,58 @@ def launch(
     nproc: int | None,
     wait: float,
     target_config: str | None = None,
+    role: str | None = None,
+    verbose: bool = False,
+    state: dict[str, Any] | None = None,
 ) -> Launched:
-    """Start run `run` on `targets` with run.yaml `config_text` and secrets `values`."""
+    """Start run `run` on `targets` with run.yaml `config_text` and secrets `values`; with
+    `role` (`--host any:ROLE`), on the first of `targets` that is free and fits."""
     code = local_code()
-    seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc)
+    text = f"{config_text.rstrip()}\n# workload snapshot {code.digest}\n"
+    if role is None:
+        seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc)
+        made = begin(reader, writer, seen, text, code, values, force=force,
+                     target_config=target_config, state=state)  # fmt: skip
+    else:
+        seen, made = begin_anywhere(reader, writer, run, targets, text, code, values, role=role,
+                                    nproc=nproc, verbose=verbose, state=state,
+                                    skip=skip)  # fmt: skip
+    return finish(reader, writer, seen, made, wait=wait)
+
+
+def begin(
+    reader: Session,
+    writer: Session,
+    seen: Preflight,
+    text: str,
+    code: Code,
+    values: dict[str, str],
+    *,
+    force: bool,
+    target_config: str | None = None,
+    state: dict[str, Any] | None = None,
+) -> Started:
+    """Claimed, prepared, the plan checked and the launcher started (or, under --dry-run,
+    only said); what follows the launcher's start is `finish`'s."""
     placement = seen.placement
+    placement.exclusive = not force
+    placement.state.update(state or {})
     if not writer.dry_run:
         sweep_abandoned(writer, seen.abandoned)
-    text = f"{config_text.rstrip()}\n# workload snapshot {code.digest}\n"
-    context.note(f"{run}: {placement.describe()}")
+    context.note(f"{placement.run}: {placement.describe()}")
     if writer.dry_run:
         show_plan(reader, placement, seen, text, code, force=True, target_config=target_config)
-    planned: list[dict[str, Any]] = []
-    made = start_job(
+    return start_job(
         reader, writer, placement, code, seen.have_code, {layout.RUN_CONFIG: text}, values,
-        check=lambda: planned.extend(check_plan(writer, placement, seen, code, force=force)),
+        check=lambda: seen.planned.extend(check_plan(writer, placement, seen, code, force=force)),
     )  # fmt: skip
+
+
+def finish(
+    reader: Session, writer: Session, seen: Preflight, made: Started, *, wait: float
+) -> Launched:
+    """The wait for the trainer's first sign of life (a failure takes the launch back)."""
+    placement = seen.placement
     if writer.dry_run:
         context.note("dry run: nothing was changed")
         return Launched(placement, None)
@@ -73,11 +116,55 @@ def launch(
     except NotRead:  # not its failure: it may run
         raise
     except OpsError:
-        context.note(f"{run}: the launch failed; taking back its run directory")
+        context.note(f"{placement.run}: the launch failed; taking back its run directory")
         take_back(writer, placement, placement.nodes, made.secrets)
         raise
-    say_verdict(placement, started_plan(reader, placement) or next(iter(planned), None))
+    say_verdict(placement, started_plan(reader, placement) or next(iter(seen.planned), None))
     return Launched(placement, view)
+
+
+def begin_anywhere(
+    reader: Session,
+    writer: Session,
+    run: str,
+    targets: list[Target],
+    text: str,
+    code: Code,
+    values: dict[str, str],
+    *,
+    role: str,
+    nproc: int | None,
+    verbose: bool,
+    state: dict[str, Any] | None = None,
+    skip: frozenset[str] | set[str] = frozenset(),
+) -> tuple[Preflight, Started]:
+    """`begin` on the first of `targets` (those of `role`) that is free and fits; each one
+    passed over is said with its reason (all of them when none is left, or with -v)."""
+    answers = read_targets(reader, run, targets, code)
+    probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
+    unread = {n: e for n, e in answers.items() if isinstance(e, OpsError)}
+    quiet = {t.name for t in targets} | set(skip)  # the role's: said with their reason
+    warn_unread(run, {n: e for n, e in unread.items() if n not in quiet})
+    cut = name_free(run, probes)
+    choice = sort_out(role, targets, answers)
+    for target in choice.free:
+        seen = decide(run, [target], probes, cut, nproc=nproc)
+        try:
+            made = begin(reader, writer, seen, text, code, values, force=False, state=state)
+        except PassedOver as exc:
+            choice.pass_over(target.name, exc.why)
+            continue
+        except UnreachableError as exc:
+            choice.pass_over(target.name, unread_reason(exc))
+            continue
+        if writer.dry_run:
+            context.note(f"{run}: --host any:{role}: no target is read under --dry-run; "
+                         f"rehearsed on the first of the role, {target.name}")  # fmt: skip
+        else:
+            choice.say(run, target, verbose=verbose)
+        return seen, made
+    choice.say(run, None, verbose=True)
+    raise choice.nothing_free(run)
 
 
 # ---------------------------------------------------------------- before anything is made
@@ -92,6 +179,7 @@ class Preflight:
         self.placement = placement
         self.probes = probes
         self.abandoned = abandoned  # launches of this name cut short: swept before the claim
+        self.planned: list[dict[str, Any]] = []  # the memory plan, once checked
 
     def have_code(self, target: Target, code: Code) -> bool:
         return self.probes[target.name].paths.get(code.path(target)) == "dir"
@@ -109,6 +197,33 @@ class Preflight:
         return min(sizes) if sizes else None
 
 
+def read_targets(
+    reader: Session, run: str, targets: list[Target], code: Code, *, port_on: Target | None = None
+) -> dict[str, Probe | OpsError]:
+    """Every target read once, in parallel: the name must be free everywhere; `targets` are
+    read whole (their runs, GPUs, the code snapshot; a free rendezvous port on `port_on`)."""
+    chosen = {t.name for t in targets}
+    everyone = list(reader.inventory.targets.values())
+
+    def read(target: Target) -> Probe:
+        request: dict[str, Any] = {"names": [run], "archive": True, "records": "none"}
+        if target.name in chosen:
+            request.update(names=None, gpus=True, paths=[code.path(target)])
+            if port_on is not None and target.name == port_on.name:
+                request["free_port"] = target.node_address
+        return probe(reader.machine(target), **request)
+
+    return dict(zip([t.name for t in everyone], reader.each(read, everyone), strict=True))
+
+
+def name_free(run: str, probes: dict[str, Probe]) -> list[RunView]:
+    """Refuse a name in use anywhere read; the launches of it cut short (swept later)."""
+    places = [v for p in probes.values() for v in group(p.runs) if v.name == run]
+    if [v for v in places if v.state != "abandoned"]:
+        raise taken_error(run, [v for v in places if v.state != "abandoned"])
+    return [v for v in places if v.state == "abandoned"]
+
+
 def preflight(
     reader: Session,
     run: str,
@@ -119,43 +234,43 @@ def preflight(
     force: bool,
     nproc: int | None,
 ) -> Preflight:
-    """Every target read once, in parallel: the name must be free everywhere; the chosen
-    targets are read whole (their runs, GPUs, the code snapshot, a free rendezvous port)."""
+    """Every target read once (`read_targets`): the name free everywhere, the chosen targets
+    read whole and not busy."""
     chosen = {t.name for t in targets}
     ordered = order_nodes(targets)
-    first = ordered[0]
-    everyone = list(reader.inventory.targets.values())
-
-    def read(target: Target) -> Probe:
-        request: dict[str, Any] = {"names": [run], "archive": True, "records": "none"}
-        if target.name in chosen:
-            request.update(names=None, gpus=True, paths=[code.path(target)])
-            if len(targets) > 1 and target.name == first.name:
-                request["free_port"] = target.node_address
-        return probe(reader.machine(target), **request)
-
-    answers = dict(zip([t.name for t in everyone], reader.each(read, everyone), strict=True))
+    port_on = ordered[0] if len(targets) > 1 else None
+    answers = read_targets(reader, run, targets, code, port_on=port_on)
     for name in chosen:
         if isinstance(answers[name], OpsError):
             raise answers[name]
     unread = {n: e for n, e in answers.items() if isinstance(e, OpsError) and n not in skip}
     warn_unread(run, unread)
     probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
-    places = [v for p in probes.values() for v in group(p.runs) if v.name == run]
-    cut = [v for v in places if v.state == "abandoned"]
-    places = [v for v in places if v.state != "abandoned"]
-    if places:
-        raise taken_error(run, places)
+    cut = name_free(run, probes)
     for target in targets:
         check_free(target, probes[target.name], force=force)
-    reported = {t.name: gpu_count(probes[t.name]) for t in targets}
-    placement = place(TRAINING, run, ordered, nproc=nproc, reported=reported)
-    placement.port = probes[first.name].free_port
+    seen = decide(run, targets, probes, cut, nproc=nproc)
     if [t.name for t in ordered] != [t.name for t in targets]:
         context.note(
-            f"{run}: rank 0 (the log and checkpoints) runs on {first.name}: torchrun's "
+            f"{run}: rank 0 (the log and checkpoints) runs on {ordered[0].name}: torchrun's "
             "rendezvous orders the nodes by address"
         )
+    return seen
+
+
+def decide(
+    run: str,
+    targets: list[Target],
+    probes: dict[str, Probe],
+    cut: list[RunView],
+    *,
+    nproc: int | None,
+) -> Preflight:
+    """The run's placement on `targets` from what the read found there."""
+    ordered = order_nodes(targets)
+    reported = {t.name: gpu_count(probes[t.name]) for t in targets}
+    placement = place(TRAINING, run, ordered, nproc=nproc, reported=reported)
+    placement.port = probes[ordered[0].name].free_port
     return Preflight(placement, probes, cut)
 
 
@@ -174,22 +289,11 @@ def gpu_count(probe: Probe) -> int | None:
 
 def check_free(target: Target, probe: Probe, *, force: bool) -> None:
     """A target whose GPUs another run (or any process nvidia-smi shows) holds is refused."""
-    holders = [v for v in group(probe.runs) if v.running and v.state != "archived"]
-    found = probe.gpus or {}
-    apps = found.get("apps") or []
-    if holders:
-        v = holders[0]
-        step = f", step {v.step}" if v.step is not None else ""
-        uses = "holds its GPUs" if gpu_count(probe) else "runs on its CPU (no GPUs there)"
-        why = f"run {v.name} ({v.state}{step}) {uses}; stop it first"
-    elif apps:
-        shown = ", ".join(
-            f"pid {a.get('pid')} {a.get('name')} on GPU {a.get('gpu')} ({a.get('used_mib')} MiB)"
-            for a in apps[:4]
-        )
-        why = f"nvidia-smi shows its GPUs in use: {shown}"
-    else:
+    why = busy_reason(probe)
+    if why is None:
         return
+    if holders(probe):
+        why += "; stop it first"
     if force:
         context.note(f"warning: {target.name}: {why} (--force: launching anyway)")
         return
@@ -357,7 +461,8 @@ def check_plan(
             f"{human_bytes(plan.get('gpu_memory'))}; {', '.join(advice)}, or pass --force"
         )
         if not force:
-            raise UsageError(message)
+            need = f"plan needs {human_bytes(per.get('total'))} per rank"
+            raise PassedOver(message, f"{need} of {human_bytes(plan.get('gpu_memory'))}")
         context.note(f"warning: {message} (--force: launching anyway)")
     check_parity(placement.run, plan.get("parity") or [], force=force)
     return [plan]

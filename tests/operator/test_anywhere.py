@@ -1,0 +1,188 @@
+"""`launch --host any` and sweeps on the fake Proxmox bed: two free containers on two hosts, a
+stopped one and one on a host that cannot be reached, with the stand-in trainer
+(tests/operator/rundirs.py) in place of a real training: where a run goes is the point here,
+not what it trains."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.operator.cli import dflashops, finished, start
+from tests.operator.rundirs import STAND_IN_TRAINER
+
+pytestmark = [pytest.mark.testbed]
+
+A_VMID, B_VMID, C_VMID, GHOST_VMID = 981, 982, 983, 984
+STAND_IN = "/root/stand-in"
+SMALL = "/root/small"  # where it exists, the stand-in's memory plan does not fit (16 MiB GPUs)
+PLANNED = '"gpu_memory": None, "fits": None, "notes": []'
+assert PLANNED in STAND_IN_TRAINER
+TRAINER = STAND_IN_TRAINER.replace(
+    PLANNED,
+    '"gpu_memory": 16 << 20 if os.path.exists("/root/small") else None, '
+    '"fits": False if os.path.exists("/root/small") else None, "notes": []',
+)
+
+
+@pytest.fixture(scope="module")
+def bed(testbed):
+    """a (pve1), b (pve2): up, with the stand-in trainer; c (pve1): stopped."""
+    cts = {
+        "a": testbed["pve1"].add_container(A_VMID, "ns"),
+        "b": testbed["pve2"].add_container(B_VMID, "ns"),
+        "c": testbed["pve1"].add_container(C_VMID, "ns"),
+    }
+    try:
+        for ct in cts.values():
+            ct.run(["sh", "-c", f"cat > {STAND_IN} && chmod +x {STAND_IN}"],
+                   input=TRAINER.encode())  # fmt: skip
+        cts["c"].stop()
+        yield cts
+    finally:
+        testbed["pve1"].remove_container(A_VMID)
+        testbed["pve2"].remove_container(B_VMID)
+        testbed["pve1"].remove_container(C_VMID)
+
+
+@pytest.fixture(scope="module")
+def cli(testbed, bed, tmp_path_factory):
+    where = tmp_path_factory.mktemp("anywhere")
+    inv = testbed.write_inventory(
+        where / "hosts.yaml",
+        {
+            "c": ("pve1", C_VMID),
+            "a": ("pve1", A_VMID),
+            "b": ("pve2", B_VMID),
+            "g": ("ghost", GHOST_VMID),
+            "e": ("pve2", B_VMID, {"role": "eval", "workspace": "/srv/evals"}),  # never chosen
+        },
+        extra_defaults={"python": STAND_IN},
+        extra_hosts={"ghost": {"address": testbed.unused_address(), "connect_timeout": 3}},
+    )
+    home = where / "home"
+    home.mkdir()
+    config = where / "c.yaml"
+    config.write_text("seed: 0\n")
+
+    def run(*args: str, timeout: float = 120):
+        return dflashops(*args, inventory=inv, home=home, timeout=timeout)
+
+    run.inventory, run.home, run.config = inv, home, str(config)
+    return run
+
+
+def where_runs(cli, run: str) -> str:
+    ran = cli("--json", "status", run)
+    assert ran.code == 0, ran.err
+    return json.loads(ran.out)["target"]
+
+
+def stop(cli, *runs: str) -> None:
+    for run in runs:
+        assert cli("stop", run).code == 0, run
+
+
+def test_any_takes_the_free_container_and_says_why_it_passed_the_others(cli, bed):
+    busy = cli("launch", "busy", "--host", "a", "--config", cli.config)
+    assert busy.code == 0, busy.err
+    chosen = cli("-v", "launch", "free", "--host", "any", "--config", cli.config)
+    assert chosen.code == 0, chosen.err
+    assert "free: --host any:train: chose b" in chosen.err, chosen.err
+    assert "passed over a: busy: run busy (running" in chosen.err, chosen.err
+    assert "passed over c: stopped" in chosen.err, chosen.err
+    assert "passed over g: unreachable (" in chosen.err, chosen.err
+    assert "passed over e" not in chosen.err  # role eval: not a candidate
+    assert where_runs(cli, "free") == "b"
+    # Both up containers busy: nothing is made, and each reason is said without -v.
+    full = cli("launch", "more", "--host", "any", "--config", cli.config)
+    assert full.code == 2, full.err
+    assert "no target of role train is free" in full.err
+    assert "passed over b: busy: run free (running" in full.err, full.err
+    assert not bed["a"].host_path("/workspace/runs/more").exists()
+    assert not bed["b"].host_path("/workspace/runs/more").exists()
+    stop(cli, "busy", "free")
+
+
+def test_two_launches_at_once_onto_one_free_container_never_share_it(cli, bed):
+    hold = cli("launch", "hold", "--host", "b", "--config", cli.config)
+    assert hold.code == 0, hold.err
+    procs = {run: start("launch", run, "--host", "any", "--config", cli.config,
+                        inventory=cli.inventory, home=cli.home) for run in ("race1", "race2")}  # fmt: skip
+    done = {run: finished(proc) for run, proc in procs.items()}
+    won = [run for run, (code, _, _) in done.items() if code == 0]
+    assert len(won) == 1, done
+    lost = next(run for run in done if run not in won)
+    code, _, err = done[lost]
+    assert code == 2 and "passed over a: " in err, err
+    assert not bed["a"].host_path(f"/workspace/runs/{lost}").exists()
+    stop(cli, "hold", won[0])
+
+
+def test_a_sweep_over_two_free_containers_runs_both_and_is_read_by_its_name(cli, bed):
+    ran = cli("launch", "sw", "--host", "any", "--config", cli.config, "--sweep", "seed=1,2")
+    assert ran.code == 0, ran.err
+    assert {where_runs(cli, "sw-seed1"), where_runs(cli, "sw-seed2")} == {"a", "b"}
+    listed = cli("--json", "status", "sw")
+    assert listed.code == 0, listed.err
+    assert sorted(r["run"] for r in json.loads(listed.out)["runs"]) == ["sw-seed1", "sw-seed2"]
+    time.sleep(1)  # a few steps logged
+    compared = cli("--json", "compare", "sw", "--metrics", "loss")
+    assert compared.code == 0, compared.err
+    assert [r["run"] for r in json.loads(compared.out)["runs"]] == ["sw-seed1", "sw-seed2"]
+    diffed = cli("--json", "diff", "sw")
+    assert diffed.code == 0, diffed.err
+    rows = json.loads(diffed.out)["rows"]
+    assert rows[0]["key"] == "seed" and rows[0]["values"] == {"sw-seed1": 1, "sw-seed2": 2}
+    home = where_runs(cli, "sw-seed1")
+    state = json.loads(bed[home].host_path("/workspace/runs/sw-seed1/state.json").read_text())
+    assert state["sweep"] == {"name": "sw", "keys": ["seed"], "values": {"seed": "1"}}
+    # One container freed, a sweep of two: the one that can start starts, the other is said
+    # with its reason, and the exit code (1) says that not all started.
+    stop(cli, "sw-seed2")
+    part = cli("launch", "sx", "--host", "any", "--config", cli.config, "--sweep", "seed=3,4")
+    assert part.code == 1, part.err
+    assert "sx-seed3: running on" in part.out, part.out
+    assert "sx: 1 of 2 run(s) started; not started: sx-seed4" in part.err, part.err
+    assert "sx-seed4: no target of role train is free" in part.err, part.err
+    stop(cli, "sw-seed1", "sx-seed3")
+
+
+def test_a_container_whose_plan_does_not_fit_is_passed_over_with_the_numbers(cli, bed):
+    bed["a"].run(["touch", SMALL])
+    try:
+        ran = cli("launch", "fits", "--host", "any", "--config", cli.config)
+    finally:
+        bed["a"].run(["rm", "-f", SMALL])
+    assert ran.code == 0, ran.err
+    assert "fits: --host any:train: chose b" in ran.err, ran.err
+    assert "passed over a" not in ran.err  # said with -v only, when one was chosen
+    assert where_runs(cli, "fits") == "b"
+    assert not bed["a"].host_path("/workspace/runs/fits").exists()  # taken back there
+    stop(cli, "fits")
+    bed["a"].run(["touch", SMALL])
+    bed["b"].run(["touch", SMALL])
+    try:
+        none = cli("launch", "fits2", "--host", "any", "--config", cli.config)
+    finally:
+        bed["a"].run(["rm", "-f", SMALL])
+        bed["b"].run(["rm", "-f", SMALL])
+    assert none.code == 2, none.err
+    assert "passed over a: plan needs 1.0 MiB per rank of 16.0 MiB" in none.err, none.err
+
+
+def test_sweep_and_any_refuse_bad_input_in_one_line(cli):
+    cases = {
+        ("--sweep", "optim.lr"): "--sweep optim.lr: expected KEY=A,B[,...]",
+        ("--sweep", "seed=1,1"): "--sweep seed=1,1: a value is given twice",
+        ("--sweep", "tag=a/b,a+b"): "two runs of sweep 'sw2' would get one name",
+        ("--host", "any:serve"): "--host any:serve: 'serve' is not a role",
+        ("--host", "any", "--force"): "--host any takes free targets only",
+    }
+    for args, said in cases.items():
+        host = [] if "--host" in args else ["--host", "any"]
+        ran = cli("launch", "sw2", *host, "--config", cli.config, *args)
+        assert ran.code == 2 and said in ran.err, (args, ran.err)
+        assert len(ran.err.strip().splitlines()) == 1, ran.err
