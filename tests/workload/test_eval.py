@@ -349,7 +349,10 @@ def run_dir(tmp_path_factory):
     target.generation_config.eos_token_id = tok.eos_token_id
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
-    (root / "data.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    # the prompts here (and test_eval_inputs's "Count from 4 to 9.") are held out: an eval on
+    # training prompts is refused (eval/overlap.py)
+    held_out = [c for k, c in enumerate(CHATS) if k not in (0, 3, 4, 5)]
+    (root / "data.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in held_out))
     prompts = [
         {"messages": CHATS[0][:1]},
         {"prompt": "Count from 3 to 8."},

@@ -115,7 +115,6 @@ class Evaluation:
         self.prompts_path = prompts_path(args, self.settings)
         self.prompt_set = prompt_set_of(self.prompts_path).head(args.max_prompts)
         self.prompts = self.prompt_set.items
-        self.overlap = training_overlap(self.prompts, self.settings.data_path, args.force)
         check_manifest(args.checkpoint, required=not args.allow_incomplete)
         if args.reference is not None:
             check_manifest(args.reference, required=False)  # z-lab's drafters have none
@@ -135,6 +134,7 @@ class Evaluation:
         self.ids = [
             render_prompt(self.tokenizer, item, self.template, self.kwargs) for item in self.prompts
         ]
+        self.overlap = training_overlap(self.prompts, self.settings.data_path, args.force)
         self.timing = {"load_s": time.perf_counter() - self.t_start}
         self.timing.update(generate_s=0.0, forward_s=0.0, draft_s=0.0)
 
