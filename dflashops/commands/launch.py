@@ -1,13 +1,14 @@
 """`launch RUN --host TARGET[,TARGET...]|any[:ROLE] [--config FILE|TEMPLATE] [--set KEY=VALUE]...
-[--sweep KEY=A,B]... [--nproc N] [--secret NAME]... [--force]`
+[--sweep KEY=A,B]... [--queue] [--nproc N] [--secret NAME]... [--force]`
 
 One read of every target first (name free everywhere, chosen targets not busy, their GPUs),
 then: the name claimed on each node, the workload snapshot, the run directory (run.yaml,
 launch.json, launcher.py), the memory plan checked on node 0, and the launcher started in a
 detached session of our own tmux server on each node; then it waits for the trainer's first
 sign of life. A launch that fails takes back what it made (runs/training/launch.py).
-`--host any` takes the first free target of the role (runs/lifecycle/choose.py); `--sweep` makes
-one run per combination of values (runs/lifecycle/sweep.py), one launch after the other.
+`--host any` takes the first free target of the role (runs/lifecycle/choose.py); `--queue` waits
+for a busy one where none is free (runs/lifecycle/queue.py); `--sweep` makes one run per
+combination of values (runs/lifecycle/sweep.py), one launch after the other.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def register(app: typer.Typer) -> None:
             help="Make RUN a sweep: one run per combination of the values (repeat for more "
             "keys), named RUN-<key><value>..., each placed as --host says; `status`, "
             "`compare` and `diff` take RUN for its runs.",
+        ),
+        queue: bool = typer.Option(
+            False,
+            "--queue",
+            help="Where the target (or every target of `any`) is busy, return at once and wait "
+            "there, queued: the run starts when it frees, after the launches queued there "
+            "before it; `status` lists it, `stop RUN` cancels it.",
         ),
         config: str = typer.Option(
             None,
@@ -141,10 +149,18 @@ def register(app: typer.Typer) -> None:
             targets = of_role(inventory, role)
         else:
             targets = [inventory.target(name) for name in _options.parse_hosts(host)]
+            if queue and len(targets) > 1:
+                raise UsageError(f"--queue waits for one target: --host {host} names "
+                                 f"{len(targets)}; name one, or any[:ROLE]")  # fmt: skip
+        if queue and eval_on is not None:
+            raise UsageError("--queue: --eval-on follows a started run; give it with `dflashops "
+                             "eval RUN --every N --on TARGET` once the run starts")  # fmt: skip
+        if queue and force:
+            raise UsageError("--queue waits for a free target, --force takes a busy one: give one")
         evaluator = inventory.target(eval_on) if eval_on is not None else None
         skip = set(_options.parse_hosts(skip_unreadable)) if skip_unreadable else set()
         how = {"skip": skip, "force": force, "nproc": nproc, "wait": wait, "role": role,
-               "verbose": bool(opts.verbose)}  # fmt: skip
+               "verbose": bool(opts.verbose), "queue": queue}  # fmt: skip
         if sweeps:
             if follow or evaluator is not None:
                 raise UsageError("--sweep: --follow and --eval-on take one run; leave them out")
@@ -163,6 +179,7 @@ def register(app: typer.Typer) -> None:
             if evaluator is not None:
                 extra = Extra(None, None, eval_max_new_tokens, eval_max_prompts, [])
                 with_launch(reader, writer, run, evaluator, eval_every, extra)
+            follow = follow and done.view.state != "queued"
             code = then_follow(reader, done.view, follow, opts.emit if opts.json else None)
             if code is not None:
                 raise typer.Exit(code)
@@ -184,7 +201,8 @@ def launch_sweep(
     """Every run of the sweep, one after the other, each placed as `how` says; one that
     cannot start is said with its reason and the rest go on. The exit code: 0 when all
     started, else the refusal's when none did, else 1."""
-    started, refused = [], {}
+    started: list[Any] = []
+    refused: dict[str, OpsError] = {}
     for member in swept:
         text = resolve_config(config, [*sets, *member.sets], member.run)
         try:
@@ -201,9 +219,11 @@ def launch_sweep(
     if emit is not None:
         emit({"sweep": sweep, "started": [v.summary() for v in started],
               "not_started": {r: e.message for r, e in refused.items()}})  # fmt: skip
+    queued = [v.name for v in started if v.state == "queued"]
     if refused:
-        context.note(f"{sweep}: {len(started)} of {len(swept)} run(s) started; not started: "
-                     f"{', '.join(refused)}")  # fmt: skip
+        waiting = f", {len(queued)} queued" if queued else ""
+        context.note(f"{sweep}: {len(started) - len(queued)} of {len(swept)} run(s) started"
+                     f"{waiting}; not started: {', '.join(refused)}")  # fmt: skip
     if not refused:
         return 0
     return int(next(iter(refused.values())).code) if not started else 1

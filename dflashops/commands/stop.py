@@ -1,6 +1,7 @@
 """`stop RUN`: ask the trainer to save a checkpoint and stop (SIGTERM to rank 0, which tells
 every rank at the end of the step), wait until every node has exited, report the checkpoint.
 `stop RUN --kill`: SIGKILL to every node's torchrun and ranks, for a trainer that does not stop.
+A queued launch (`launch --queue`) is cancelled: its waiter, secrets and directory removed.
 Processes are recognised by pid and start time, never by a name (runs/lifecycle/stop.py)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import typer
 
 from dflashops import context
 from dflashops.commands import _options
+from dflashops.runs.lifecycle import queue
 from dflashops.runs.lifecycle import stop as stopping
 from dflashops.runs.lifecycle.rehearse import unread_is_said
 from dflashops.runs.reading.survey import find
@@ -34,6 +36,13 @@ def register(app: typer.Typer) -> None:
         what = f"run {run}" if run else "the newest running run"
         with opts.sessions() as (reader, writer), unread_is_said(reader, what):
             view = find(reader, run, host=host, checkpoints=True, records="none")
+            if view.queued and not writer.dry_run:
+                answer = queue.dequeue(writer, view)
+                if answer.get("removed"):
+                    opts.answer({**view.summary(), "stopped": True, "cancelled": True},
+                                queue.cancelled_line(view))  # fmt: skip
+                    return
+                view = find(reader, run, host=host, checkpoints=True, records="none")
             if not stopping.running(view):
                 said = f"{run}: not running ({view.state}); nothing to stop"
                 opts.answer({**view.summary(), "stopped": False}, said)

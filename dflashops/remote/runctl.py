@@ -14,6 +14,12 @@ operator saw: a run changed meanwhile by another command is refused, never torn.
 - renew: the hold's lease begins again ("until" = now + its "lease_s"), only while state.json
   still has stdin's hold "token" and is claiming or launching: a long start keeps its claim.
 - commit: the claim holds (status "launching") if state.json still has stdin's "run_id".
+- queue: the claim waits (status "queued", "queue": {"at", "nonce"}: the claim's, the queue's
+  order), if state.json still has stdin's "run_id" and no launcher started; remote/queuewait.py, in the
+  run's tmux session, starts the launcher when the target frees.
+- dequeue: a queued run cancelled, if state.json has stdin's "run_id" and is still queued: its
+  waiter killed (pid and start, and its tmux session), its secrets file (launch.json's) and
+  RUN_DIR deleted; {"removed": bool, "status": state.json's status}.
 - remove: delete RUN_DIR, only if its state.json has stdin's "run_id" (a launch that failed
   takes back only what it made); {"removed": bool}.
 - discard: delete a temporary tree of ours (RUN_DIR is its path; its name has ".tmp-").
@@ -52,6 +58,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -60,6 +67,7 @@ from dflashops.remote.layout import (
     CHECKPOINTS,
     ENGINES_DIR,
     EXIT_CODE_FILE,
+    LAUNCH_FILE,
     MANIFEST,
     NODE_FILE,
     STATE_FILE,
@@ -294,6 +302,42 @@ def commit(run_dir, req):
     return {"state": state}
 
 
+def queue(run_dir, req):
+    state = load_state(run_dir)
+    claimed_only = state.get("status") in ("claiming", "launching") and not os.path.exists(
+        os.path.join(run_dir, NODE_FILE)
+    )
+    if state.get("run_id") != req["run_id"] or not claimed_only:
+        raise ValueError(f"{run_dir} is no longer this launch's claim (status "
+                         f"{state.get('status')})")  # fmt: skip
+    claimed = state.get("claim") or {}
+    state["status"] = "queued"
+    state["queue"] = {"at": claimed.get("t", time.time()), "nonce": claimed.get("nonce", ""),
+                      "since": time.time(), "waits_for": req.get("waits_for")}  # fmt: skip
+    save_state(run_dir, state)
+    return {"state": state}
+
+
+def dequeue(run_dir, req):
+    state = load_state(run_dir)
+    if state.get("run_id") != req["run_id"] or state.get("status") != "queued":
+        return {"removed": False, "status": state.get("status")}
+    waiter = (state.get("queue") or {}).get("waiter") or {}
+    if same_process(waiter.get("pid"), waiter.get("start")):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(waiter["pid"], signal.SIGKILL)
+    session = "=dflash-" + os.path.basename(run_dir).replace(".", "=")
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["tmux", "-L", "dflashops", "kill-session", "-t", session],
+                       capture_output=True, timeout=10)  # fmt: skip
+    secret = read_json(os.path.join(run_dir, LAUNCH_FILE)).get("secrets")
+    if isinstance(secret, str):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(secret)
+    shutil.rmtree(run_dir)
+    return {"removed": True, "status": "queued"}
+
+
 def remove(run_dir, req):
     for path in req.get("files") or []:
         with contextlib.suppress(FileNotFoundError):
@@ -447,6 +491,8 @@ ACTIONS = {
     "renew": renew,
     "commit": commit,
     "remove": remove,
+    "queue": queue,
+    "dequeue": dequeue,
     "discard": discard,
     "publish": publish,
     "secrets": secrets,
@@ -457,7 +503,19 @@ ACTIONS = {
     "archive": archive,
     "alert": alert,
 }
-LOCKED = ("sweep", "renew", "commit", "remove", "relaunch", "restore", "signal", "kill", "archive")
+LOCKED = (
+    "sweep",
+    "renew",
+    "commit",
+    "queue",
+    "dequeue",
+    "remove",
+    "relaunch",
+    "restore",
+    "signal",
+    "kill",
+    "archive",
+)
 
 
 def main():

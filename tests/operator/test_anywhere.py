@@ -1,4 +1,4 @@
-"""`launch --host any` and sweeps on the fake Proxmox bed: two free containers on two hosts, a
+"""`launch --host any`, queued launches and sweeps on the fake Proxmox bed: two free containers on two hosts, a
 stopped one and one on a host that cannot be reached, with the stand-in trainer
 (tests/operator/rundirs.py) in place of a real training: where a run goes is the point here,
 not what it trains."""
@@ -67,8 +67,8 @@ def cli(testbed, bed, tmp_path_factory):
     config = where / "c.yaml"
     config.write_text("seed: 0\n")
 
-    def run(*args: str, timeout: float = 120):
-        return dflashops(*args, inventory=inv, home=home, timeout=timeout)
+    def run(*args: str, timeout: float = 120, env: dict[str, str] | None = None):
+        return dflashops(*args, inventory=inv, home=home, timeout=timeout, env=env)
 
     run.inventory, run.home, run.config = inv, home, str(config)
     return run
@@ -184,5 +184,108 @@ def test_sweep_and_any_refuse_bad_input_in_one_line(cli):
     for args, said in cases.items():
         host = [] if "--host" in args else ["--host", "any"]
         ran = cli("launch", "sw2", *host, "--config", cli.config, *args)
+        assert ran.code == 2 and said in ran.err, (args, ran.err)
+        assert len(ran.err.strip().splitlines()) == 1, ran.err
+
+
+def state_of(cli, run: str) -> dict:
+    ran = cli("--json", "status", run)
+    assert ran.code == 0, ran.err
+    return json.loads(ran.out)
+
+
+def until_state(cli, run: str, state: str, timeout: float = 40) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = state_of(cli, run)
+        if found["state"] == state or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def session_there(ct, run: str) -> bool:
+    return ct.run(["tmux", "-L", "dflashops", "has-session", "-t", f"=dflash-{run}"],
+                  check=False).returncode == 0  # fmt: skip
+
+
+def test_queue_waits_for_a_busy_container_and_starts_the_run_when_it_frees(cli, bed):
+    for run, host in (("qh1", "a"), ("qh2", "b")):
+        assert cli("launch", run, "--host", host, "--config", cli.config).code == 0
+    began = time.monotonic()
+    queued = cli("launch", "qw", "--host", "any", "--queue", "--config", cli.config)
+    assert queued.code == 0, queued.err
+    assert time.monotonic() - began < 30  # returns without waiting for a target to free
+    assert "qw: queued on " in queued.out, queued.out
+    found = state_of(cli, "qw")
+    home = found["target"]
+    holder = {"a": "qh1", "b": "qh2"}[home]
+    assert found["state"] == "queued", found
+    assert f"run {holder} (running" in found["note"], found
+    listed = cli("status", "--all")
+    assert "qw" in listed.out and "queued" in listed.out, listed.out
+    # A plain launch cannot jump the queue, nor a second launch of the name.
+    again = cli("launch", "qw", "--host", "any", "--queue", "--config", cli.config)
+    assert again.code == 2 and "run name 'qw' is taken" in again.err, again.err
+    stop(cli, holder)
+    started = until_state(cli, "qw", "running")
+    assert started["state"] == "running" and started["target"] == home, started
+    assert "the target is free: the run starts" in cli("logs", "qw").out
+    stop(cli, "qw", {"a": "qh2", "b": "qh1"}[home])
+
+
+def test_stop_of_a_queued_launch_leaves_nothing_behind(cli, bed):
+    assert cli("launch", "qs-hold", "--host", "a", "--config", cli.config).code == 0
+    ran = cli("launch", "qs", "--host", "a", "--queue", "--secret", "QS_TOKEN",
+              "--config", cli.config, env={"QS_TOKEN": "s3cret"})  # fmt: skip
+    assert ran.code == 0, ran.err
+    secrets = bed["a"].host_path("/workspace/dflashops/secrets")
+    assert [p for p in secrets.iterdir() if p.name.startswith("qs-")], "its secrets wait there"
+    assert session_there(bed["a"], "qs")
+    cancelled = cli("stop", "qs")
+    assert cancelled.code == 0, cancelled.err
+    assert "qs: queued launch cancelled; nothing of it is left on a" in cancelled.out
+    assert not bed["a"].host_path("/workspace/runs/qs").exists()
+    assert not [p for p in secrets.iterdir() if p.name.startswith("qs-")]
+    assert not session_there(bed["a"], "qs")
+    assert "no run 'qs' on the targets read" in cli("status", "qs").err
+    # Its holder ends: nothing starts in its place.
+    stop(cli, "qs-hold")
+    time.sleep(3)
+    assert not bed["a"].host_path("/workspace/runs/qs").exists()
+
+
+def test_two_queued_launches_and_a_plain_one_race_for_a_freed_container(cli, bed):
+    for run, host in (("qr-a", "a"), ("qr-b", "b")):
+        assert cli("launch", run, "--host", host, "--config", cli.config).code == 0
+    for run in ("qr1", "qr2"):
+        ran = cli("launch", run, "--host", "a", "--queue", "--config", cli.config)
+        assert ran.code == 0, ran.err
+    second = state_of(cli, "qr2")
+    assert second["state"] == "queued" and "qr1" in second["note"], second
+    stop(cli, "qr-a")
+    plain = start("launch", "qr-x", "--host", "any", "--config", cli.config,
+                  inventory=cli.inventory, home=cli.home)  # fmt: skip
+    code, _, err = finished(plain)
+    assert code == 2, err
+    assert "passed over a: busy: " in err and "qr1" in err, err
+    first = until_state(cli, "qr1", "running")
+    assert first["state"] == "running" and first["target"] == "a", first
+    waiting = until_state(cli, "qr2", "queued")
+    assert waiting["state"] == "queued" and "run qr1 (running) holds it" in waiting["note"], waiting
+    assert not bed["a"].host_path("/workspace/runs/qr-x").exists()
+    # Queued launches start in the order they were made.
+    stop(cli, "qr1")
+    assert until_state(cli, "qr2", "running")["state"] == "running"
+    stop(cli, "qr2", "qr-b")
+
+
+def test_queue_refuses_what_it_cannot_wait_for_in_one_line(cli):
+    cases = {
+        ("--host", "a,b", "--queue"): "--queue waits for one target: --host a,b names 2",
+        ("--host", "a", "--queue", "--force"): "--queue waits for a free target, --force",
+        ("--host", "a", "--queue", "--eval-on", "e", "--eval-every", "5"): "--queue: --eval-on",
+    }
+    for args, said in cases.items():
+        ran = cli("launch", "qbad", "--config", cli.config, *args)
         assert ran.code == 2 and said in ran.err, (args, ran.err)
         assert len(ran.err.strip().splitlines()) == 1, ran.err

@@ -45,27 +45,31 @@ def of_role(inventory: Inventory, role: str) -> list[Target]:
 
 
 def holders(probe: Probe) -> list[RunView]:
-    """The runs of ours that hold a target: claiming, starting or running there."""
-    return [v for v in group(probe.runs) if v.running and v.state != "archived"]
+    """The runs of ours that hold a target: claiming, starting or running there, or queued for
+    it (`launch --queue`: a queued launch goes first), the running ones first."""
+    held = [v for v in group(probe.runs) if v.running or v.state == "queued"]
+    return sorted(held, key=lambda v: not v.running)
 
 
 def busy_reason(probe: Probe) -> str | None:
     """Why a target's GPUs (its CPU, without GPUs) are not free, None when they are."""
     held = holders(probe)
     apps = (probe.gpus or {}).get("apps") or []
-    if held:
+    queued = [v.name for v in held if v.state == "queued"]
+    waiting = f"{len(queued)} launch(es) queued for it ({', '.join(queued)})" if queued else ""
+    if held and held[0].running:
         v = held[0]
         step = f", step {v.step}" if v.step is not None else ""
         on_gpus = bool((probe.gpus or {}).get("gpus"))
         uses = "holds its GPUs" if on_gpus else "runs on its CPU (no GPUs there)"
-        return f"run {v.name} ({v.state}{step}) {uses}"
+        return f"run {v.name} ({v.state}{step}) {uses}" + (f"; {waiting}" if waiting else "")
     if apps:
         shown = ", ".join(
             f"pid {a.get('pid')} {a.get('name')} on GPU {a.get('gpu')} ({a.get('used_mib')} MiB)"
             for a in apps[:4]
         )
-        return f"nvidia-smi shows its GPUs in use: {shown}"
-    return None
+        return f"nvidia-smi shows its GPUs in use: {shown}" + (f"; {waiting}" if waiting else "")
+    return waiting or None
 
 
 def unread_reason(error: OpsError) -> str:

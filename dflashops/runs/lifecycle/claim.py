@@ -198,6 +198,8 @@ def settle_targets(reader: Session, placement: Placement, mine: tuple[float, str
         ):
             v = (settled or rivals)[0]
             why = f"taken by run {v.name} ({v.state}), launched at the same time"
+            if v.state == "queued":
+                why = f"run {v.name} is queued for it"
             raise PassedOver(f"{v.target} is busy: {why}", why)
         time.sleep(0.5)
 

@@ -29,6 +29,7 @@ from dflashops.render import Stopwatch, duration
 from dflashops.runs.lifecycle.claim import claim, lease_kept, secrets_home, take_back
 from dflashops.runs.lifecycle.control import control
 from dflashops.runs.lifecycle.placement import LOOPBACK, Node, Placement
+from dflashops.runs.lifecycle.queue import WAITER, waiter_files
 from dflashops.runs.lifecycle.snapshot import Code, ensure_code
 from dflashops.runs.reading.failure import trainer_failure, trainer_lines
 from dflashops.runs.reading.survey import refresh, reread
@@ -125,11 +126,12 @@ def node_files(placement: Placement, doc: dict[str, Any], files: dict[str, str])
     }
 
 
-def start(machine: Machine, run: str, rundir: str) -> None:
-    """The launcher in a new detached session of our tmux server (it survives the SSH
-    connection and never sees the user's tmux server or its environment)."""
+def start(machine: Machine, run: str, rundir: str, program: str = LAUNCHER) -> None:
+    """The launcher (or a queued run's waiter) in a new detached session of our tmux server
+    (it survives the SSH connection and never sees the user's tmux server or its
+    environment)."""
     session = tmux_session(run)
-    launcher = posixpath.join(rundir, LAUNCHER)
+    launcher = posixpath.join(rundir, program)
     argv = [*TMUX, "new-session", "-d", "-s", session, "-c", rundir, "python3", launcher, rundir]
     result = machine.run(argv)
     if machine.dry_run:
@@ -200,23 +202,37 @@ def start_job(
     values: dict[str, str],
     *,
     check: Callable[[], None] | None = None,
+    queued: str | None = None,
 ) -> Started:
     """A new job: its name claimed on every node, then there its code, secrets and `files`,
-    then `check` (e.g. the memory plan), then the launcher on every node. A failure on the way
+    then `check` (e.g. the memory plan), then the launcher on every node, or, `queued` (why
+    its one target is busy), its waiter (runs/lifecycle/queue.py). A failure on the way
     takes back what was made. Under --dry-run nothing is claimed, the rest only printed."""
     holder = None if writer.dry_run else claim(reader, writer, placement)
     made = Started(placement)
+    files = {**files, **waiter_files()} if queued else files
     try:
         with lease_kept(writer, placement, holder) if holder else contextlib.nullcontext():
             prepare(writer, placement, code, have_code, files, values, made)
             if check is not None and not writer.dry_run:
                 check()
-        start_all(writer, placement)
+        if queued:
+            wait_there(writer, placement, queued)
+        else:
+            start_all(writer, placement)
     except BaseException:
         if not writer.dry_run:
             take_back(writer, placement, placement.nodes, made.secrets)
         raise
     return made
+
+
+def wait_there(writer: Session, placement: Placement, why: str) -> None:
+    """The claimed, prepared run at status queued, its waiter started in its session."""
+    node = placement.nodes[0]
+    machine = writer.machine(node.target)
+    control(machine, "queue", placement.dir(node), run_id=placement.run_id, waits_for=why)
+    start(machine, placement.run, placement.dir(node), program=WAITER)
 
 
 def start_all(writer: Session, placement: Placement) -> None:

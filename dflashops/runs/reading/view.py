@@ -99,7 +99,7 @@ class RunView:
     target: str
     where: str  # its kind's home ("runs", "evals", ...) or "archive"
     dir: str
-    state: str  # starting | running | finished | stopped | failed | archived | abandoned | unknown
+    state: str  # queued | starting | running | finished | stopped | failed | archived | abandoned | unknown
     now: float  # the target's clock when it was read
     raw: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
@@ -175,6 +175,11 @@ class RunView:
     @property
     def running(self) -> bool:
         return self.state in ("starting", "running")
+
+    @property
+    def queued(self) -> bool:
+        """A launch queued for its target (`launch --queue`), waiting or with its waiter gone."""
+        return self.status.get("status") == "queued"
 
     @property
     def started(self) -> float | None:
@@ -299,6 +304,8 @@ def derive_state(raw: dict[str, Any], now: float) -> tuple[str, str | None]:
     if code is None:
         code = raw.get("exit_file")
     alive = node_alive(raw)
+    if status == "queued":
+        return queued_state(st, alive)
     cut = None if alive else abandoned(raw, now)
     if cut:
         return ("failed" if (st.get("hold") or {}).get("verb") == "resume" else "abandoned"), cut
@@ -326,6 +333,17 @@ def derive_state(raw: dict[str, Any], now: float) -> tuple[str, str | None]:
             return "failed", "exit code 0, but the trainer never said it finished"
         return "failed", "the trainer is gone without recording an exit code"
     return "unknown", "no state.json"
+
+
+def queued_state(st: dict[str, Any], alive: bool) -> tuple[str, str | None]:
+    """A launch queued for its target (`launch --queue`): waiting while its waiter lives."""
+    if not alive:
+        return (
+            "failed",
+            "queued, but its waiter is gone (the container restarted?): `stop` removes it",
+        )
+    waits = (st.get("queue") or {}).get("waits_for")
+    return "queued", f"waits: {waits}" if waits else "waits for its target to free"
 
 
 def group(views: list[RunView]) -> list[RunView]:

@@ -25,6 +25,7 @@ from dflashops.runs.lifecycle.choose import (
 )
 from dflashops.runs.lifecycle.claim import sweep_abandoned, take_back, taken_error, warn_unread
 from dflashops.runs.lifecycle.placement import Node, Placement, place
+from dflashops.runs.lifecycle.queue import queue_order
 from dflashops.runs.lifecycle.rehearse import local_plan
 from dflashops.runs.lifecycle.snapshot import Code, local_code
 from dflashops.runs.lifecycle.start import NotRead, Started, start_job, wait_for_life
@@ -59,19 +60,22 @@ def launch(
     role: str | None = None,
     verbose: bool = False,
     state: dict[str, Any] | None = None,
+    queue: bool = False,
 ) -> Launched:
     """Start run `run` on `targets` with run.yaml `config_text` and secrets `values`; with
-    `role` (`--host any:ROLE`), on the first of `targets` that is free and fits."""
+    `role` (`--host any:ROLE`), on the first of `targets` that is free and fits; with `queue`,
+    where none is, queued for one of them (runs/lifecycle/queue.py)."""
     code = local_code()
     text = f"{config_text.rstrip()}\n# workload snapshot {code.digest}\n"
     if role is None:
-        seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc)
+        seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc,
+                         queue=queue)  # fmt: skip
         made = begin(reader, writer, seen, text, code, values, force=force,
                      target_config=target_config, state=state)  # fmt: skip
     else:
         seen, made = begin_anywhere(reader, writer, run, targets, text, code, values, role=role,
                                     nproc=nproc, verbose=verbose, state=state,
-                                    skip=skip)  # fmt: skip
+                                    skip=skip, queue=queue)  # fmt: skip
     return finish(reader, writer, seen, made, wait=wait)
 
 
@@ -90,7 +94,7 @@ def begin(
     """Claimed, prepared, the plan checked and the launcher started (or, under --dry-run,
     only said); what follows the launcher's start is `finish`'s."""
     placement = seen.placement
-    placement.exclusive = not force
+    placement.exclusive = not force and seen.queued is None
     placement.state.update(state or {})
     if not writer.dry_run:
         sweep_abandoned(writer, seen.abandoned)
@@ -100,6 +104,7 @@ def begin(
     return start_job(
         reader, writer, placement, code, seen.have_code, {layout.RUN_CONFIG: text}, values,
         check=lambda: seen.planned.extend(check_plan(writer, placement, seen, code, force=force)),
+        queued=seen.queued,
     )  # fmt: skip
 
 
@@ -111,6 +116,9 @@ def finish(
     if writer.dry_run:
         context.note("dry run: nothing was changed")
         return Launched(placement, None)
+    if seen.queued is not None:
+        view = reread(reader.machine(placement.nodes[0].target), placement.run, records="none")
+        return Launched(placement, view)
     try:
         view = wait_for_life(reader, placement, timeout=wait)
     except NotRead:  # not its failure: it may run
@@ -137,9 +145,11 @@ def begin_anywhere(
     verbose: bool,
     state: dict[str, Any] | None = None,
     skip: frozenset[str] | set[str] = frozenset(),
+    queue: bool = False,
 ) -> tuple[Preflight, Started]:
-    """`begin` on the first of `targets` (those of `role`) that is free and fits; each one
-    passed over is said with its reason (all of them when none is left, or with -v)."""
+    """`begin` on the first of `targets` (those of `role`) that is free and fits, else, with
+    `queue`, queued for a busy one (`queue_order`); each one passed over is said with its
+    reason (all of them when none is left, or with -v)."""
     answers = read_targets(reader, run, targets, code)
     probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
     unread = {n: e for n, e in answers.items() if isinstance(e, OpsError)}
@@ -163,6 +173,20 @@ def begin_anywhere(
         else:
             choice.say(run, target, verbose=verbose)
         return seen, made
+    if queue and not writer.dry_run:
+        for target in queue_order(choice, targets, probes):
+            seen = decide(run, [target], probes, cut, nproc=nproc)
+            seen.queued = choice.passed[target.name].removeprefix("busy: ")
+            try:
+                made = begin(reader, writer, seen, text, code, values, force=False, state=state)
+            except PassedOver as exc:
+                choice.pass_over(target.name, exc.why)
+                continue
+            except UnreachableError as exc:
+                choice.pass_over(target.name, unread_reason(exc))
+                continue
+            choice.say(run, None, verbose=verbose)
+            return seen, made
     choice.say(run, None, verbose=True)
     raise choice.nothing_free(run)
 
@@ -180,6 +204,7 @@ class Preflight:
         self.probes = probes
         self.abandoned = abandoned  # launches of this name cut short: swept before the claim
         self.planned: list[dict[str, Any]] = []  # the memory plan, once checked
+        self.queued: str | None = None  # why its target is busy, when it waits there (--queue)
 
     def have_code(self, target: Target, code: Code) -> bool:
         return self.probes[target.name].paths.get(code.path(target)) == "dir"
@@ -208,7 +233,7 @@ def read_targets(
     def read(target: Target) -> Probe:
         request: dict[str, Any] = {"names": [run], "archive": True, "records": "none"}
         if target.name in chosen:
-            request.update(names=None, gpus=True, paths=[code.path(target)])
+            request.update(names=None, gpus=True, paths=[code.path(target)], records="recent")
             if port_on is not None and target.name == port_on.name:
                 request["free_port"] = target.node_address
         return probe(reader.machine(target), **request)
@@ -233,9 +258,10 @@ def preflight(
     skip: set[str],
     force: bool,
     nproc: int | None,
+    queue: bool = False,
 ) -> Preflight:
     """Every target read once (`read_targets`): the name free everywhere, the chosen targets
-    read whole and not busy."""
+    read whole and not busy (with `queue`, one busy target is waited for)."""
     chosen = {t.name for t in targets}
     ordered = order_nodes(targets)
     port_on = ordered[0] if len(targets) > 1 else None
@@ -247,9 +273,14 @@ def preflight(
     warn_unread(run, unread)
     probes = {n: a for n, a in answers.items() if isinstance(a, Probe)}
     cut = name_free(run, probes)
+    busy = None
     for target in targets:
-        check_free(target, probes[target.name], force=force)
+        if queue and not force:
+            busy = busy_reason(probes[target.name])
+        if busy is None:
+            check_free(target, probes[target.name], force=force)
     seen = decide(run, targets, probes, cut, nproc=nproc)
+    seen.queued = busy
     if [t.name for t in ordered] != [t.name for t in targets]:
         context.note(
             f"{run}: rank 0 (the log and checkpoints) runs on {ordered[0].name}: torchrun's "

@@ -15,6 +15,7 @@ from typing import Any
 from dflashops import context, metrics
 from dflashops.errors import ExitCode, NotFoundError, OpsError
 from dflashops.render import console, duration, metric
+from dflashops.runs.lifecycle.queue import said
 from dflashops.runs.reading.survey import refresh
 from dflashops.runs.reading.view import TERMINAL, RunView, tmux_session, value_at
 from dflashops.runs.watching.status_tables import history_table, runs_table, vs_table
@@ -205,6 +206,9 @@ def report(view: RunView, emit: Callable[[Any], None] | None = None) -> None:
     """The started run in one line (its summary to `emit`, under --json)."""
     if emit is not None:
         emit(view.summary())
+        return
+    if view.state == "queued":
+        context.say(said(view))
         return
     step = f", step {view.step}/{view.total_steps}" if view.step is not None else ""
     where = ", ".join(view.node_targets)

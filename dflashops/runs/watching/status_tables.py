@@ -13,6 +13,7 @@ from dflashops.tables import Col, Grid
 COLOURS = {
     "running": "green",
     "starting": "cyan",
+    "queued": "cyan",
     "finished": "blue",
     "stopped": "yellow",
     "failed": "red",
