@@ -1,4 +1,8 @@
-"""`evals [RUN] [--json]`: the stored evaluation results, wherever they are.
+"""`evals [RUN|SWEEP] [--json]`: the stored evaluation results, wherever they are.
+
+A sweep's name (`launch NAME --sweep ...`) stands for its runs: their results, with a SWEPT
+column (each run's swept KEY=VALUE, as its state.json records them) and, in --json, "sweep":
+{"name", "keys", "runs": [{"run", "values"}]}.
 
 Every target's <ws>/evals/RUN/step_N.json (written by `eval`), one row each, grouped by prompt
 set (the prompts' sha256 in the result's fingerprint, and their name): run, step, target,
@@ -31,8 +35,10 @@ from dflashops.runs.evaluation.results import (
     speedups,
     stored,
 )
-from dflashops.runs.reading.survey import not_found, survey
+from dflashops.runs.lifecycle import sweep
+from dflashops.runs.reading.survey import expand, not_found
 from dflashops.runs.reading.view import check_name
+from dflashops.ssh.session import Session
 from dflashops.tables import Col
 
 
@@ -41,7 +47,9 @@ def register(app: typer.Typer) -> None:
     @context.command
     def evals(
         ctx: typer.Context,
-        run: str = typer.Argument(None, metavar="[RUN]", help="Only this run's results."),
+        run: str = typer.Argument(
+            None, metavar="[RUN|SWEEP]", help="Only this run's results, or a sweep's runs'."
+        ),
         json_out: bool = _options.JSON_OPTION,
     ) -> None:
         """List stored eval results: tau, DDTree tau per budget, the reference's, the date."""
@@ -49,18 +57,41 @@ def register(app: typer.Typer) -> None:
         if run is not None:
             check_name(run)
         found = stored(opts.session(), [run] if run else None)
+        swept = None
         if run is not None and not opts.dry_run and not found.results + found.jobs + found.follows:
-            there = survey(opts.session(), names=[run], archive=True, records="none")
-            if not there.where(run):  # no such run: the one wording (a run with none: below)
-                raise not_found(there, [run])
+            swept = sweep_members(opts.session(), run)  # a run with none: below
+            if swept is not None:
+                found = stored(opts.session(), list(swept))
         found.warn_errors()
         if opts.dry_run:
             opts.dry_run_done(run=run)
             return
         found.results = grouped(with_serves(found.results, found.serves))
         doc = {"evals": found.results, "jobs": found.jobs, "follows": found.follows}
-        opts.answer(doc, lambda: show(found, run))
+        if swept is not None:
+            doc["sweep"] = sweep_doc(run, swept)
+        opts.answer(doc, lambda: show(found, run, swept))
         raise typer.Exit(found.exit_code())
+
+
+def sweep_members(session: Session, name: str) -> dict[str, dict[str, Any]] | None:
+    """Where `name` is no run but a sweep's: its runs, each with its state.json; None where it is a run; neither: the one not-found error (exit 4; 3 when a target was not
+    read)."""
+    there, names = expand(session, [name], archive=True, records="none")
+    if names != [name]:
+        return {v.name: v.status for v in there.runs() if v.name in names}
+    if not there.where(name):
+        raise not_found(there, [name], noun="run or sweep")
+    return None
+
+
+def sweep_doc(name: str, swept: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """--json's "sweep": its name, its keys (in the sweep's order) and each run's values."""
+    return {
+        "name": name,
+        "keys": sweep.swept_keys(list(swept.values())),
+        "runs": [{"run": r, "values": values(s)} for r, s in sorted(swept.items())],
+    }
 
 
 def date(seconds: float | None) -> str:
@@ -101,12 +132,15 @@ def grouped(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def show(found: Stored, run: str | None) -> None:
+def show(found: Stored, run: str | None, swept: dict[str, dict[str, Any]] | None = None) -> None:
     out = console()
+    if swept is not None:
+        out.print(sweep_line(run or "", swept, found))
     if not found.results:
-        out.print(f"no stored eval results{f' of {run}' if run else ''}")
+        whose = f" of sweep {run}'s runs" if swept is not None else f" of {run}" if run else ""
+        out.print(f"no stored eval results{whose}")
     else:
-        show_grid(found)
+        show_grid(found, swept)
     for job in newest_jobs(found.jobs):
         steps = ",".join(str(s) for s in job.get("steps") or [])
         what = f"eval job {job['job']} of {job['run']} (steps {steps}) on {job['target']}"
@@ -133,8 +167,28 @@ def show_follows(follows: list[dict[str, Any]]) -> None:
     console().print(grid)
 
 
-def show_grid(found: Stored) -> None:
-    """A table per prompt set, each headed by the set's name, sha256 and size."""
+def sweep_line(name: str, swept: dict[str, dict[str, Any]], found: Stored) -> str:
+    """'sweep lrs (optim.lr): 2 runs; not evaluated: lrs-lr1e-3'."""
+    keys = ", ".join(sweep.swept_keys(list(swept.values())))
+    done = {r["run"] for r in found.results}
+    left = [r for r in sorted(swept) if r not in done]
+    return (f"sweep {name} ({keys}): {len(swept)} run(s)"
+            + (f"; not evaluated: {', '.join(left)}" if left else ""))  # fmt: skip
+
+
+def values(state: dict[str, Any] | None) -> dict[str, Any]:
+    """A run's swept values, from its state.json ({}: a run of no sweep)."""
+    return sweep.record(state or {}).get("values") or {}
+
+
+def swept_cell(state: dict[str, Any] | None) -> str:
+    """A run's swept values, 'optim.lr=3e-4 seed=1' ("-": a run of no sweep)."""
+    return " ".join(f"{k}={v}" for k, v in values(state).items()) or "-"
+
+
+def show_grid(found: Stored, swept: dict[str, dict[str, Any]] | None = None) -> None:
+    """A table per prompt set, each headed by the set's name, sha256 and size; a SWEPT column
+    (each run's swept values) for a sweep's runs."""
     out = console()
     budgets = found.budgets()
     checked = any("check_real" in r for r in found.results)
@@ -144,7 +198,8 @@ def show_grid(found: Stored) -> None:
         groups.setdefault(r["prompt_group"]["label"], []).append(r)
     for label, rows in groups.items():
         grid = table(
-            Col("RUN", keep=True), Col("STEP", keep=True), Col("TARGET", keep=True), "PROMPTS",
+            Col("RUN", keep=True), *([Col("SWEPT", priority=1)] if swept is not None else []),
+            Col("STEP", keep=True), Col("TARGET", keep=True), "PROMPTS",
             Col("TAU", keep=True), *(Col(f"DDTREE {b}", priority=1) for b in budgets),
             Col("REF TAU", priority=2), *([Col("REAL ROUNDS", priority=1)] if checked else []),
             *([Col("SERVE SPEEDUP", keep=True)] if served else []),
@@ -153,7 +208,8 @@ def show_grid(found: Stored) -> None:
         )  # fmt: skip
         for r in rows:
             ref = r.get("reference") or {}
-            cells = [r["run"], str(r["step"]), r["target"], metric(r.get("n_prompts")),
+            cells = [r["run"], *([swept_cell(swept.get(r["run"]))] if swept is not None else []),
+                     str(r["step"]), r["target"], metric(r.get("n_prompts")),
                      metric(r.get("tau"), "streak")]  # fmt: skip
             cells += [metric((r.get("ddtree") or {}).get(b), "streak") for b in budgets]
             cells += [gap(r.get("tau"), ref.get("tau"))]

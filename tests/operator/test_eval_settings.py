@@ -118,6 +118,43 @@ def test_compare_tau_computes_no_gap_across_unlike_settings(unlike, tmp_path):
     assert marks["new: settings differ (prompts, template_kwargs, ?)"] == [20, 30, 40]
 
 
+def test_evals_of_a_sweeps_name_shows_its_runs_with_their_swept_values(unlike):
+    ws, cli = unlike
+    for lr in ("3e-4", "1e-3", "1e-2"):  # as `launch lrs --sweep optim.lr=3e-4,1e-3,1e-2` makes
+        run = make_run(ws, f"lrs-lr{lr}")
+        state = json.loads((run / "state.json").read_text())
+        state["sweep"] = {"name": "lrs", "keys": ["optim.lr"], "values": {"optim.lr": lr}}
+        (run / "state.json").write_text(json.dumps(state))
+    make_run(ws, "lrs-lr5e-4")  # its name, but no record of the sweep: not one of its runs
+    for run, tau in (("lrs-lr3e-4", 2.1), ("lrs-lr1e-3", 2.7), ("lrs-lr5e-4", 9.9)):
+        write_result(ws, run, 30, tau)
+
+    ran = cli("--json", "evals", "lrs")
+    assert ran.code == 0, ran.err
+    doc = json.loads(ran.out)
+    assert set(doc) == set(json.loads(cli("--json", "evals").out)) | {"sweep"}
+    assert [(r["run"], r["step"], r["tau"]) for r in doc["evals"]] == [
+        ("lrs-lr1e-3", 30, 2.7), ("lrs-lr3e-4", 30, 2.1)
+    ]  # fmt: skip
+    assert doc["sweep"] == {"name": "lrs", "keys": ["optim.lr"], "runs": [
+        {"run": f"lrs-lr{lr}", "values": {"optim.lr": lr}} for lr in ("1e-2", "1e-3", "3e-4")
+    ]}  # fmt: skip
+
+    text = cli("evals", "lrs").out
+    assert text.splitlines()[0] == "sweep lrs (optim.lr): 3 run(s); not evaluated: lrs-lr1e-2"
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("lrs")}
+    assert set(rows) == {"lrs-lr1e-3", "lrs-lr3e-4"}
+    assert rows["lrs-lr1e-3"][1:3] == ["optim.lr=1e-3", "30"]
+
+    one = cli("--json", "evals", "lrs-lr3e-4")  # a run's name is still that run
+    assert [r["run"] for r in json.loads(one.out)["evals"]] == ["lrs-lr3e-4"]
+    assert "sweep" not in json.loads(one.out)
+    missing = cli("evals", "lrz")
+    assert missing.code == 4 and missing.out == ""
+    (line,) = missing.err.strip().splitlines()
+    assert line.startswith("dflashops: error: no run or sweep 'lrz' on the targets read"), line
+
+
 def test_eval_with_vllm_where_the_target_has_none_is_one_line(unlike):
     ws, cli = unlike
     ran = cli("eval", "base", "--step", "10", "--on", "local", "--engine", "vllm")

@@ -1,8 +1,8 @@
 """Sweeps (`launch NAME --sweep KEY=A,B [--sweep KEY2=...]`): one run per combination of the
 swept values, named NAME-<key><value>... from the last part of each key and its value (e.g.
 `--sweep optim.lr=3e-4,1e-3` -> NAME-lr3e-4, NAME-lr1e-3), each recording the sweep in its
-state.json ("sweep": its name, keys and values) so that `status`, `compare` and `diff` find
-a sweep's runs by its name."""
+state.json ("sweep": its name, keys and values) so that `status`, `compare`, `diff` and `evals`
+find a sweep's runs by its name."""
 
 from __future__ import annotations
 
@@ -84,11 +84,16 @@ def run_name(name: str, values: dict[str, str]) -> str:
         ) from None
 
 
+def record(state: dict[str, Any]) -> dict[str, Any]:
+    """The sweep a run's state.json records ({} for a run of no sweep)."""
+    return state.get(STATE_KEY) or {}
+
+
 def swept_keys(runs_state: list[dict[str, Any]]) -> list[str]:
     """The swept keys of the runs' state.json (in the sweep's order), for `diff`."""
     keys: list[str] = []
     for state in runs_state:
-        for key in (state.get(STATE_KEY) or {}).get("keys") or []:
+        for key in record(state).get("keys") or []:
             if key not in keys:
                 keys.append(key)
     return keys

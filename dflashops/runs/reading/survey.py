@@ -119,15 +119,16 @@ def pick(
 LISTED_RUNS = 12
 
 
-def not_found(found: Survey, missing: list[str]) -> OpsError:
+def not_found(found: Survey, missing: list[str], noun: str = "run") -> OpsError:
     """The one error for runs that are not there, naming the runs that are: exit 4, or exit 3
-    when a target could not be read (the run may live there)."""
+    when a target could not be read (the run may live there); `noun`: what was looked for
+    ("run or sweep" where a sweep's name would do)."""
     known = found.all_names()
     quoted = ", ".join(repr(n) for n in missing)
     hint = did_you_mean(missing[0], known) if len(missing) == 1 else ""
     shown = ", ".join(known[:LISTED_RUNS]) + (" ..." if len(known) > LISTED_RUNS else "")
     listed = f" (runs: {shown})" if known else " (no runs there)"
-    message = f"no run {quoted} on the targets read{hint}{listed}"
+    message = f"no {noun} {quoted} on the targets read{hint}{listed}"
     if found.errors:
         unread = ", ".join(f"{t} ({e.message})" for t, e in found.errors.items())
         return UnreachableError(f"{message}; not read: {unread}")
@@ -167,8 +168,7 @@ def resolve(
 
 def sweep_runs(found: Survey, name: str) -> list[str]:
     """The runs of sweep `name` (their state.json's "sweep"), by name."""
-    return sorted({v.name for v in found.runs()
-                   if (v.status.get(sweep.STATE_KEY) or {}).get("name") == name})  # fmt: skip
+    return sorted({v.name for v in found.runs() if sweep.record(v.status).get("name") == name})
 
 
 def expand(session: Session, names: list[str], **request: Any) -> tuple[Survey, list[str]]:
