@@ -212,10 +212,11 @@ def test_queue_waits_for_a_busy_container_and_starts_the_run_when_it_frees(cli, 
     for run, host in (("qh1", "a"), ("qh2", "b")):
         assert cli("launch", run, "--host", host, "--config", cli.config).code == 0
     began = time.monotonic()
-    queued = cli("launch", "qw", "--host", "any", "--queue", "--config", cli.config)
+    queued = cli("-v", "launch", "qw", "--host", "any", "--queue", "--config", cli.config)
     assert queued.code == 0, queued.err
     assert time.monotonic() - began < 30  # returns without waiting for a target to free
     assert "qw: queued on " in queued.out, queued.out
+    assert "passed over c: stopped" in queued.err and "passed over g: unreachable" in queued.err
     found = state_of(cli, "qw")
     home = found["target"]
     holder = {"a": "qh1", "b": "qh2"}[home]
@@ -289,3 +290,20 @@ def test_queue_refuses_what_it_cannot_wait_for_in_one_line(cli):
         ran = cli("launch", "qbad", "--config", cli.config, *args)
         assert ran.code == 2 and said in ran.err, (args, ran.err)
         assert len(ran.err.strip().splitlines()) == 1, ran.err
+
+
+def test_a_queued_sweep_spreads_over_the_busy_containers(cli, bed):
+    for run, host in (("qsw-a", "a"), ("qsw-b", "b")):
+        assert cli("launch", run, "--host", host, "--config", cli.config).code == 0
+    ran = cli("launch", "qsw", "--host", "any", "--queue", "--config", cli.config,
+              "--sweep", "seed=5,6")  # fmt: skip
+    assert ran.code == 0, ran.err
+    runs = {run: state_of(cli, run) for run in ("qsw-seed5", "qsw-seed6")}
+    assert {r["state"] for r in runs.values()} == {"queued"}, runs
+    assert {r["target"] for r in runs.values()} == {"a", "b"}, runs  # the fewest queued first
+    listed = cli("--json", "status", "qsw")
+    assert sorted(r["run"] for r in json.loads(listed.out)["runs"]) == ["qsw-seed5", "qsw-seed6"]
+    stop(cli, "qsw-seed5", "qsw-seed6", "qsw-a", "qsw-b")
+    for ct in ("a", "b"):
+        assert not [p for p in bed[ct].host_path("/workspace/runs").iterdir()
+                    if p.name.startswith("qsw-seed")]  # fmt: skip
