@@ -48,6 +48,9 @@ def register(app: typer.Typer) -> None:
             view = find(reader, run, host=host, records="none", checkpoints=True)
             if view.where == "archive":
                 raise UsageError(f"{run} is already archived ({view.target}:{view.dir})")
+            if view.queued:
+                raise UsageError(f"{run} is a launch queued on {view.target} that never started; "
+                                 f"`dflashops stop {run}` cancels it")  # fmt: skip
             if running(view):
                 raise UsageError(
                     f"{run} is {view.state} on {view.target}; stop it first (dflashops stop {run})"

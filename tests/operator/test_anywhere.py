@@ -242,6 +242,9 @@ def test_stop_of_a_queued_launch_leaves_nothing_behind(cli, bed):
     secrets = bed["a"].host_path("/workspace/dflashops/secrets")
     assert [p for p in secrets.iterdir() if p.name.startswith("qs-")], "its secrets wait there"
     assert session_there(bed["a"], "qs")
+    for verb in ("resume", "archive"):  # neither takes a launch that never started
+        refused = cli(verb, "qs")
+        assert refused.code == 2 and "qs is a launch queued on a" in refused.err, refused.err
     cancelled = cli("stop", "qs")
     assert cancelled.code == 0, cancelled.err
     assert "qs: queued launch cancelled; nothing of it is left on a" in cancelled.out
