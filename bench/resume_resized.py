@@ -7,7 +7,9 @@ The real trainer under torchrun (gloo, CPU) on the tiny target (a `python -m wor
 --out DIR` build, else a random one made here), ZeRO-1, 2 rows a rank: the straight run on 2
 ranks; 2 ranks stopped at step --at and resumed on 1 (grad_accum 1 -> 2); 1 rank at grad_accum
 2 stopped there and resumed on 2 (2 -> 1); and, for scale, the straight run on 1 rank at
-grad_accum 2 (the same batches, other random draws: what the resumed runs can differ by).
+grad_accum 2 (the same batches, other random draws: what the resumed runs can differ by); and
+2 ranks stopped there, the run directory copied elsewhere (what `resume --host OTHER` lands after
+its verified copy; the original removed) and resumed there on 1 rank.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,7 +67,12 @@ def main() -> None:
         train(cfg, out / "2-to-1", 1, sets, "--resume")
         train(cfg, out / "1-to-2", 1, accum2, "--stop-after", str(a.at))
         train(cfg, out / "1-to-2", 2, accum2, "--resume")
-        runs = {name: log(out / name) for name in ("straight", "straight-1x2", "2-to-1", "1-to-2")}
+        train(cfg, out / "stopped", 2, sets, "--stop-after", str(a.at))
+        shutil.copytree(out / "stopped", out / "moved-2-to-1")  # what `resume --host` lands
+        shutil.rmtree(out / "stopped")
+        train(cfg, out / "moved-2-to-1", 1, sets, "--resume")
+        names = ("straight", "straight-1x2", "2-to-1", "1-to-2", "moved-2-to-1")
+        runs = {name: log(out / name) for name in names}
     base = {r["step"]: r for r in runs["straight"]}
     print(
         f"{'run':<14}{'largest |dloss|/loss after step ' + str(a.at):>38}{'rows seen = straight':>22}"

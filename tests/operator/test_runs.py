@@ -343,8 +343,8 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     assert not bed["evalbox"].host_path("/workspace/runs/r-move").exists()
     spoilt.write_bytes(kept)
 
-    began = time.time()
-    moved = cli("resume", "r-move", "--host", "evalbox")
+    began = time.time()  # moved and at another size in one command: 1 process -> 2 there
+    moved = cli("resume", "r-move", "--host", "evalbox", "--nproc", "2")
     assert moved.code == 0, moved.err
     said = re.search(r"moved to evalbox in ([0-9.]+) s \(([^)]*)\)", moved.err)
     assert said and "kept from an earlier try" in said.group(2), moved.err  # resumed, not resent
@@ -360,13 +360,15 @@ def test_resume_onto_another_container_moves_the_run_and_it_finishes_there(cli, 
     done = status(cli, "r-move")  # found by name, no --host
     assert (done["target"], done["step"]) == ("evalbox", 40)
     assert [(h["targets"], h["nproc"], h["from_step"]) for h in done["history"]] == [
-        (["train"], [1], 0), (["evalbox"], [1], at)]  # fmt: skip
+        (["train"], [1], 0), (["evalbox"], [2], at)]  # fmt: skip
     shown = cli("status", "r-move")
-    assert f"lived:       train x1 from step 0; evalbox x1 from step {at}" in shown.out, shown.out
+    assert f"lived:       train x1 from step 0; evalbox x2 from step {at}" in shown.out, shown.out
     steps = [json.loads(x)["step"] for x in (new / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 41))  # the train_log came along, rewound to step_{at}, then on
     first = next(json.loads(x) for x in (new / "train_log.jsonl").read_text().splitlines()
                  if json.loads(x)["step"] == at + 1)  # fmt: skip
+    assert (first.get("resumed_at"), first.get("from_world_size"), first.get("world_size")) == (
+        at, 1, 2)  # fmt: skip
     print(
         f"move: copy and start {said.group(1)} s ({said.group(2)}); first step there "
         f"{first['time'] - began:.1f} s after `resume --host`"
