@@ -81,7 +81,7 @@ def sweep_members(session: Session, name: str) -> dict[str, dict[str, Any]] | No
     if names != [name]:
         return {v.name: v.status for v in there.runs() if v.name in names}
     if not there.where(name):
-        raise not_found(there, [name], noun="run or sweep")
+        raise not_found(there, [name])
     return None
 
 

@@ -152,7 +152,7 @@ def test_evals_of_a_sweeps_name_shows_its_runs_with_their_swept_values(unlike):
     missing = cli("evals", "lrz")
     assert missing.code == 4 and missing.out == ""
     (line,) = missing.err.strip().splitlines()
-    assert line.startswith("dflashops: error: no run or sweep 'lrz' on the targets read"), line
+    assert line.startswith("dflashops: error: no run 'lrz' on the targets read"), line
 
 
 def test_eval_with_vllm_where_the_target_has_none_is_one_line(unlike):

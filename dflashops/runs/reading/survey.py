@@ -119,16 +119,16 @@ def pick(
 LISTED_RUNS = 12
 
 
-def not_found(found: Survey, missing: list[str], noun: str = "run") -> OpsError:
+def not_found(found: Survey, missing: list[str]) -> OpsError:
     """The one error for runs that are not there, naming the runs that are: exit 4, or exit 3
-    when a target could not be read (the run may live there); `noun`: what was looked for
-    ("run or sweep" where a sweep's name would do)."""
+    when a target could not be read (the run may live there). The same words for every verb,
+    those that take a sweep's name too."""
     known = found.all_names()
     quoted = ", ".join(repr(n) for n in missing)
     hint = did_you_mean(missing[0], known) if len(missing) == 1 else ""
     shown = ", ".join(known[:LISTED_RUNS]) + (" ..." if len(known) > LISTED_RUNS else "")
     listed = f" (runs: {shown})" if known else " (no runs there)"
-    message = f"no {noun} {quoted} on the targets read{hint}{listed}"
+    message = f"no run {quoted} on the targets read{hint}{listed}"
     if found.errors:
         unread = ", ".join(f"{t} ({e.message})" for t, e in found.errors.items())
         return UnreachableError(f"{message}; not read: {unread}")
