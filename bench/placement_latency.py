@@ -9,9 +9,10 @@ not what it trains). Three cases, alternated, each repeat with new run names:
 2. `launch R --host any`, a busy with another run and b free (so it passes a over): the same;
 3. a and b busy, `launch R --host any --queue` (timed to its return), then `stop` of the run
    holding the target R queued on: from that stop's return to R's first line (the waiter
-   reads its target every 2 s, so up to 2 s of it is the poll). `stop` returns once it has
-   read the holder stopped, after the holder's end: the waiter may have started R by then, so
-   this can be below 0. Also shown: from the stop's start, and from the holder's end (the
+   reads its target every 2 s, so up to 2 s of it is the poll; the stop comes after a random
+   pause of 0-2 s, so that it falls anywhere in the poll's period, as a user's would). `stop`
+   returns once it has read the holder stopped, after the holder's end: the waiter may have
+   started R by then, so this can be below 0. Also shown: from the stop's start, and from the holder's end (the
    `finished` time its trainer wrote in state.json) to R's first line, the queue's own part.
 
 The first line's time is the `time` the trainer wrote in it (the containers share this
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from tests.testbed import TestBedError
 
 STAND_IN = "/root/stand-in"
 VMIDS = {"a": ("pve1", 981), "b": ("pve2", 982)}
+POLL_S = 2.0  # the queue's waiter reads its target this often (remote/queuewait.py)
 FIRST_LINE_S = 120  # the most a run may take to log its first step
 CASES = {
     "any": "2 launch --host any (a busy) -> first step",
@@ -51,6 +54,7 @@ class Bench:
     def __init__(self, tb, inventory: Path, config: Path, env: dict[str, str]) -> None:
         self.cts = {name: tb[host][vmid] for name, (host, vmid) in VMIDS.items()}
         self.inventory, self.config, self.env = inventory, str(config), env
+        self.pause = random.Random(0)
 
     def cli(self, *args: str) -> tuple[float, str]:
         """Run `dflashops ARGS`; (wall-clock time at its return, its stdout)."""
@@ -121,6 +125,7 @@ class Bench:
         returned = self.launch(run, "any", "--queue")
         waits_on = self.where(run)
         holder = holders[waits_on]
+        time.sleep(self.pause.uniform(0, POLL_S))  # any phase of the waiter's poll
         stopping = time.time()
         stopped, _ = self.cli("stop", holder)
         first, where = self.first_step(run)
