@@ -8,12 +8,12 @@ not what it trains). Three cases, alternated, each repeat with new run names:
 1. `launch R --host a`: from the command's start to R's first train_log.jsonl line;
 2. `launch R --host any`, a busy with another run and b free (so it passes a over): the same;
 3. a and b busy, `launch R --host any --queue` (timed to its return), then `stop` of the run
-   holding the target R queued on: from that stop's return to R's first line (the waiter
-   reads its target every 2 s, so up to 2 s of it is the poll; the stop comes after a random
-   pause of 0-2 s, so that it falls anywhere in the poll's period, as a user's would). `stop`
-   returns once it has read the holder stopped, after the holder's end: the waiter may have
-   started R by then, so this can be below 0. Also shown: from the stop's start, and from the holder's end (the
-   `finished` time its trainer wrote in state.json) to R's first line, the queue's own part.
+   holding the target R queued on: from the holder's end (the `finished` time its trainer
+   wrote in state.json) to R's first line, the queue's own part (the waiter reads its target
+   every 2 s, so up to 2 s of it is the poll; the stop comes after a random pause of 0-2 s, so
+   that it falls anywhere in the poll's period, as a user's would). Also shown: from the stop's
+   start, and from its return (`stop` returns once it has read the holder stopped: the waiter
+   may have started R by then, so that one can be below 0).
 
 The first line's time is the `time` the trainer wrote in it (the containers share this
 machine's clock), read from the run directory through the bed (host_path), not by `status`.
@@ -45,7 +45,7 @@ POLL_S = 2.0  # the queue's waiter reads its target this often (remote/queuewait
 FIRST_LINE_S = 120  # the most a run may take to log its first step
 CASES = {
     "any": "2 launch --host any (a busy) -> first step",
-    "queue": "3 holder's stop returned -> queued first step",
+    "queue": "3 holder's end -> queued first step",
 }
 Times = tuple[float, str, dict[str, float]]  # to the first step, where it ran, other times
 
@@ -135,9 +135,9 @@ class Bench:
         ended = json.loads(state.read_text())["finished"]
         self.done_with(run, holders["b" if waits_on == "a" else "a"])
         self.cli("archive", holder)
-        return first - stopped, where, {"returned": returned - began,
-                                        "from stop's start": first - stopping,
-                                        "from holder's end": first - ended}  # fmt: skip
+        return first - ended, where, {"returned": returned - began,
+                                      "from stop's start": first - stopping,
+                                      "from stop's return": first - stopped}  # fmt: skip
 
 
 def make_bed(stack: ExitStack):
@@ -158,7 +158,7 @@ def row(label: str, values: list[float]) -> str:
 
 EXTRA = (  # (case, key of its other times, label)
     ("queue", "from stop's start", "  3 from the holder's stop started"),
-    ("queue", "from holder's end", "  3 from the holder's end (its state.json)"),
+    ("queue", "from stop's return", "  3 from the holder's stop returned (may be < 0)"),
     ("named", "returned", "  1 launch --host a returned"),
     ("any", "returned", "  2 launch --host any returned"),
     ("queue", "returned", "  3 launch --host any --queue returned"),
