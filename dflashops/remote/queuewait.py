@@ -18,13 +18,14 @@ removes it); a hangup or Ctrl-C in the pane does not.
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from dflashops.remote.gpu_query import NVIDIA_APPS, nvidia_smi
 from dflashops.remote.layout import CONSOLE_LOG, NODE_FILE, STATE_FILE
-from dflashops.remote.shared import proc_start, read_json, same_process, write_json
+from dflashops.remote.shared import machine_id, proc_start, read_json, same_process, write_json
 
 POLL_S = float(os.environ.get("DFLASHOPS_QUEUE_POLL_S") or 2.0)
 HELD = ("claiming", "launching")  # a launch at work: its lease says until when
@@ -83,7 +84,9 @@ def what_holds(run_dir, mine):
         if status not in (*HELD, *LIVE, "queued") or not alive(other, state, live_sessions, now):
             continue
         if status != "queued":
-            holder = holder or f"run {name} ({'starting' if status in HELD else status}) holds it"
+            started = os.path.exists(os.path.join(other, NODE_FILE))  # its launcher ran
+            shown = status if status in LIVE else ("running" if started else "starting")
+            holder = holder or f"run {name} ({shown}) holds it"
         elif queue_key(state) < mine:
             before.append((queue_key(state), name))
     ahead = [name for _, name in sorted(before)]
@@ -155,8 +158,17 @@ def main():
         why = what_holds(run_dir, mine)
         if why is None:
 
-            def begin(state):
-                state.pop("hold", None)
+            def begin(state):  # held by this process, which becomes the launcher (one pid)
+                hold = state.get("hold") or {}
+                lease = float(hold.get("lease_s") or 300)
+                state["hold"] = {
+                    **hold,
+                    "verb": "queue",
+                    "host": socket.gethostname(),
+                    "machine": machine_id(),
+                    **me,
+                    "until": time.time() + lease,
+                }
                 state["status"] = "launching"
                 state["queue"] = {**state.get("queue", {}), "started": time.time()}
 

@@ -14,8 +14,8 @@ operator saw: a run changed meanwhile by another command is refused, never torn.
 - renew: the hold's lease begins again ("until" = now + its "lease_s"), only while state.json
   still has stdin's hold "token" and is claiming or launching: a long start keeps its claim.
 - commit: the claim holds (status "launching") if state.json still has stdin's "run_id".
-- queue: the claim waits (status "queued", "queue": {"at", "nonce"}: the claim's, the queue's
-  order), if state.json still has stdin's "run_id" and no launcher started; remote/queuewait.py, in the
+- queue: the claim waits (status "queued", "queue": {"at": now on this target's clock,
+  "nonce": the claim's}: the queue's order), if state.json still has stdin's "run_id" and no launcher started; remote/queuewait.py, in the
   run's tmux session, starts the launcher when the target frees.
 - dequeue: a queued run cancelled, if state.json has stdin's "run_id" and is still queued: its
   waiter killed (pid and start, and its tmux session), its secrets file (launch.json's) and
@@ -312,7 +312,7 @@ def queue(run_dir, req):
                          f"{state.get('status')})")  # fmt: skip
     claimed = state.get("claim") or {}
     state["status"] = "queued"
-    state["queue"] = {"at": claimed.get("t", time.time()), "nonce": claimed.get("nonce", ""),
+    state["queue"] = {"at": time.time(), "nonce": claimed.get("nonce", ""),
                       "since": time.time(), "waits_for": req.get("waits_for")}  # fmt: skip
     save_state(run_dir, state)
     return {"state": state}

@@ -58,6 +58,16 @@ def job_alive(session, job_dir, state_file=None):
                for pid, start in named)  # fmt: skip
 
 
+def machine_id():
+    """This machine (its boot) and pid namespace: where a pid means this process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
 def read_json(path):
     """A JSON object from `path`, {} when it is missing, unreadable or not an object."""
     try:

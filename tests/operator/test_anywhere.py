@@ -310,3 +310,22 @@ def test_a_queued_sweep_spreads_over_the_busy_containers(cli, bed):
     for ct in ("a", "b"):
         assert not [p for p in bed[ct].host_path("/workspace/runs").iterdir()
                     if p.name.startswith("qsw-seed")]  # fmt: skip
+
+
+def test_named_queued_launches_at_once_and_a_resume_keep_to_the_queue(cli, bed):
+    # Two `--host a --queue` at once onto a free a: one takes it, the other queues behind it.
+    procs = {run: start("launch", run, "--host", "a", "--queue", "--config", cli.config,
+                        inventory=cli.inventory, home=cli.home) for run in ("qn1", "qn2")}  # fmt: skip
+    done = {run: finished(proc) for run, proc in procs.items()}
+    assert all(code == 0 for code, _, _ in done.values()), done
+    states = {run: until_state(cli, run, "running", timeout=10)["state"] for run in done}
+    assert sorted(states.values()) == ["queued", "running"], states
+    ran = next(run for run, state in states.items() if state == "running")
+    waits = next(run for run in states if run != ran)
+    # Stopped, then resumed at once: the queued launch went first, so the resume is refused.
+    stop(cli, ran)
+    again = cli("resume", ran)
+    assert again.code == 2, again.err
+    assert f"a is busy: run {waits} " in again.err, again.err
+    assert until_state(cli, waits, "running")["target"] == "a"
+    stop(cli, waits)

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from dflashops import context
 from dflashops.errors import OpsError, UsageError
 from dflashops.inventory import ROLES, Inventory, Target
-from dflashops.runs.reading.probe import Probe
+from dflashops.runs.reading.probe import Probe, probe
 from dflashops.runs.reading.view import RunView, group
+from dflashops.ssh.session import Session
 
 ANY = "any"
 STOPPED = "is stopped"  # pct's refusal of a stopped container (targets/pct.py)
@@ -70,6 +71,24 @@ def busy_reason(probe: Probe) -> str | None:
         )
         return f"nvidia-smi shows its GPUs in use: {shown}" + (f"; {waiting}" if waiting else "")
     return waiting or None
+
+
+def refuse_held(reader: Session, run: str, targets: list[Target]) -> None:
+    """A resume or move of `run` onto targets another run of ours holds (running, starting,
+    or queued for them: a queued launch goes first) is refused; a process nvidia-smi shows
+    there is warned of (it may be the user's own, on other GPUs)."""
+    for target in targets:
+        found = probe(reader.machine(target), names=None, gpus=True, records="none")
+        others = [v for v in holders(found) if v.name != run]
+        if others:
+            v = others[0]
+            what = "is queued for it" if v.state == "queued" else f"is {v.state} there"
+            raise UsageError(f"{target.name} is busy: run {v.name} {what}; resume {run} when it "
+                             f"is free, or elsewhere: --host OTHER")  # fmt: skip
+        apps = (found.gpus or {}).get("apps") or []
+        if apps:
+            shown = ", ".join(f"pid {a.get('pid')} {a.get('name')}" for a in apps[:4])
+            context.note(f"warning: {target.name}: nvidia-smi shows its GPUs in use: {shown}")
 
 
 def unread_reason(error: OpsError) -> str:

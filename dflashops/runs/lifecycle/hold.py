@@ -13,7 +13,7 @@ import secrets as random_tokens
 import socket
 from typing import Any
 
-from dflashops.remote.shared import proc_start
+from dflashops.remote.shared import machine_id, proc_start
 
 LEASE_S = 300.0  # a launch's claim, snapshot and files take seconds; a lease covers minutes
 LEASE_ENV = "DFLASHOPS_LEASE_S"  # another lease (seconds), e.g. a test's; renewed at a third of it
@@ -27,16 +27,6 @@ def lease_s() -> float:
 
 
 HELD = ("claiming", "launching")
-
-
-def machine_id() -> str:
-    """This machine (its boot) and pid namespace: where a pid means this process."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
 
 
 def mine(verb: str) -> dict[str, Any]:

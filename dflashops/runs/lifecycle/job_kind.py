@@ -114,9 +114,9 @@ class JobKind:
         if view.state == "abandoned":
             raise UsageError(f"{view.name} never started ({view.note}); launch it again")
         if view.queued:
+            when = "it starts when the target frees" if view.state == "queued" else view.note
             raise UsageError(f"{view.name} is a launch queued on {view.target} that never "
-                             f"started: it starts when the target frees; `dflashops stop "
-                             f"{view.name}` cancels it")  # fmt: skip
+                             f"started ({when}); `dflashops stop {view.name}` cancels it")  # fmt: skip
         if view.running or any(v.running for v in view.nodes):
             raise UsageError(f"{view.name} is {view.state} on {view.target}; nothing to resume")
         if view.multi and len(view.nodes) < len(view.node_targets):

@@ -39,6 +39,7 @@ from dflashops.remote import layout
 from dflashops.render import Stopwatch, human_bytes, progress
 from dflashops.runs.evaluation.pulls import check_placed, find_checkpoint, partial_dir, send
 from dflashops.runs.lifecycle import kinds
+from dflashops.runs.lifecycle.choose import refuse_held
 from dflashops.runs.lifecycle.claim import claim, lease_kept, secrets_home, take_back
 from dflashops.runs.lifecycle.control import control
 from dflashops.runs.lifecycle.placement import Placement
@@ -115,6 +116,8 @@ def move(
         raise UsageError(f"{view.name} has no complete checkpoint to move; launch it again")
     ckpt = find_checkpoint(view, max(steps))
     placement = placement_of(reader, view, nproc, targets)
+    if not writer.dry_run:
+        refuse_held(reader, view.name, targets)
     said = f"{view.name}: moving from {', '.join(view.node_targets)} to {placement.describe()}"
     context.note(f"{said}, from step_{ckpt.step} ({human_bytes(ckpt.bytes)})")
     if writer.dry_run:

@@ -18,6 +18,7 @@ from dflashops.remote import layout
 from dflashops.runs.evaluation.continuous import revive_server
 from dflashops.runs.evaluation.continuous_kind import FOLLOW
 from dflashops.runs.lifecycle import hold, kinds
+from dflashops.runs.lifecycle.choose import refuse_held
 from dflashops.runs.lifecycle.claim import secrets_home
 from dflashops.runs.lifecycle.control import control
 from dflashops.runs.lifecycle.placement import Node, Placement, new_run_id
@@ -50,6 +51,8 @@ def resume(
     if kind.name in BEFORE:
         BEFORE[kind.name](reader, writer, view)
     placement = placement_of(reader, view, nproc)
+    if kind.name == "run" and not writer.dry_run:
+        refuse_held(reader, view.name, [n.target for n in placement.nodes])
     code = local_code()
     code_dirs = {} if update_code else recorded_code(view)
     have = {n.target.name: n.target.name in code_dirs for n in placement.nodes}

@@ -183,6 +183,8 @@ class RunView:
 
     @property
     def started(self) -> float | None:
+        if self.queued:
+            return None  # claimed, never started
         return self.status.get("started") or self.status.get("launched")
 
     @property

@@ -70,8 +70,14 @@ def launch(
     if role is None:
         seen = preflight(reader, run, targets, code, skip=skip, force=force, nproc=nproc,
                          queue=queue)  # fmt: skip
-        made = begin(reader, writer, seen, text, code, values, force=force,
-                     target_config=target_config, state=state)  # fmt: skip
+        try:
+            made = begin(reader, writer, seen, text, code, values, force=force,
+                         target_config=target_config, state=state)  # fmt: skip
+        except PassedOver as exc:  # another launch took the free target at the same moment
+            if not queue or seen.queued is not None or exc.why.startswith("plan needs"):
+                raise
+            seen.abandoned, seen.queued = [], exc.why
+            made = begin(reader, writer, seen, text, code, values, force=force, state=state)
     else:
         seen, made = begin_anywhere(reader, writer, run, targets, text, code, values, role=role,
                                     nproc=nproc, verbose=verbose, state=state,
@@ -118,6 +124,10 @@ def finish(
         return Launched(placement, None)
     if seen.queued is not None:
         view = reread(reader.machine(placement.nodes[0].target), placement.run, records="none")
+        if view.state in ("failed", "unknown"):
+            raise OpsError(f"{placement.run}: queued, but its waiter did not stay ({view.note}); "
+                           f"`dflashops logs {placement.run}` shows why, `dflashops stop "
+                           f"{placement.run}` removes it")  # fmt: skip
         return Launched(placement, view)
     try:
         view = wait_for_life(reader, placement, timeout=wait)
@@ -159,6 +169,7 @@ def begin_anywhere(
     choice = sort_out(role, targets, answers)
     for target in choice.free:
         seen = decide(run, [target], probes, cut, nproc=nproc)
+        cut = []  # swept by the first try
         try:
             made = begin(reader, writer, seen, text, code, values, force=False, state=state)
         except PassedOver as exc:
@@ -176,6 +187,7 @@ def begin_anywhere(
     if queue and not writer.dry_run:
         for target in queue_order(choice, targets, probes):
             seen = decide(run, [target], probes, cut, nproc=nproc)
+            cut = []
             seen.queued = choice.passed[target.name].removeprefix("busy: ")
             try:
                 made = begin(reader, writer, seen, text, code, values, force=False, state=state)
