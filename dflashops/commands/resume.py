@@ -46,6 +46,12 @@ def register(app: typer.Typer) -> None:
             "the global batch by scaling optim.grad_accum where a whole number does.",
         ),
         secrets: list[str] = _options.SECRETS_OPTION,
+        force: bool = typer.Option(
+            False,
+            "--force",
+            help="Resume even where another run of ours runs, or a launch is queued, on its "
+            "targets.",
+        ),
         follow: bool = _options.FOLLOW_OPTION,
         wait: float = _options.WAIT_OPTION,
         json_out: bool = _options.JSON_OPTION,
@@ -61,10 +67,10 @@ def register(app: typer.Typer) -> None:
                           files=[layout.LAUNCH_FILE])  # fmt: skip
             if targets and moves(view, targets):
                 started = move(reader, writer, view, targets, values, nproc=nproc,
-                                update_code=update_code, wait=wait)  # fmt: skip
+                                update_code=update_code, wait=wait, force=force)  # fmt: skip
             else:
                 started = start_again(reader, writer, view, values, update_code=update_code,
-                                      wait=wait, nproc=nproc)  # fmt: skip
+                                      wait=wait, nproc=nproc, force=force)  # fmt: skip
             if started is None:
                 opts.dry_run_done(run=run, target=view.target, dir=view.dir, to=hosts or None,
                                   from_step=max(view.complete_steps()))  # fmt: skip

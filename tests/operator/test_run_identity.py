@@ -142,12 +142,14 @@ def test_a_run_executes_its_own_snapshot_and_a_later_launch_never_changes_it(
     assert json.loads(cli("--json", "status", "snap1").out)["state"] == "running"
     # resumed, it keeps the code it ran, though the workload has changed since
     assert cli("stop", "snap1").code == 0
-    resumed = cli("resume", "snap1")
+    held = cli("resume", "snap1")  # snap2 runs there (launched with --force): refused ...
+    assert held.code == 2 and "one is busy: run snap2 is running there" in held.err, held.err
+    resumed = cli("resume", "snap1", "--force")  # ... unless forced too
     assert resumed.code == 0, resumed.err
     assert trainer_env(run1)["PYTHONPATH"] == str(code1)
     assert snapshot_of(run1) == digest1 and tree_hashes(code1) == before
     assert cli("stop", "snap1").code == 0
-    updated = cli("resume", "snap1", "--update-code")  # unless asked to take the workload now
+    updated = cli("resume", "snap1", "--update-code", "--force")  # unless asked to take it now
     assert updated.code == 0, updated.err
     assert trainer_env(run1)["PYTHONPATH"] == str(code2)
     assert json.loads((run1 / "launch.json").read_text())["code"] == str(code2)

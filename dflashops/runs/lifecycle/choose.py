@@ -73,18 +73,22 @@ def busy_reason(probe: Probe) -> str | None:
     return waiting or None
 
 
-def refuse_held(reader: Session, run: str, targets: list[Target]) -> None:
+def refuse_held(reader: Session, run: str, targets: list[Target], *, force: bool) -> None:
     """A resume or move of `run` onto targets another run of ours holds (running, starting,
-    or queued for them: a queued launch goes first) is refused; a process nvidia-smi shows
-    there is warned of (it may be the user's own, on other GPUs)."""
+    or queued for them: a queued launch goes first) is refused, unless `force` (then warned
+    of); a process nvidia-smi shows there is warned of (it may be the user's own)."""
     for target in targets:
         found = probe(reader.machine(target), names=None, gpus=True, records="none")
         others = [v for v in holders(found) if v.name != run]
         if others:
             v = others[0]
             what = "is queued for it" if v.state == "queued" else f"is {v.state} there"
+            if force:
+                context.note(f"warning: {target.name}: run {v.name} {what} (--force: resuming "
+                             "anyway)")  # fmt: skip
+                continue
             raise UsageError(f"{target.name} is busy: run {v.name} {what}; resume {run} when it "
-                             f"is free, or elsewhere: --host OTHER")  # fmt: skip
+                             f"is free, or elsewhere (--host OTHER), or pass --force")  # fmt: skip
         apps = (found.gpus or {}).get("apps") or []
         if apps:
             shown = ", ".join(f"pid {a.get('pid')} {a.get('name')}" for a in apps[:4])

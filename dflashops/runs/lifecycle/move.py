@@ -98,6 +98,7 @@ def move(
     nproc: int | None,
     update_code: bool,
     wait: float,
+    force: bool = False,
 ) -> RunView | None:
     """Continue `view` (read with its checkpoints, launch.json and run.yaml) on `targets` from
     its newest complete checkpoint; None under --dry-run."""
@@ -117,7 +118,7 @@ def move(
     ckpt = find_checkpoint(view, max(steps))
     placement = placement_of(reader, view, nproc, targets)
     if not writer.dry_run:
-        refuse_held(reader, view.name, targets)
+        refuse_held(reader, view.name, targets, force=force)
     said = f"{view.name}: moving from {', '.join(view.node_targets)} to {placement.describe()}"
     context.note(f"{said}, from step_{ckpt.step} ({human_bytes(ckpt.bytes)})")
     if writer.dry_run:

@@ -42,6 +42,7 @@ def resume(
     update_code: bool,
     wait: float,
     nproc: int | None = None,
+    force: bool = False,
 ) -> RunView | None:
     """Start `view` (read with its checkpoints and launch.json) again, with `nproc` processes
     on each node where given (the trainer reshards: workload/train/regrid.py); None under
@@ -52,7 +53,7 @@ def resume(
         BEFORE[kind.name](reader, writer, view)
     placement = placement_of(reader, view, nproc)
     if kind.name == "run" and not writer.dry_run:
-        refuse_held(reader, view.name, [n.target for n in placement.nodes])
+        refuse_held(reader, view.name, [n.target for n in placement.nodes], force=force)
     code = local_code()
     code_dirs = {} if update_code else recorded_code(view)
     have = {n.target.name: n.target.name in code_dirs for n in placement.nodes}
