@@ -24,6 +24,7 @@ RESOLVED_CONFIG = "resolved.yaml"  # the trainer's: every key, defaults filled i
 AUDIT_FILE = "audit.json"  # the trainer's recipe audit
 PLAN_FILE = "plan.json"  # the trainer's memory and step-time plan, the link it measured
 LAUNCH_FILE = "launch.json"  # what the launcher runs, written at every start
+RUN_LOCK = ".lock"  # a run dir's lock: every change to it (remote/runctl.py, the queue's waiter)
 NODE_FILE = "node.json"  # the launcher's and the torchrun agent's processes (pid, start)
 EXIT_CODE_FILE = "exit_code"  # the job's exit code, written by its launcher as it ends
 COMPILE_CACHE = "dflashops/compile-cache"  # <ws>/...: torch's compile caches, every run's

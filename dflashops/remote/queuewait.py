@@ -15,7 +15,6 @@ time it changes. SIGTERM ends the wait (the run stays queued, with no one waitin
 removes it); a hangup or Ctrl-C in the pane does not.
 """
 
-import fcntl
 import os
 import signal
 import socket
@@ -24,8 +23,15 @@ import sys
 import time
 
 from dflashops.remote.gpu_query import NVIDIA_APPS, nvidia_smi
-from dflashops.remote.layout import CONSOLE_LOG, NODE_FILE, STATE_FILE
-from dflashops.remote.shared import machine_id, proc_start, read_json, same_process, write_json
+from dflashops.remote.layout import CONSOLE_LOG, NODE_FILE, RUN_LOCK, STATE_FILE
+from dflashops.remote.shared import (
+    flock_now,
+    machine_id,
+    proc_start,
+    read_json,
+    same_process,
+    write_json,
+)
 
 POLL_S = float(os.environ.get("DFLASHOPS_QUEUE_POLL_S") or 2.0)
 HELD = ("claiming", "launching")  # a launch at work: its lease says until when
@@ -100,22 +106,11 @@ def what_holds(run_dir, mine):
     return None
 
 
-def locked(run_dir):
-    """The run's lock (remote/runctl.py's), or None while another command holds it."""
-    fd = os.open(os.path.join(run_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def update(run_dir, change):
     """Apply `change` to state.json under the run's lock while it is still queued; False when
     it is not queued any more (started, or removed by `stop`), None when the lock was busy."""
     try:
-        fd = locked(run_dir)
+        fd = flock_now(os.open(os.path.join(run_dir, RUN_LOCK), os.O_RDWR | os.O_CREAT, 0o600))
     except FileNotFoundError:
         return False
     if fd is None:

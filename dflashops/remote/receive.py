@@ -62,6 +62,7 @@ import zlib
 
 from dflashops.remote.describe import describe
 from dflashops.remote.layout import MANIFEST
+from dflashops.remote.shared import flock_now
 
 BLOCK = 512
 CHUNK = 1 << 20
@@ -713,13 +714,7 @@ def activity(path):
 
 def try_lock(path):
     """An fd holding an exclusive flock on directory `path`, or None when someone holds it."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return flock_now(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
 
 
 def sweep_partials(root, keep):

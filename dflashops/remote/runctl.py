@@ -70,11 +70,11 @@ from dflashops.remote.layout import (
     LAUNCH_FILE,
     MANIFEST,
     NODE_FILE,
+    RUN_LOCK,
     STATE_FILE,
 )
 from dflashops.remote.shared import read_json, same_process, write_json
 
-LOCK = ".lock"
 KILL_WAIT_S = 20  # for a job's killed engines to be gone, within the caller's deadline
 
 
@@ -91,7 +91,7 @@ def run_lock(run_dir):
     """The run's lock for one change, held until it is done; refused when another command
     holds it, or when RUN_DIR is gone (moved by an archive, removed by a take-back)."""
     try:
-        fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(run_dir, RUN_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
     except FileNotFoundError:
         raise ValueError(f"{run_dir} is not there (moved or removed meanwhile)") from None
     try:
@@ -100,7 +100,7 @@ def run_lock(run_dir):
         except BlockingIOError:
             raise ValueError(f"{run_dir} is busy: another dflashops command is changing it; "
                              "try again when it is done") from None  # fmt: skip
-        if not same_file(os.path.join(run_dir, LOCK), fd):
+        if not same_file(os.path.join(run_dir, RUN_LOCK), fd):
             raise ValueError(f"{run_dir} is not there (moved or removed meanwhile)")
         yield  # what the action raises is its own (a full disk, EIO, EACCES), never "not there"
     finally:

@@ -4,6 +4,7 @@ Processes are recognised by pid and start time (field 22 of /proc/PID/stat, cloc
 boot), never by a name: after a container restart another process can have the pid.
 """
 
+import fcntl
 import json
 import os
 import subprocess
@@ -66,6 +67,16 @@ def machine_id():
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
+
+
+def flock_now(fd):
+    """`fd`, holding an exclusive flock taken at once; None (`fd` closed) while another holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def read_json(path):

@@ -20,11 +20,13 @@ STOPPED = "is stopped"  # pct's refusal of a stopped container (targets/pct.py)
 
 
 class PassedOver(UsageError):
-    """A target the launch could not take: `why` says it in a few words."""
+    """A target the launch could not take: `why` says it in a few words; `busy`: another run
+    holds it (a queued launch may wait for it), not that it cannot take the run at all."""
 
-    def __init__(self, message: str, why: str) -> None:
+    def __init__(self, message: str, why: str, *, busy: bool = False) -> None:
         super().__init__(message)
         self.why = why
+        self.busy = busy
 
 
 def wanted_role(host: str) -> str | None:
@@ -107,9 +109,13 @@ class Choice:
     role: str
     free: list[Target] = field(default_factory=list)
     passed: dict[str, str] = field(default_factory=dict)
+    busy: dict[str, str] = field(default_factory=dict)  # of those passed: held, and by what
 
-    def pass_over(self, target: str, why: str) -> None:
+    def pass_over(self, target: str, why: str, *, held_by: str | None = None) -> None:
         self.passed[target] = why
+        self.busy.pop(target, None)
+        if held_by is not None:
+            self.busy[target] = held_by
 
     def say(self, run: str, chosen: Target | None, *, verbose: bool) -> None:
         if chosen is not None:
@@ -138,5 +144,5 @@ def sort_out(role: str, targets: list[Target], answers: dict[str, Probe | OpsErr
         if why is None:
             choice.free.append(target)
         else:
-            choice.pass_over(target.name, f"busy: {why}")
+            choice.pass_over(target.name, f"busy: {why}", held_by=why)
     return choice

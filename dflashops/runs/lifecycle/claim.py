@@ -200,7 +200,7 @@ def settle_targets(reader: Session, placement: Placement, mine: tuple[float, str
             why = f"taken by run {v.name} ({v.state}), launched at the same time"
             if v.state == "queued":
                 why = f"run {v.name} is queued for it"
-            raise PassedOver(f"{v.target} is busy: {why}", why)
+            raise PassedOver(f"{v.target} is busy: {why}", why, busy=True)
         time.sleep(0.5)
 
 

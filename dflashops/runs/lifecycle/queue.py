@@ -24,7 +24,6 @@ from dflashops.runs.reading.view import RunView
 from dflashops.ssh.session import Session
 
 WAITER = "queuewait.py"  # RUN_DIR/queuewait.py: the queued run's program until it starts
-QUEUEABLE = "busy"  # a target passed over as busy (not stopped, unreachable or too small)
 DEQUEUE_TRIES = 5  # runctl's lock is never waited for: the waiter holds it for a moment
 
 
@@ -43,13 +42,8 @@ def queue_order(choice: Choice, targets: list[Target], probes: dict[str, Probe])
         unknown = any(v.running and v.eta is None for v in held) or not held
         return waiting, math.inf if unknown else max(etas, default=0.0), order[target.name]
 
-    candidates = [t for t in targets if t.name in probes and is_queueable(choice, t.name)]
+    candidates = [t for t in targets if t.name in probes and t.name in choice.busy]
     return sorted(candidates, key=key)
-
-
-def is_queueable(choice: Choice, name: str) -> bool:
-    why = choice.passed.get(name, "")
-    return why.startswith(QUEUEABLE) or why.startswith("taken by") or "queued for it" in why
 
 
 def said(view: RunView) -> str:

@@ -74,7 +74,7 @@ def launch(
             made = begin(reader, writer, seen, text, code, values, force=force,
                          target_config=target_config, state=state)  # fmt: skip
         except PassedOver as exc:  # another launch took the free target at the same moment
-            if not queue or seen.queued is not None or exc.why.startswith("plan needs"):
+            if not queue or seen.queued is not None or not exc.busy:
                 raise
             seen.abandoned, seen.queued = [], exc.why
             made = begin(reader, writer, seen, text, code, values, force=force, state=state)
@@ -167,38 +167,33 @@ def begin_anywhere(
     warn_unread(run, {n: e for n, e in unread.items() if n not in quiet})
     cut = name_free(run, probes)
     choice = sort_out(role, targets, answers)
-    for target in choice.free:
+
+    def attempt(target: Target, queued: str | None) -> tuple[Preflight, Started] | None:
+        nonlocal cut
         seen = decide(run, [target], probes, cut, nproc=nproc)
         cut = []  # swept by the first try
+        seen.queued = queued
         try:
-            made = begin(reader, writer, seen, text, code, values, force=False, state=state)
+            return seen, begin(reader, writer, seen, text, code, values, force=False, state=state)
         except PassedOver as exc:
-            choice.pass_over(target.name, exc.why)
-            continue
+            choice.pass_over(target.name, exc.why, held_by=exc.why if exc.busy else None)
         except UnreachableError as exc:
             choice.pass_over(target.name, unread_reason(exc))
+        return None
+
+    for target in choice.free:
+        if (done := attempt(target, None)) is None:
             continue
         if writer.dry_run:
             context.note(f"{run}: --host any:{role}: no target is read under --dry-run; "
                          f"rehearsed on the first of the role, {target.name}")  # fmt: skip
         else:
             choice.say(run, target, verbose=verbose)
-        return seen, made
-    if queue and not writer.dry_run:
-        for target in queue_order(choice, targets, probes):
-            seen = decide(run, [target], probes, cut, nproc=nproc)
-            cut = []
-            seen.queued = choice.passed[target.name].removeprefix("busy: ")
-            try:
-                made = begin(reader, writer, seen, text, code, values, force=False, state=state)
-            except PassedOver as exc:
-                choice.pass_over(target.name, exc.why)
-                continue
-            except UnreachableError as exc:
-                choice.pass_over(target.name, unread_reason(exc))
-                continue
+        return done
+    for target in queue_order(choice, targets, probes) if queue and not writer.dry_run else []:
+        if (done := attempt(target, choice.busy[target.name])) is not None:
             choice.say(run, None, verbose=verbose)
-            return seen, made
+            return done
     choice.say(run, None, verbose=True)
     raise choice.nothing_free(run)
 
